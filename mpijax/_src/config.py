@@ -1,0 +1,124 @@
+"""Every ``MPIJAX_*`` environment variable, read in this one module.
+
+Each setting is declared once with its type, default and a one-line doc; the
+README's configuration table is written from the same facts. Values are read
+from the environment when first asked for and can be overridden in code with
+``mpijax.config.update(name, value)`` (before ``mpijax.init()`` for settings
+that ``init`` consumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+
+def _parse_bool(text: str) -> bool:
+  low = text.strip().lower()
+  if low in ("1", "true", "yes", "on"):
+    return True
+  if low in ("0", "false", "no", "off", ""):
+    return False
+  raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _parse_optional_int(text: str) -> int | None:
+  return None if text.strip() == "" else int(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  name: str  # without the MPIJAX_ prefix, lower case
+  parse: Callable[[str], Any]
+  default: Any
+  doc: str
+
+  @property
+  def env_var(self) -> str:
+    return "MPIJAX_" + self.name.upper()
+
+
+_SETTINGS: dict[str, Setting] = {}
+_OVERRIDES: dict[str, Any] = {}
+
+
+def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> Setting:
+  setting = Setting(name, parse, default, doc)
+  _SETTINGS[name] = setting
+  return setting
+
+
+# --- runtime (layer 2) -------------------------------------------------------
+_define("devices_per_process", _parse_optional_int, None,
+        "CPU devices per rank. Unset: keep the user's XLA_FLAGS / "
+        "jax_num_cpu_devices, else 1.")
+_define("jax_distributed", _parse_bool, False,
+        "Also call jax.distributed.initialize with mpijax's coordinator in init().")
+_define("coordinator_port", _parse_optional_int, None,
+        "Port for the coordinator. Unset: rank 0 asks the OS for a free port.")
+_define("coordinator_host", str, "",
+        "Address the coordinator binds and advertises. Unset: rank 0's "
+        "address on the interface that routes to the other ranks.")
+_define("abort_on_exception", _parse_bool, True,
+        "init() installs a hook that aborts the whole job when any rank "
+        "has an uncaught exception.")
+_define("launcher", str, "",
+        "Force a launcher detector by name (openmpi, prrte, slurm, mpich, mpi, single).")
+
+# --- transport and safety (layers 3 and 8) -----------------------------------
+_define("timeout", float, 300.0,
+        "Seconds a collective may wait before the stall inspector reports "
+        "the missing ranks. 0 disables the inspector.")
+_define("stall_action", str, "abort",
+        "What a stall does after reporting: 'abort' the job or only 'warn'.")
+_define("check", _parse_bool, False,
+        "Compare every collective call's signature across ranks (slower); "
+        "by default each compiled program is compared once, on its first run.")
+_define("max_chunk_bytes", int, 1 << 30,
+        "Largest single MPI message; bigger buffers are sent in chunks.")
+_define("hierarchical_min_bytes", int, 64 * 1024,
+        "From this size on, psum over several local devices reduce-scatters "
+        "locally before the MPI step.")
+
+# --- training (layer 6) ------------------------------------------------------
+_define("bucket_bytes", int, 64 << 20,
+        "Default size of a fused gradient all-reduce bucket.")
+
+
+def settings() -> list[Setting]:
+  """All declared settings, in declaration order."""
+  return list(_SETTINGS.values())
+
+
+def get(name: str) -> Any:
+  """The value of setting ``name``: an override, else the environment, else the default."""
+  try:
+    setting = _SETTINGS[name]
+  except KeyError:
+    raise KeyError(f"mpijax has no setting {name!r}; known: {sorted(_SETTINGS)}") from None
+  if name in _OVERRIDES:
+    return _OVERRIDES[name]
+  raw = os.environ.get(setting.env_var)
+  if raw is None:
+    return setting.default
+  try:
+    return setting.parse(raw)
+  except ValueError as e:
+    raise ValueError(
+        f"{setting.env_var}={raw!r} is not valid: {e}. {setting.doc}") from None
+
+
+def update(name: str, value: Any) -> None:
+  """Overrides setting ``name`` for this process (beats the environment)."""
+  if name not in _SETTINGS:
+    raise KeyError(f"mpijax has no setting {name!r}; known: {sorted(_SETTINGS)}")
+  _OVERRIDES[name] = value
+
+
+def reset(name: str | None = None) -> None:
+  """Drops overrides made with :func:`update` (all of them when ``name`` is None)."""
+  if name is None:
+    _OVERRIDES.clear()
+  else:
+    _OVERRIDES.pop(name, None)
