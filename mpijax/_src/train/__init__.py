@@ -1,0 +1,14 @@
+"""Layer 6, training: data-parallel training over MPI ranks.
+
+Public API in :mod:`mpijax.train`. Modules:
+
+* ``_host``: which communicator and rank to use, host-side helpers.
+* ``_codec``: pytree leaves <-> one byte buffer (broadcast, checkpoints).
+* ``broadcast``: parameters and optimizer state from one rank to all.
+* ``gradients``: fused (bucketed) gradient all-reduce as an optax
+  ``GradientTransformation``, and gradient accumulation.
+* ``data``: per-rank batches with equal step counts.
+* ``metrics``: cross-rank means, rank-0 logging and progress.
+* ``checkpoint``: atomic, checksummed checkpoints.
+* ``data_parallel``: the ``DataParallel`` helper for the common loop.
+"""

@@ -1,0 +1,28 @@
+"""Which communicator, rank and rank count the training layer talks to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpijax._src import runtime
+
+
+def get_comm(comm: Any | None, what: str) -> Any:
+  """``comm`` if given, else mpijax's private communicator (needs ``mpijax.init()``)."""
+  if comm is not None:
+    return comm
+  return runtime.get(what).comm
+
+
+def rank_and_size(comm: Any | None = None) -> tuple[int, int]:
+  """This process' rank and the rank count, without requiring ``mpijax.init()``.
+
+  Logging and progress bars must work in a plain single-process script too, so
+  this falls back to (0, 1) when neither a communicator nor the runtime exists.
+  """
+  if comm is not None:
+    return comm.Get_rank(), comm.Get_size()
+  if runtime.is_initialized():
+    rt = runtime.get()
+    return rt.rank, rt.size
+  return 0, 1

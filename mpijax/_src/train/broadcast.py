@@ -1,0 +1,89 @@
+"""``broadcast``: one rank's pytree (parameters, optimizer state, ...) to every rank."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpijax._src import config
+from mpijax._src import mpi_util
+from mpijax._src.train import _codec
+from mpijax._src.train import _host
+
+
+def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec]) -> str:
+  """'' when both leaf lists agree, else a sentence naming the first leaf that differs."""
+  for a, b in zip(mine, theirs):
+    if a.signature() != b.signature():
+      return f"leaf {a.path} is {a.signature()} here but {b.signature()} on the reference"
+  if len(mine) != len(theirs):
+    longer, which = (mine, "here") if len(mine) > len(theirs) else (theirs, "on the reference")
+    extra = longer[min(len(mine), len(theirs))]
+    return (f"the trees have {len(mine)} leaves here and {len(theirs)} on the reference; "
+            f"first extra leaf {which}: {extra.signature()}")
+  return ""
+
+
+def agree_or_raise(comm: Any, problem: str, what: str) -> None:
+  """Every rank raises if any rank found a problem (so no rank is left waiting in MPI)."""
+  problems = mpi_util.allgather_str(comm, problem)
+  bad = [(r, p) for r, p in enumerate(problems) if p]
+  if bad:
+    lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
+    raise ValueError(f"{what}: ranks disagree about the tree structure\n{lines}\n"
+                     "Every rank must pass a tree with the same structure, shapes and dtypes.")
+
+
+def bcast_array(comm: Any, buf: np.ndarray, root: int) -> None:
+  """In-place ``Bcast`` of a uint8 buffer, in chunks no bigger than ``max_chunk_bytes``."""
+  MPI = mpi_util.import_mpi()
+  chunk = max(1, int(config.get("max_chunk_bytes")))
+  for start in range(0, buf.size, chunk):
+    comm.Bcast([buf[start:start + chunk], MPI.BYTE], root=root)
+
+
+def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
+  """Returns ``root``'s ``tree`` on every rank.
+
+  Every rank passes a tree of the same structure, shapes and dtypes (e.g. its
+  own freshly initialized parameters); the values of ``root`` replace them.
+  Leaves keep their dtype (bfloat16, int8, typed PRNG keys ...), shape and kind
+  (``jax.Array``, NumPy array or Python scalar). All leaves travel as one
+  packed byte buffer, so the cost is one ``MPI_Bcast`` plus two tiny messages
+  that check the structures agree. A rank whose tree differs makes every rank
+  raise a ``ValueError`` naming the first differing leaf, instead of hanging.
+
+  Args:
+    tree: any pytree of arrays and scalars.
+    root: the rank whose values win.
+    comm: an mpi4py communicator; default mpijax's (needs ``mpijax.init()``).
+
+  Returns:
+    ``tree`` with root's values.
+
+  Examples:
+    >>> params = mpijax.train.broadcast(init_params(jax.random.key(rank)))  # doctest: +SKIP
+  """
+  comm = _host.get_comm(comm, "mpijax.train.broadcast")
+  size = comm.Get_size()
+  if not 0 <= root < size:
+    raise ValueError(f"broadcast got root={root}, but the communicator has {size} ranks (0..{size - 1})")
+  specs, arrays, treedef = _codec.flatten(tree)
+  is_root = comm.Get_rank() == root
+  root_json = mpi_util.bcast_str(
+      comm, json.dumps([s.to_json() for s in specs]) if is_root else None, root)
+  root_specs = [_codec.LeafSpec.from_json(d) for d in json.loads(root_json)]
+  problem = "" if is_root else first_difference(specs, root_specs)
+  agree_or_raise(comm, problem, f"mpijax.train.broadcast(root={root})")
+  if size == 1:
+    return tree
+  buf = _codec.pack(arrays) if is_root else np.empty(sum(s.nbytes for s in specs), np.uint8)
+  bcast_array(comm, buf, root)
+  if is_root:
+    return tree
+  leaves = jax.tree_util.tree_leaves(tree)
+  new = [_codec.rebuild(a, s, like) for a, s, like in zip(_codec.unpack(buf, specs), specs, leaves)]
+  return jax.tree_util.tree_unflatten(treedef, new)

@@ -1,0 +1,239 @@
+"""Atomic, checksummed checkpoints of replicated training state.
+
+File layout (one file, so that ``os.replace`` makes it appear atomically)::
+
+    b"MPIJAXCK" | u32 format version | u64 header length | header (JSON)
+    | payload (all leaves' bytes, packed) | sha256(everything before it)
+
+The header lists every leaf (path, dtype, shape, kind), the payload size and
+the user's metadata. A file that was truncated, partly overwritten or is not
+a checkpoint fails the size or checksum test and is refused as a whole: a
+checkpoint is either loaded completely or not at all.
+
+Data-parallel state is replicated, so rank 0 writes and every rank reads; the
+file holds nothing rank-specific and restores under any rank count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpijax._src import mpi_util
+from mpijax._src import runtime
+from mpijax._src.train import _codec
+from mpijax._src.train import broadcast as _bcast
+
+MAGIC = b"MPIJAXCK"
+VERSION = 1
+_PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
+_DIGEST = 32
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file is missing, truncated, corrupt or does not fit the target tree."""
+
+
+def _comm_or_none(comm: Any | None) -> Any | None:
+  if comm is not None:
+    return comm
+  return runtime.get().comm if runtime.is_initialized() else None
+
+
+def _encode(specs: list[_codec.LeafSpec], payload: np.ndarray, metadata: dict[str, Any]) -> list[bytes]:
+  header = json.dumps({
+      "format": "mpijax-checkpoint",
+      "leaves": [s.to_json() for s in specs],
+      "payload_bytes": int(payload.size),
+      "metadata": metadata,
+      "created": time.time(),
+  }, sort_keys=True).encode()
+  prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
+  h = hashlib.sha256()
+  for part in (prefix, header, payload.data):
+    h.update(part)
+  return [prefix, header, payload.tobytes(), h.digest()]
+
+
+def _fsync_dir(directory: str) -> None:
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return  # some filesystems do not allow opening directories; the rename is still atomic
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def _write_atomic(path: str, parts: list[bytes]) -> None:
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=directory)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      for part in parts:
+        f.write(part)
+      f.flush()
+      os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
+    _fsync_dir(directory)
+  except BaseException:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], list[_codec.LeafSpec], np.ndarray, str]:
+  """(header, leaf specs, payload, sha256 hex) of a verified checkpoint file.
+
+  Raises:
+    CheckpointError: the file is missing, truncated or corrupt.
+  """
+  path = os.fspath(path)
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    raise CheckpointError(f"no checkpoint at {path!r}") from None
+  except OSError as e:
+    raise CheckpointError(f"cannot read checkpoint {path!r}: {e}") from None
+  if len(data) < _PREFIX.size + _DIGEST or data[:8] != MAGIC:
+    raise CheckpointError(f"{path!r} is not an mpijax checkpoint (bad magic or only {len(data)} bytes)")
+  _, version, header_len = _PREFIX.unpack_from(data)
+  if version != VERSION:
+    raise CheckpointError(f"{path!r} has checkpoint format version {version}; this mpijax reads {VERSION}")
+  body, digest = data[:-_DIGEST], data[-_DIGEST:]
+  if hashlib.sha256(body).digest() != digest:
+    raise CheckpointError(
+        f"checkpoint {path!r} is corrupt or truncated ({len(data)} bytes; checksum mismatch); "
+        "refusing to load any of it. Restore an older checkpoint.")
+  try:
+    header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
+    specs = [_codec.LeafSpec.from_json(d) for d in header["leaves"]]
+  except (ValueError, KeyError) as e:
+    raise CheckpointError(f"checkpoint {path!r} has an unreadable header: {e}") from None
+  payload = np.frombuffer(body, np.uint8, offset=_PREFIX.size + header_len)
+  if payload.size != header["payload_bytes"] or payload.size != sum(s.nbytes for s in specs):
+    raise CheckpointError(f"checkpoint {path!r}: payload has {payload.size} bytes, "
+                          f"header says {header['payload_bytes']}")
+  return header, specs, payload, digest.hex()
+
+
+def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, Any] | None = None,
+                    comm: Any | None = None, check_replicated: bool = True) -> str:
+  """Writes the replicated ``state`` to ``path`` atomically (rank 0 writes, all ranks return after).
+
+  ``state`` is any pytree: parameters, optimizer state, step, PRNG keys
+  (typed or raw), Python ints such as the epoch and the step within it. The
+  file is written to a temporary name in the same directory, fsynced, then
+  renamed over ``path``: a crash at any moment leaves either the previous
+  checkpoint or the new one, never a partial file under ``path``.
+
+  Args:
+    path: the checkpoint file.
+    state: the pytree to save (the same on every rank).
+    metadata: JSON-serializable extras stored in the header (see
+      :func:`checkpoint_metadata`).
+    comm: an mpi4py communicator; default mpijax's (or none in a plain
+      single process).
+    check_replicated: compare a hash of the state across ranks and warn
+      (naming the ranks) if replicas have drifted apart.
+
+  Returns:
+    ``path`` as a string.
+  """
+  path = os.fspath(path)
+  comm = _comm_or_none(comm)
+  rank = comm.Get_rank() if comm is not None else 0
+  specs, arrays, _ = _codec.flatten(state)
+  payload = _codec.pack(arrays)
+  json.dumps(metadata or {})  # fail early, on every rank, if metadata is not JSON
+  if comm is not None and comm.Get_size() > 1 and check_replicated:
+    digests = mpi_util.allgather_str(comm, hashlib.sha256(payload.data).hexdigest())
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ and rank == 0:
+      warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
+                    "saving rank 0's. Replicated state should be identical on every rank "
+                    "(did every rank apply the same all-reduced update?).", RuntimeWarning)
+  error = ""
+  if rank == 0:
+    try:
+      _write_atomic(path, _encode(specs, payload, metadata or {}))
+    except Exception as e:  # reported to every rank below, then raised
+      error = f"{type(e).__name__}: {e}"
+  if comm is not None and comm.Get_size() > 1:
+    error = mpi_util.bcast_str(comm, error if rank == 0 else None, 0)
+  if error:
+    raise OSError(f"save_checkpoint({path!r}) failed on rank 0: {error}")
+  return path
+
+
+def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None = None) -> Any:
+  """Reads a checkpoint into a tree with the structure (and leaf kinds) of ``like``.
+
+  Every rank reads and verifies the file; the ranks then agree that all of
+  them read the same bytes (a 64-byte allgather) before anything is returned.
+  Works with any rank count, not only the one that saved.
+
+  Args:
+    path: the checkpoint file.
+    like: a tree of the same structure, shapes and dtypes (e.g. a freshly
+      initialized state); its leaves' kinds (``jax.Array``, NumPy, Python
+      scalar, typed PRNG key) and devices are used for the result.
+    comm: an mpi4py communicator; default mpijax's (or none in a single process).
+
+  Returns:
+    The restored tree.
+
+  Raises:
+    CheckpointError: on every rank, if any rank cannot read the file, the
+      file is corrupt, or it does not match ``like`` (naming the first
+      differing leaf).
+  """
+  path = os.fspath(path)
+  comm = _comm_or_none(comm)
+  problem, digest, result = "", "", None
+  try:
+    _, specs, payload, digest = read_checkpoint(path)
+    like_specs, _, treedef = _codec.flatten(like)
+    diff = _bcast.first_difference(like_specs, specs)
+    if diff:
+      raise CheckpointError(f"checkpoint {path!r} does not fit the target tree: "
+                            f"{diff.replace('on the reference', 'in the checkpoint')}")
+    leaves = jax.tree_util.tree_leaves(like)
+    result = jax.tree_util.tree_unflatten(treedef, [
+        _codec.rebuild(a, s, l) for a, s, l in zip(_codec.unpack(payload, specs), specs, leaves)])
+  except CheckpointError as e:
+    problem = str(e)
+  if comm is not None and comm.Get_size() > 1:
+    reports = mpi_util.allgather_str(comm, ("error:" + problem) if problem else ("ok:" + digest))
+    bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
+    if bad:
+      raise CheckpointError("restore_checkpoint failed:\n" +
+                            "\n".join(f"  rank {r}: {p}" for r, p in bad[:8]))
+    if len(set(reports)) > 1:
+      raise CheckpointError(
+          f"ranks read different files at {path!r} (checksums differ: {sorted(set(reports))}); "
+          "put checkpoints on a filesystem every rank sees")
+  elif problem:
+    raise CheckpointError(problem)
+  return result
+
+
+def checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
+  """The ``metadata`` dict stored by :func:`save_checkpoint` (file verified first)."""
+  return read_checkpoint(path)[0]["metadata"]

@@ -1,0 +1,212 @@
+"""``shard_batches``: every rank its own part of each global batch, same step count everywhere.
+
+The classic multi-process hang: one rank runs out of data a step earlier than
+the others and stops calling the all-reduce, so they wait forever. Here the
+number of steps is fixed before the first batch, identically on every rank,
+and a batch that runs short is padded with masked samples instead of being
+shorter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import numpy as np
+
+from mpijax._src import mpi_util
+from mpijax._src.train import _host
+
+
+class Batch(NamedTuple):
+  """One rank's part of one global batch.
+
+  Attributes:
+    data: the same pytree as the input arrays, each leaf with leading
+      dimension ``global_batch_size // process_count``.
+    mask: float32, 1 for real samples, 0 for padding.
+    weight: float32, ``mask * global_batch_size / real samples in the global
+      batch``. ``jnp.mean(weight * per_example_loss)`` on every rank, averaged
+      over ranks (``allreduce_gradients(average=True)``), is exactly the mean
+      loss over the real samples of the global batch, also for the padded
+      last batch. For a full batch ``weight == mask == 1``.
+  """
+  data: Any
+  mask: np.ndarray
+  weight: np.ndarray
+
+
+def _leading_size(arrays: Any) -> int:
+  with_paths = jax.tree_util.tree_flatten_with_path(arrays)[0]
+  if not with_paths:
+    raise ValueError("shard_batches got an empty tree of arrays")
+  sizes = {}
+  for path, leaf in with_paths:
+    shape = np.shape(leaf)
+    if len(shape) == 0:
+      raise ValueError(f"shard_batches: leaf {jax.tree_util.keystr(path)} is a scalar; "
+                       "every leaf needs a leading sample dimension")
+    sizes[jax.tree_util.keystr(path)] = shape[0]
+  if len(set(sizes.values())) != 1:
+    raise ValueError(f"shard_batches: leaves have different numbers of samples: {sizes}; "
+                     "every leaf must have the same leading dimension")
+  return next(iter(sizes.values()))
+
+
+class ShardedBatches:
+  """The iterator returned by :func:`shard_batches` (``len()`` = steps left)."""
+
+  def __init__(self, arrays: Any, global_batch_size: int, *, seed: int | None, epoch: int,
+               drop_remainder: bool = False, replicated: bool = True, start_step: int = 0,
+               process_index: int | None = None, process_count: int | None = None,
+               comm: Any | None = None):
+    if process_index is None or process_count is None:
+      if comm is None and not replicated and _host.runtime.is_initialized():
+        comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
+      rank, size = _host.rank_and_size(comm)
+      process_index = rank if process_index is None else process_index
+      process_count = size if process_count is None else process_count
+    if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
+      raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+    if global_batch_size % process_count:
+      lower = global_batch_size // process_count * process_count
+      upper = lower + process_count
+      hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+      raise ValueError(
+          f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
+          f"every rank must get the same number of samples per step: use a multiple of "
+          f"{process_count} (e.g. {hint})")
+    if not 0 <= process_index < process_count:
+      raise ValueError(f"process_index={process_index} is outside 0..{process_count - 1}")
+    self.global_batch_size = int(global_batch_size)
+    self.local_batch_size = self.global_batch_size // process_count
+    self.process_index, self.process_count = process_index, process_count
+    self.replicated = replicated
+    # Host copies once: indexing NumPy is cheap and keeps device memory free.
+    self._arrays = jax.tree_util.tree_map(np.asarray, arrays)
+    n_local = _leading_size(self._arrays)
+    B, G = self.local_batch_size, self.global_batch_size
+
+    if replicated:
+      n = n_local
+      order = (np.arange(n) if seed is None
+               else np.random.default_rng([int(seed), int(epoch)]).permutation(n))
+      steps = n // G if drop_remainder else -(-n // G)
+      self._order = order
+      self.num_samples = n
+    else:
+      # Every rank holds its own samples. One small allgather of the counts
+      # lets every rank compute the same step count and the global count of
+      # real samples in each step, without moving any data.
+      if comm is None and process_count > 1:
+        comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
+      counts = mpi_util.allgather_int(comm, n_local) if process_count > 1 else [n_local]
+      if len(counts) != process_count:
+        raise ValueError(f"process_count={process_count} but the communicator has {len(counts)} ranks")
+      self.counts = counts
+      self.num_samples = sum(counts)
+      steps = (min(c // B for c in counts) if drop_remainder
+               else max(-(-c // B) for c in counts))
+      self._order = (np.arange(n_local) if seed is None else np.random.default_rng(
+          [int(seed), int(epoch), process_index]).permutation(n_local))
+    self.num_steps = int(steps)
+    if not 0 <= start_step <= self.num_steps:
+      raise ValueError(f"start_step={start_step} is outside 0..{self.num_steps} (steps in this epoch)")
+    self._step = int(start_step)
+
+  def __len__(self) -> int:
+    return self.num_steps - self._step
+
+  def __iter__(self) -> Iterator[Batch]:
+    return self
+
+  @property
+  def step(self) -> int:
+    """Index (within the epoch) of the next batch; save it to resume mid-epoch."""
+    return self._step
+
+  def _indices(self, step: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(local indices, mask, real samples in the global batch) for one step."""
+    B, G, r = self.local_batch_size, self.global_batch_size, self.process_index
+    if self.replicated:
+      # Pad the *global* batch (with its first sample), then slice: the padded
+      # global batch is then the same for any rank count.
+      take = self._order[step * G:(step + 1) * G]
+      real_global = take.size
+      idx = np.full(G, take[0], np.int64)
+      idx[:take.size] = take
+      mask = np.zeros(G, np.float32)
+      mask[:take.size] = 1.0
+      idx, mask = idx[r * B:(r + 1) * B], mask[r * B:(r + 1) * B]
+    else:
+      real_global = sum(max(0, min(B, c - step * B)) for c in self.counts)
+      take = self._order[step * B:(step + 1) * B]
+      mask = np.zeros(B, np.float32)
+      mask[:take.size] = 1.0
+      idx = np.zeros(B, np.int64)
+      idx[:take.size] = take
+      if 0 < take.size < B:
+        idx[take.size:] = take[0]  # padding repeats a real sample; the mask hides it
+    return idx, mask, real_global
+
+  def __next__(self) -> Batch:
+    if self._step >= self.num_steps:
+      raise StopIteration
+    idx, mask, real_global = self._indices(self._step)
+    self._step += 1
+    # A rank without any local sample (uneven data) sends zeros, all masked.
+    data = jax.tree_util.tree_map(
+        lambda a: a[idx] if a.shape[0] else np.zeros((idx.size,) + a.shape[1:], a.dtype),
+        self._arrays)
+    weight = mask * np.float32(self.global_batch_size / real_global) if real_global else mask.copy()
+    return Batch(data, mask, weight.astype(np.float32))
+
+
+def shard_batches(arrays: Any, global_batch_size: int, *, seed: int | None, epoch: int,
+                  drop_remainder: bool = False, replicated: bool = True, start_step: int = 0,
+                  process_index: int | None = None, process_count: int | None = None,
+                  comm: Any | None = None) -> ShardedBatches:
+  """Yields this rank's part of each global batch; every rank yields the same number.
+
+  With ``replicated=True`` (the common case: every rank holds the same full
+  dataset) the epoch order is a permutation of all samples drawn from
+  ``(seed, epoch)`` alone, so it is the same for any rank count. Global batch
+  ``s`` is samples ``order[s*G:(s+1)*G]``; rank ``r`` gets the ``r``-th slice
+  of ``G / process_count`` of them. Across ranks an epoch covers every sample
+  exactly once. The last, partial global batch is padded to full size and the
+  padding is masked out (``drop_remainder=True`` skips it instead).
+
+  With ``replicated=False`` each rank holds its own samples, possibly a
+  different number per rank. The ranks exchange their counts once (one small
+  allgather) and all run ``max(ceil(count / local_batch))`` steps; a rank
+  that runs out pads with masked samples, so every sample is used once per
+  epoch and nobody leaves the all-reduce early. (``drop_remainder=True``:
+  ``min(count // local_batch)`` full steps.) The local order is shuffled from
+  ``(seed, epoch, rank)``.
+
+  Args:
+    arrays: a pytree of arrays with a common leading sample dimension.
+    global_batch_size: samples per step over all ranks; must be divisible by
+      the number of ranks.
+    seed: shuffling seed; ``None`` keeps the data order (evaluation).
+    epoch: epoch number, mixed into the shuffle.
+    drop_remainder: skip the last partial batch instead of padding it.
+    replicated: whether every rank holds the same full dataset (see above).
+    start_step: skip this many steps of the epoch (resume mid-epoch).
+    process_index: this rank (default: the communicator's / runtime's rank).
+    process_count: number of ranks (default: the communicator's size).
+    comm: mpi4py communicator; needed only for ``replicated=False``.
+
+  Returns:
+    An iterator of :class:`Batch` ``(data, mask, weight)``; ``len()`` is the
+    number of steps left.
+
+  Examples:
+    >>> for x, mask, w in mpijax.train.shard_batches((images, labels), 128, seed=0, epoch=e):  # doctest: +SKIP
+    ...   state, metrics = step(state, x, w)
+  """
+  return ShardedBatches(arrays, global_batch_size, seed=seed, epoch=epoch,
+                        drop_remainder=drop_remainder, replicated=replicated,
+                        start_step=start_step, process_index=process_index,
+                        process_count=process_count, comm=comm)

@@ -1,0 +1,162 @@
+"""``DataParallel``: the common data-parallel loop in a few lines."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpijax._src.train import broadcast as _bcast
+from mpijax._src.train import data as _data
+from mpijax._src.train import gradients as _grads
+from mpijax._src.train import metrics as _metrics
+
+
+class TrainState(NamedTuple):
+  """Replicated training state (a pytree: checkpoint it with ``save_checkpoint``)."""
+  step: jax.Array  # int32 scalar, optimizer steps taken
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s)
+
+
+class DataParallel:
+  """One jitted data-parallel training step with the fused gradient all-reduce inside.
+
+  ``loss_fn(params, data)`` (or ``loss_fn(params, data, rng)`` with
+  ``with_rng=True``) returns the **per-example** losses of this rank's local
+  batch, shape ``[local_batch]``, or ``(losses, aux)`` with ``has_aux=True``
+  where ``aux`` is a dict of per-example metrics (e.g. correctness). The step
+  minimizes the mean loss over the real samples of the global batch: per
+  rank ``mean(weight * losses)`` with the weights from :func:`shard_batches`,
+  then the gradients (and, in the same buckets, the metrics) are averaged
+  over ranks with one MPI all-reduce per bucket, and ``optimizer`` updates the
+  replicated parameters identically on every rank.
+
+  Args:
+    loss_fn: see above.
+    optimizer: an optax transformation (do not put ``allreduce_gradients``
+      in it: the step already all-reduces).
+    has_aux: ``loss_fn`` returns ``(losses, aux)``.
+    with_rng: pass a per-step PRNG key (``fold_in(state.rng, state.step)``,
+      the same on every rank) as third argument.
+    bucket_bytes, compression: see :func:`allreduce_gradients`.
+    root: the rank whose initial parameters everyone starts from.
+    comm: an mpi4py communicator; default mpijax's.
+
+  Examples:
+    >>> dp = mpijax.train.DataParallel(loss_fn, optax.adam(1e-3), has_aux=True)  # doctest: +SKIP
+    >>> state = dp.init(params, rng=jax.random.key(0))
+    >>> for batch in mpijax.train.shard_batches((x, y), 256, seed=0, epoch=0):
+    ...   state, metrics = dp.step(state, batch)
+    >>> dp.evaluate(state, (x_test, y_test), batch_size=512)
+  """
+
+  def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
+               has_aux: bool = False, with_rng: bool = False, bucket_bytes: int | None = None,
+               compression: str | None = None, root: int = 0, comm: Any | None = None):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.has_aux = has_aux
+    self.with_rng = with_rng
+    self.bucket_bytes = bucket_bytes
+    self.compression = compression
+    self.root = root
+    self.comm = comm
+    self._step = jax.jit(self._step_impl)
+    self._eval = jax.jit(self._eval_impl)
+
+  # -- state ------------------------------------------------------------------
+
+  def init(self, params: Any, rng: jax.Array | None = None) -> TrainState:
+    """Broadcasts ``root``'s parameters (and key) and builds the optimizer state."""
+    if rng is None:
+      rng = jax.random.key(0)
+    params, rng = _bcast.broadcast((params, rng), self.root, comm=self.comm)
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), rng)
+
+  # -- one step ---------------------------------------------------------------
+
+  def _per_example(self, params, data, rng):
+    out = self.loss_fn(params, data, rng) if self.with_rng else self.loss_fn(params, data)
+    losses, aux = out if self.has_aux else (out, {})
+    if jnp.ndim(losses) != 1:
+      raise ValueError(f"DataParallel: loss_fn must return per-example losses of shape [batch], "
+                       f"got shape {jnp.shape(losses)}; return the unreduced loss vector")
+    return losses, dict(aux)
+
+  def _step_impl(self, state: TrainState, data: Any, weight: jax.Array):
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def objective(params):
+      losses, aux = self._per_example(params, data, rng)
+      loss = jnp.mean(weight * losses)
+      metrics = {"loss": loss}
+      metrics.update({k: jnp.mean(weight * v.astype(jnp.float32)) for k, v in aux.items()})
+      return loss, metrics
+
+    (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    kw = dict(average=True, bucket_bytes=self.bucket_bytes, comm=self.comm)
+    if self.compression is None:
+      # Metrics ride in the gradient buckets: still one MPI call per bucket.
+      grads, metrics = _grads.fused_allreduce((grads, metrics), **kw)
+    else:
+      grads = _grads.fused_allreduce(grads, compression=self.compression, **kw)
+      metrics = _grads.fused_allreduce(metrics, **kw)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+
+  def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on this rank's part of a global batch.
+
+    Args:
+      state: the replicated :class:`TrainState`.
+      batch: a :class:`Batch` from :func:`shard_batches` (its ``weight`` makes
+        the loss the exact global mean, padding included), or plain data
+        (every sample weighted 1).
+
+    Returns:
+      ``(new_state, metrics)``: metrics are global means over the real samples
+      of the global batch (``"loss"`` and the ``aux`` keys), as jax scalars.
+    """
+    if isinstance(batch, _data.Batch):
+      data, weight = batch.data, batch.weight
+    else:
+      data = batch
+      weight = np.ones(_data._leading_size(data), np.float32)
+    return self._step(state, data, weight)
+
+  # -- evaluation -------------------------------------------------------------
+
+  def _eval_impl(self, params: Any, data: Any, mask: jax.Array):
+    losses, aux = self._per_example(params, data, jax.random.key(0))
+    sums = {"loss": jnp.sum(mask * losses)}
+    sums.update({k: jnp.sum(mask * v.astype(jnp.float32)) for k, v in aux.items()})
+    return sums, jnp.sum(mask)
+
+  def evaluate(self, state: TrainState, arrays: Any, batch_size: int) -> dict[str, float]:
+    """Mean loss and aux metrics over ``arrays`` (the same full dataset on every rank).
+
+    Each rank evaluates its share (in data order, padded last batch masked);
+    the sums meet in one host all-reduce at the end.
+
+    Args:
+      state: the training state.
+      arrays: pytree of arrays with a leading sample dimension.
+      batch_size: global evaluation batch size (divisible by the rank count).
+
+    Returns:
+      ``{"loss": ..., **aux}`` as Python floats, identical on every rank.
+    """
+    batches = _data.shard_batches(arrays, batch_size, seed=None, epoch=0, comm=self.comm)
+    totals, count = None, 0.0
+    for batch in batches:
+      sums, n = self._eval(state.params, batch.data, batch.mask)
+      totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+      count = count + n
+    means = _metrics.mean_metrics({"sums": totals, "count": count}, comm=self.comm)
+    return {k: v / means["count"] for k, v in means["sums"].items()}

@@ -1,0 +1,81 @@
+"""Cross-rank metric means, and logging / progress bars on rank 0 only."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+
+from mpijax._src import mpi_util
+from mpijax._src.train import _host
+
+
+def _is_traced(leaves: list[Any]) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
+  """The mean of every leaf over all ranks.
+
+  Eagerly (host values, e.g. after a step): one ``MPI_Allreduce`` of all
+  leaves packed as float64; returns Python floats for scalars and float64
+  NumPy arrays otherwise. Inside ``jax.jit``: the fused
+  :func:`mpijax.train.allreduce_gradients` machinery (one ``mpijax.ops.allreduce``
+  per dtype), dtypes kept.
+
+  Args:
+    tree: a pytree of numbers or arrays (same structure on every rank).
+    comm: an mpi4py communicator; default mpijax's.
+
+  Returns:
+    The tree of cross-rank means.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if _is_traced(leaves):
+    from mpijax._src.train import gradients
+    return gradients.fused_allreduce(tree, average=True, comm=comm)
+  comm = _host.get_comm(comm, "mpijax.train.mean_metrics")
+  arrays = [np.asarray(x, dtype=np.float64) for x in leaves]
+  flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+  total = np.empty_like(flat)
+  MPI = mpi_util.import_mpi()
+  comm.Allreduce([flat, MPI.DOUBLE], [total, MPI.DOUBLE], op=MPI.SUM)
+  total /= comm.Get_size()
+  out, offset = [], 0
+  for a in arrays:
+    v = total[offset:offset + a.size].reshape(a.shape)
+    offset += a.size
+    out.append(float(v) if v.ndim == 0 else v)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def is_main_process(comm: Any | None = None) -> bool:
+  """True on rank 0 (and in a plain single process)."""
+  return _host.rank_and_size(comm)[0] == 0
+
+
+def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
+  """``print`` on rank 0 only (flushed, so it interleaves sensibly with MPI output)."""
+  if is_main_process(comm):
+    kwargs.setdefault("flush", True)
+    print(*args, **kwargs)
+
+
+def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs: Any) -> Iterable[Any]:
+  """A ``tqdm`` progress bar on rank 0; the plain iterable on every other rank.
+
+  ``total`` defaults to ``len(iterable)`` (``shard_batches`` has one). Needs
+  ``tqdm`` only on rank 0, and only if it is installed; otherwise the
+  iterable is returned unchanged.
+  """
+  if not is_main_process(comm):
+    return iterable
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    return iterable
+  tqdm_kwargs.setdefault("file", sys.stdout)
+  tqdm_kwargs.setdefault("dynamic_ncols", True)
+  return tqdm(iterable, **tqdm_kwargs)

@@ -1,0 +1,118 @@
+"""Checkpoint round trip, atomicity and corruption detection (single process)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpijax._src.train import checkpoint as ckpt_mod
+from mpijax.train import CheckpointError, checkpoint_metadata, restore_checkpoint, save_checkpoint
+
+
+def _state(seed=0):
+  k = jax.random.key(seed)
+  return {
+      "params": {"w": jax.random.normal(k, (3, 4)), "b": jnp.arange(4, dtype=jnp.bfloat16)},
+      "opt": (jnp.int32(7), np.arange(5, dtype=np.int8)),
+      "rng": jax.random.key(seed + 1),
+      "raw_rng": jax.random.PRNGKey(seed + 2),
+      "data": {"epoch": 3, "step_in_epoch": 11},
+      "lr": 0.5,
+  }
+
+
+def _assert_same(a, b):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_keeps_dtypes_kinds_and_metadata(tmp_path):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0), metadata={"note": "hi", "epoch": 3})
+  restored = restore_checkpoint(path, like=_state(99))
+  _assert_same(restored, _state(0))
+  assert checkpoint_metadata(path) == {"note": "hi", "epoch": 3}
+  assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp files left
+
+
+def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0))
+  before = path.read_bytes()
+
+  def crash(*args, **kwargs):
+    raise OSError("simulated crash before rename")
+
+  monkeypatch.setattr(ckpt_mod.os, "replace", crash)
+  with pytest.raises(OSError, match="simulated crash"):
+    save_checkpoint(path, _state(1))
+  monkeypatch.undo()
+  assert path.read_bytes() == before
+  assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+  _assert_same(restore_checkpoint(path, like=_state(5)), _state(0))
+
+
+def test_half_written_temp_file_is_never_under_the_name(tmp_path, monkeypatch):
+  # A writer killed after writing half the bytes leaves only a temp file.
+  path = tmp_path / "ckpt"
+  real_write = ckpt_mod._write_atomic
+
+  def half(p, parts):
+    data = b"".join(parts)
+    with open(str(p) + ".tmp-killed", "wb") as f:
+      f.write(data[: len(data) // 2])
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(ckpt_mod, "_write_atomic", half)
+  with pytest.raises(KeyboardInterrupt):
+    save_checkpoint(path, _state(0))
+  monkeypatch.setattr(ckpt_mod, "_write_atomic", real_write)
+  with pytest.raises(CheckpointError, match="no checkpoint"):
+    restore_checkpoint(path, like=_state(0))
+
+
+@pytest.mark.parametrize("cut", [1, 40, 100, -1])
+def test_truncated_file_is_refused(tmp_path, cut):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0))
+  data = path.read_bytes()
+  path.write_bytes(data[:cut] if cut > 0 else data[:len(data) + cut])
+  with pytest.raises(CheckpointError, match="corrupt|truncated|not an mpijax checkpoint"):
+    restore_checkpoint(path, like=_state(0))
+
+
+def test_flipped_byte_is_refused(tmp_path):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0))
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+  with pytest.raises(CheckpointError, match="checksum mismatch"):
+    restore_checkpoint(path, like=_state(0))
+
+
+def test_mismatched_target_names_the_leaf(tmp_path):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0))
+  like = _state(0)
+  like["params"]["w"] = jnp.zeros((3, 5))
+  with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\]"):
+    restore_checkpoint(path, like=like)
+
+
+def test_overwrite_replaces_atomically(tmp_path):
+  path = tmp_path / "ckpt"
+  save_checkpoint(path, _state(0))
+  save_checkpoint(path, _state(1))
+  _assert_same(restore_checkpoint(path, like=_state(0)), _state(1))
