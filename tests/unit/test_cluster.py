@@ -125,6 +125,27 @@ def test_mpirun_inside_slurm_allocation(monkeypatch, name, launcher):
   assert (info.launcher, info.rank, info.size) == (launcher, 1, 3)
 
 
+def test_mpich_inside_slurm_allocation(monkeypatch):
+  # mpiexec -n 3 in a batch script: Hydra starts its proxy with srun (a step of
+  # 1 task here), the ranks inherit the proxy's SLURM_* and get Hydra's PMI_*.
+  apply(monkeypatch, load("env_slurm_rank0.json"))
+  apply(monkeypatch, {"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1",
+                      "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "cn09",
+                      "SLURM_STEP_TASKS_PER_NODE": "1"})
+  apply(monkeypatch, load("env_mpich_rank2.json"))
+  assert not slurm.SlurmEnv.is_env_present()
+  info = cluster.detect()
+  assert (info.launcher, info.rank, info.size) == ("mpich", 2, 3)
+
+
+def test_srun_with_pmi2_is_slurm(monkeypatch):
+  # srun --mpi=pmi2 sets PMI_* itself, agreeing with the step: still Slurm.
+  apply(monkeypatch, load("env_slurm_rank3.json"))
+  apply(monkeypatch, {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "7"})
+  info = cluster.detect()
+  assert (info.launcher, info.rank, info.size, info.hostnames) == ("slurm", 3, 4, ("cn09", "cn10"))
+
+
 def test_slurm_allocation_without_step_is_not_a_launch(monkeypatch):
   # An salloc shell / sbatch batch script: job variables, even SLURM_PROCID=0,
   # but no srun step. Running python there is one process, not task 0 of 4.

@@ -22,6 +22,10 @@ _NODEID = "SLURM_NODEID"
 # (SLURM_STEP_ID is not used as the marker: some versions give the batch step
 # one).
 _STEP_MARKER = "SLURM_STEP_NUM_TASKS"
+# MPICH's mpiexec inside an allocation starts one Hydra proxy per node with
+# srun; the proxy's children inherit that step's SLURM_PROCID (the proxy's
+# number) but get their real rank and size from Hydra's PMI_RANK/PMI_SIZE.
+_PMI_SIZE = "PMI_SIZE"
 _NTASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
 _TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _NUM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
@@ -55,7 +59,12 @@ class SlurmEnv(base.ClusterEnv):
 
   @classmethod
   def is_env_present(cls) -> bool:
-    return base.env_present(_PROCID, _STEP_MARKER)
+    if not base.env_present(_PROCID, _STEP_MARKER):
+      return False
+    # srun's own PMI (--mpi=pmi2) sets PMI_SIZE equal to the step's task
+    # count; a different one means another launcher runs inside the step.
+    pmi_size = os.environ.get(_PMI_SIZE)
+    return pmi_size is None or pmi_size.strip() == os.environ[_STEP_MARKER].strip()
 
   @classmethod
   def get_process_id(cls) -> int | None:
