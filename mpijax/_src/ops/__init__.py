@@ -1,0 +1,1 @@
+"""mpijax's MPI primitives (layer 3): one module per primitive."""

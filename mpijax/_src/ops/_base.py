@@ -1,0 +1,222 @@
+"""Shared machinery of mpijax's MPI primitives (DESIGN.md, layer 3).
+
+* The communicator registry: every op runs on private clones of the user's
+  communicator (default: the runtime's), one clone per local device index, so
+  user mpi4py traffic can never interleave with ours and several local devices
+  can call MPI at once. Clones are made once per user communicator.
+* dtype / reduction-op validation at trace time.
+* Lowering: an XLA FFI custom call marked ``has_side_effect`` (an HLO
+  attribute, so XLA neither removes nor duplicates it) while the primitive
+  itself has NO JAX effects, which keeps jitted calls on JAX's C++ fast
+  dispatch path.
+* Eager execution: a cached ``jax.jit`` per parameter set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from mpijax._src import config
+from mpijax._src import ffi as _ffi
+
+# --- dtypes and reduction ops --------------------------------------------------
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_COMPLEX = ("complex64", "complex128")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+SUPPORTED_DTYPES = _FLOATS + _COMPLEX + _INTS + ("bool",)
+
+REDUCE_OPS = ("sum", "prod", "min", "max", "and", "or", "xor")
+OP_CODES = {name: i for i, name in enumerate(REDUCE_OPS)}
+
+
+def _ops_for(dtype_name: str) -> tuple[str, ...]:
+  if dtype_name in _FLOATS:
+    return ("sum", "prod", "min", "max")
+  if dtype_name in _COMPLEX:
+    return ("sum", "prod")
+  if dtype_name == "bool":
+    return ("min", "max", "and", "or", "xor")
+  return REDUCE_OPS
+
+
+def check_dtype(op_name: str, dtype: Any) -> str:
+  """The canonical dtype name, or a TypeError naming the supported ones."""
+  name = np.dtype(dtype).name
+  if name not in SUPPORTED_DTYPES:
+    raise TypeError(
+        f"{op_name} got an array of dtype {name}, which mpijax cannot send; "
+        f"supported dtypes: {', '.join(SUPPORTED_DTYPES)}. Cast first, e.g. "
+        "x.astype(jnp.float32).")
+  return name
+
+
+def check_reduce_op(op_name: str, op: str, dtype: Any) -> str:
+  """Validates a reduction op for a dtype (at trace time)."""
+  name = check_dtype(op_name, dtype)
+  if op not in REDUCE_OPS:
+    raise ValueError(f"{op_name} got op={op!r}; expected one of {REDUCE_OPS}.")
+  allowed = _ops_for(name)
+  if op not in allowed:
+    raise TypeError(
+        f"{op_name} got op={op!r} for dtype {name}; ops supported for {name}: "
+        f"{allowed}" + (" (and/or/xor are bitwise, for integers and bool)"
+                        if op in ("and", "or", "xor") else "") + ".")
+  return op
+
+
+# --- communicator registry -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommInfo:
+  """A registered user communicator: id in the C++ table, size and rank."""
+  id: int
+  size: int
+  rank: int
+
+
+@dataclasses.dataclass
+class _Entry:
+  info: CommInfo
+  user_comm: Any          # kept alive so its handle is not reused
+  clones: list[Any]       # one per local device index
+
+
+_registry_lock = threading.RLock()
+_registry: dict[int, _Entry] = {}
+_hook_installed = False
+_settings_pushed: tuple[int, float] | None = None
+
+
+def _local_device_count() -> int:
+  from mpijax._src import runtime
+  if runtime.is_initialized():
+    return len(runtime.get().local_devices)
+  return jax.local_device_count()
+
+
+def push_settings() -> None:
+  """Sends max_chunk_bytes and timeout to C++ (again if they changed)."""
+  global _settings_pushed
+  settings = (int(config.get("max_chunk_bytes")), float(config.get("timeout")))
+  if settings != _settings_pushed:
+    _ffi.load().setup(*settings)
+    _settings_pushed = settings
+
+
+def _free_all() -> None:
+  """Shutdown hook: forget and free every clone (compiled programs go stale)."""
+  global _hook_installed
+  ext = _ffi.load()
+  with _registry_lock:
+    for entry in _registry.values():
+      ext.unregister_comms(entry.info.id)
+      for c in entry.clones:
+        c.Free()
+    _registry.clear()
+    _hook_installed = False
+  resolve_comm.cache_clear()
+
+
+def _register(comm: Any) -> CommInfo:
+  global _hook_installed
+  from mpi4py import MPI
+  ext = _ffi.load()
+  push_settings()
+  key = MPI._handleof(comm)
+  with _registry_lock:
+    entry = _registry.get(key)
+    if entry is None:
+      # Collective over `comm`: ranks register communicators in program order
+      # (first use), so clone ids line up across ranks.
+      clones = [comm.Clone() for _ in range(_local_device_count())]
+      for i, c in enumerate(clones):
+        c.Set_name(f"mpijax-ops-{len(_registry)}-dev{i}")
+      cid = ext.register_comms([MPI._handleof(c) for c in clones])
+      entry = _Entry(CommInfo(cid, comm.Get_size(), comm.Get_rank()), comm, clones)
+      _registry[key] = entry
+      if not _hook_installed:
+        from mpijax._src import runtime
+        runtime.register_shutdown_hook(_free_all)
+        _hook_installed = True
+    return entry.info
+
+
+# id(python comm object) -> (object, info): mpi4py communicators are not
+# hashable, and this lookup runs on every trace / eager call.
+_fast: dict[int, tuple[Any, CommInfo]] = {}
+
+
+def resolve_comm(comm: Any, op_name: str) -> CommInfo:
+  """CommInfo for ``comm`` (default: the runtime's communicator)."""
+  from mpijax._src import runtime
+  if comm is None:
+    comm = runtime.get(op_name).comm
+  elif not runtime.is_initialized():
+    runtime.get(op_name)  # the same clear "call mpijax.init()" error
+  hit = _fast.get(id(comm))
+  if hit is not None and hit[0] is comm:
+    return hit[1]
+  info = _register(comm)
+  _fast[id(comm)] = (comm, info)
+  return info
+
+
+resolve_comm.cache_clear = _fast.clear  # type: ignore[attr-defined]
+
+
+# --- primitives -------------------------------------------------------------------
+
+
+def make_primitive(name: str, multiple_results: bool = False) -> Primitive:
+  p = Primitive(name)
+  p.multiple_results = multiple_results
+  p.def_impl(functools.partial(_eager_impl, p))
+  return p
+
+
+@functools.lru_cache(maxsize=4096)
+def _jitted(prim: Primitive, params: tuple[tuple[str, Any], ...]) -> Callable:
+  kwargs = dict(params)
+  return jax.jit(lambda *args: prim.bind(*args, **kwargs))
+
+
+def _eager_impl(prim: Primitive, *args, **params):
+  return _jitted(prim, tuple(sorted(params.items())))(*args)
+
+
+def register_ffi_lowering(prim: Primitive, target: str,
+                          attrs: Callable[..., dict[str, Any]]) -> None:
+  """CPU lowering of ``prim`` to FFI target ``target``.
+
+  ``attrs(**params)`` gives the custom call's named attributes.
+  """
+  lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
+
+  def rule(ctx, *args, **params):
+    _ffi.load()  # registers the FFI targets before XLA compiles the call
+    return lower(ctx, *args, **attrs(**params))
+
+  mlir.register_lowering(prim, rule, platform="cpu")
+
+
+def i64(v: int) -> np.int64:
+  return np.int64(v)
+
+
+def zeros_like_aval(aval) -> jax.Array:
+  return jnp.zeros(aval.shape, aval.dtype)
+
+
+def moveaxis(x, src: int, dst: int):
+  return x if src == dst else jnp.moveaxis(x, src, dst)
