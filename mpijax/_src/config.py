@@ -64,7 +64,7 @@ _define("abort_on_exception", _parse_bool, True,
         "init() installs a hook that aborts the whole job when any rank "
         "has an uncaught exception.")
 _define("launcher", str, "",
-        "Force a launcher detector by name (openmpi, prrte, slurm, mpich, mpi, single).")
+        "Force a launcher detector by name (openmpi4, prrte, slurm, mpich, mpi, single).")
 
 # --- transport and safety (layers 3 and 8) -----------------------------------
 _define("timeout", float, 300.0,

@@ -1,0 +1,36 @@
+"""mpijax: one JAX program across many MPI ranks.
+
+Each MPI rank is one JAX controller. ``mpijax.init()`` finds out who it is
+from the launcher (Open MPI, Slurm, MPICH) and gives JAX code collectives
+whose named axis spans every device of every rank.
+"""
+
+from mpijax._src import config as config
+from mpijax._src.runtime import DeviceInfo as DeviceInfo
+from mpijax._src.runtime import Runtime as Runtime
+from mpijax._src.runtime import Topology as Topology
+from mpijax._src.runtime import devices as devices
+from mpijax._src.runtime import init as init
+from mpijax._src.runtime import is_initialized as is_initialized
+from mpijax._src.runtime import local_device_count as local_device_count
+from mpijax._src.runtime import local_devices as local_devices
+from mpijax._src.runtime import process_count as process_count
+from mpijax._src.runtime import process_index as process_index
+from mpijax._src.runtime import shutdown as shutdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceInfo",
+    "Runtime",
+    "Topology",
+    "config",
+    "devices",
+    "init",
+    "is_initialized",
+    "local_device_count",
+    "local_devices",
+    "process_count",
+    "process_index",
+    "shutdown",
+]

@@ -1,0 +1,129 @@
+"""Abort-on-failure: one rank's uncaught exception ends the whole job.
+
+Without this, a rank that raises exits while the others wait forever in
+their next collective. Like ``python -m mpi4py``, the hook prints the
+traceback (each line prefixed with the rank) and calls
+``MPI.COMM_WORLD.Abort`` so that the launcher stops every rank, non-zero,
+within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from types import TracebackType
+
+_installed = False
+_previous_excepthook = None
+_previous_threading_excepthook = None
+
+
+def _rank_label() -> str:
+  mpi = sys.modules.get("mpi4py.MPI")
+  if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+    return f"rank {mpi.COMM_WORLD.Get_rank()}/{mpi.COMM_WORLD.Get_size()}"
+  for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    if var in os.environ:
+      return f"rank {os.environ[var]}"
+  return "rank ?"
+
+
+def report_and_abort(exc_type: type[BaseException], exc: BaseException,
+                     tb: TracebackType | None, *, exit_code: int = 1,
+                     where: str = "") -> None:
+  """Prints ``exc`` prefixed with this rank, then aborts every rank."""
+  label = _rank_label()
+  prefix = f"[{label}] "
+  lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+  head = (f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}; "
+          f"aborting the whole job (exit code {exit_code}).")
+  try:
+    sys.stderr.write(head + "\n" + "\n".join(prefix + line for line in lines) + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+  except Exception:  # a broken stderr must not stop the abort
+    pass
+  abort(exit_code)
+
+
+def abort(exit_code: int = 1) -> None:
+  """Aborts the MPI job if MPI is up, else exits this process."""
+  mpi = sys.modules.get("mpi4py.MPI")
+  if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+    mpi.COMM_WORLD.Abort(exit_code)
+  os._exit(exit_code)
+
+
+def _excepthook(exc_type, exc, tb):
+  if issubclass(exc_type, KeyboardInterrupt):
+    _previous_excepthook(exc_type, exc, tb)
+    abort(130)
+  report_and_abort(exc_type, exc, tb)
+
+
+def _threading_excepthook(args):
+  if args.exc_type is SystemExit:
+    return
+  where = f" in thread {args.thread.name!r}" if args.thread is not None else ""
+  report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, where=where)
+
+
+def install() -> None:
+  """Installs the abort hooks for the main thread and for other threads."""
+  global _installed, _previous_excepthook, _previous_threading_excepthook
+  if _installed:
+    return
+  _previous_excepthook = sys.excepthook
+  _previous_threading_excepthook = threading.excepthook
+  sys.excepthook = _excepthook
+  threading.excepthook = _threading_excepthook
+  _installed = True
+
+
+def uninstall() -> None:
+  global _installed
+  if not _installed:
+    return
+  sys.excepthook = _previous_excepthook
+  threading.excepthook = _previous_threading_excepthook
+  _installed = False
+
+
+def run_main(argv: list[str]) -> None:
+  """``python -m mpijax.run [-m module | -c code | script.py] args...``."""
+  import runpy
+
+  usage = "usage: python -m mpijax.run (script.py | -m module | -c code) [args ...]"
+  if not argv or argv[0] in ("-h", "--help"):
+    print(usage)
+    sys.exit(0 if argv else 2)
+  install()
+  try:
+    if argv[0] == "-m":
+      if len(argv) < 2:
+        sys.exit(usage)
+      sys.argv = argv[1:]
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+      if len(argv) < 2:
+        sys.exit(usage)
+      sys.argv = ["-c"] + argv[2:]
+      exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+      sys.argv = argv
+      sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+      runpy.run_path(argv[0], run_name="__main__")
+  except SystemExit as e:
+    code = e.code
+    if code is None or code == 0:
+      raise
+    if not isinstance(code, int):
+      print(code, file=sys.stderr)
+      code = 1
+    # A non-zero exit of one rank would leave the others waiting: abort all.
+    sys.stderr.flush()
+    abort(code)
+  except BaseException:
+    report_and_abort(*sys.exc_info())

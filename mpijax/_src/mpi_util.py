@@ -1,0 +1,59 @@
+"""Small host-side MPI helpers shared by the runtime and the checks.
+
+Everything here moves plain bytes or NumPy buffers with mpi4py's upper-case
+(buffer) methods: nothing received from another rank is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def import_mpi():
+  """Imports ``mpi4py.MPI`` asking for ``MPI_THREAD_MULTIPLE``.
+
+  Several local devices may call MPI from different XLA threads at once, so
+  the thread level must be set before mpi4py initializes MPI.
+  """
+  import mpi4py
+  if "mpi4py.MPI" not in __import__("sys").modules:
+    mpi4py.rc.thread_level = "multiple"
+  from mpi4py import MPI
+  return MPI
+
+
+def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
+  """Broadcasts a byte string from ``root`` (length first, then the bytes)."""
+  MPI = import_mpi()
+  n = np.array([len(data) if comm.rank == root else 0], dtype=np.int64)
+  comm.Bcast([n, MPI.INT64_T], root=root)
+  buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.rank == root else np.empty(int(n[0]), np.uint8)
+  comm.Bcast([buf, MPI.BYTE], root=root)
+  return buf.tobytes()
+
+
+def bcast_str(comm, text: str | None, root: int = 0) -> str:
+  return bcast_bytes(comm, None if text is None else text.encode(), root).decode()
+
+
+def allgather_bytes(comm, data: bytes) -> list[bytes]:
+  """Gathers one byte string from every rank onto every rank."""
+  MPI = import_mpi()
+  counts = np.zeros(comm.size, dtype=np.int64)
+  comm.Allgather([np.array([len(data)], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
+  displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+  out = np.empty(int(counts.sum()), np.uint8)
+  comm.Allgatherv([np.frombuffer(data, np.uint8), MPI.BYTE],
+                  [out, (counts.tolist(), displs.tolist()), MPI.BYTE])
+  return [out[d:d + c].tobytes() for d, c in zip(displs, counts)]
+
+
+def allgather_str(comm, text: str) -> list[str]:
+  return [b.decode() for b in allgather_bytes(comm, text.encode())]
+
+
+def allgather_int(comm, value: int) -> list[int]:
+  MPI = import_mpi()
+  out = np.zeros(comm.size, dtype=np.int64)
+  comm.Allgather([np.array([value], np.int64), MPI.INT64_T], [out, MPI.INT64_T])
+  return [int(v) for v in out]

@@ -1,0 +1,419 @@
+"""The runtime: who this rank is, which devices it has, and how to reach the others.
+
+``init()`` detects the launcher (layer 1), initializes MPI with
+``MPI_THREAD_MULTIPLE``, cross-checks the launcher's view against
+``MPI.COMM_WORLD``, works out the node layout, picks a coordinator address,
+configures JAX's local devices and gathers the global device table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+from typing import Any, Sequence
+
+from mpijax._src import cluster
+from mpijax._src import config
+from mpijax._src import failure
+from mpijax._src import mpi_util
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Where this rank sits in the job."""
+  rank: int
+  size: int
+  local_rank: int
+  local_size: int
+  node_index: int
+  node_count: int
+  hostnames: tuple[str, ...]  # one per rank, in rank order
+  coordinator_address: str
+  launcher: str
+
+  @property
+  def hostname(self) -> str:
+    return self.hostnames[self.rank]
+
+  def __str__(self) -> str:
+    return (f"Topology(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+            f"local_size={self.local_size}, node={self.node_index}/{self.node_count}, "
+            f"host={self.hostname!r}, coordinator={self.coordinator_address!r}, "
+            f"launcher={self.launcher!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+  """One entry of the global device table."""
+  process_index: int
+  local_index: int
+  global_index: int
+  platform: str
+  host: str
+  device_kind: str
+
+
+@dataclasses.dataclass
+class Runtime:
+  """What ``mpijax.init()`` returns; one per process."""
+  topology: Topology
+  comm: Any  # mpi4py communicator: mpijax's private clone
+  local_devices: list[Any]
+  device_table: tuple[DeviceInfo, ...]
+  jax_distributed: bool
+  _world_comm: Any = dataclasses.field(repr=False, default=None)
+
+  @property
+  def rank(self) -> int:
+    return self.topology.rank
+
+  @property
+  def size(self) -> int:
+    return self.topology.size
+
+  @property
+  def local_device_count(self) -> int:
+    return len(self.local_devices)
+
+  @property
+  def platform(self) -> str:
+    return self.local_devices[0].platform
+
+  def __str__(self) -> str:
+    t = self.topology
+    return (f"mpijax.Runtime(rank {t.rank}/{t.size}, local {t.local_rank}/{t.local_size}, "
+            f"node {t.node_index}/{t.node_count} {t.hostname!r}, launcher={t.launcher!r}, "
+            f"coordinator={t.coordinator_address!r}, devices={self.local_device_count} x "
+            f"{self.platform} (global {len(self.device_table)}), "
+            f"jax_distributed={self.jax_distributed})")
+
+  __repr__ = __str__
+
+
+_lock = threading.RLock()
+_runtime: Runtime | None = None
+_shutdown_hooks: list[Any] = []
+
+
+def is_initialized() -> bool:
+  return _runtime is not None
+
+
+def get(what: str = "this operation") -> Runtime:
+  """The runtime, or a clear error naming ``what`` needed it."""
+  rt = _runtime
+  if rt is None:
+    raise RuntimeError(
+        f"{what} needs the mpijax runtime: call mpijax.init() first "
+        "(once per process, before any mpijax collective).")
+  return rt
+
+
+def register_shutdown_hook(fn) -> None:
+  """Runs ``fn()`` at ``shutdown()`` (e.g. to free communicators)."""
+  _shutdown_hooks.append(fn)
+
+
+# --- devices -----------------------------------------------------------------
+
+_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def _user_cpu_device_count() -> int | None:
+  """The CPU device count the user already asked JAX for, if any."""
+  m = _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+  if m:
+    return int(m.group(1))
+  import jax
+  n = jax.config.jax_num_cpu_devices
+  return n if n and n > 0 else None
+
+
+def _backends_initialized() -> bool:
+  from jax._src import xla_bridge
+  return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def _configure_devices(devices_per_process: int | None, local_rank: int, local_size: int) -> None:
+  """Sets JAX's local device count / GPU choice before JAX's backend starts."""
+  import jax
+  requested = devices_per_process if devices_per_process is not None else config.get("devices_per_process")
+  if requested is not None and requested < 1:
+    raise ValueError(f"devices_per_process must be >= 1, got {requested}")
+  user = _user_cpu_device_count()
+  if _backends_initialized():
+    if requested is not None and jax.local_device_count() != requested and jax.default_backend() == "cpu":
+      raise RuntimeError(
+          f"devices_per_process={requested} was requested but JAX already started with "
+          f"{jax.local_device_count()} CPU devices. Call mpijax.init() before the first use of "
+          "JAX devices (jax.devices(), creating arrays, jit calls).")
+    return
+  if requested is not None:
+    if user is not None and user != requested:
+      raise ValueError(
+          f"devices_per_process={requested} conflicts with the user's own setting of {user} CPU "
+          "devices (XLA_FLAGS=--xla_force_host_platform_device_count or jax_num_cpu_devices). "
+          "Drop one of the two.")
+    if user is None:
+      jax.config.update("jax_num_cpu_devices", requested)
+  _configure_gpu(local_rank, local_size)
+
+
+def _configure_gpu(local_rank: int, local_size: int) -> None:
+  """One GPU per rank, chosen by local rank among the visible ones."""
+  import importlib.util
+  import jax
+  has_cuda = any(importlib.util.find_spec(m) is not None
+                 for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+  if not has_cuda or "JAX_CUDA_VISIBLE_DEVICES" in os.environ:
+    return
+  platforms = (jax.config.jax_platforms or "")
+  if platforms and "cuda" not in platforms and "gpu" not in platforms:
+    return
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    n = len([v for v in visible.split(",") if v.strip()])
+  else:
+    n = None
+  if n is not None and n == 0:
+    return
+  index = local_rank if n is None else local_rank % n
+  if n is not None and local_size > n:
+    print(f"mpijax: warning: {local_size} ranks on this node share {n} visible GPUs "
+          f"(CUDA_VISIBLE_DEVICES={visible!r}); rank {local_rank} uses GPU {index}.",
+          file=sys.stderr)
+  # Indexes JAX's view, which already honours CUDA_VISIBLE_DEVICES.
+  jax.config.update("jax_cuda_visible_devices", str(index))
+
+
+# --- coordinator -------------------------------------------------------------
+
+def _free_port(host: str) -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def _route_source_address(peer_host: str) -> str | None:
+  """This host's address on the interface that routes to ``peer_host``."""
+  try:
+    peer = socket.gethostbyname(peer_host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      s.connect((peer, 9))  # UDP connect sends nothing; it only picks a route
+      return s.getsockname()[0]
+  except OSError:
+    return None
+
+
+def _coordinator_host(hostnames: Sequence[str], rank0_host: str) -> str:
+  explicit = config.get("coordinator_host")
+  if explicit:
+    return explicit
+  others = [h for h in hostnames if h != rank0_host]
+  if not others:
+    return "127.0.0.1"  # a single-node job never needs to listen beyond loopback
+  addr = _route_source_address(others[0])
+  if addr:
+    return addr
+  try:
+    return socket.gethostbyname(rank0_host)
+  except OSError:
+    return rank0_host
+
+
+def _pick_coordinator(comm, hostnames: Sequence[str], explicit: str | None) -> str:
+  if explicit:
+    return explicit
+  address = None
+  if comm.rank == 0:
+    host = _coordinator_host(hostnames, hostnames[0])
+    port = config.get("coordinator_port") or _free_port(host if host != "0.0.0.0" else "")
+    address = f"{host}:{port}"
+  return mpi_util.bcast_str(comm, address, root=0)
+
+
+# --- init / shutdown ---------------------------------------------------------
+
+def _node_layout(hostnames: Sequence[str], rank: int) -> tuple[int, int]:
+  nodes: list[str] = []
+  for h in hostnames:
+    if h not in nodes:
+      nodes.append(h)
+  return nodes.index(hostnames[rank]), len(nodes)
+
+
+def _check(name: str, launcher: str, env_value: int | None, mpi_value: int) -> None:
+  if env_value is not None and env_value != mpi_value:
+    raise RuntimeError(
+        f"mpijax.init(): the {launcher!r} launcher environment says {name}={env_value}, "
+        f"but MPI.COMM_WORLD says {name}={mpi_value}. The environment belongs to a different "
+        "launch (e.g. variables inherited from an outer job, or mpi4py linked to another MPI "
+        "than the launcher's). Launch with the mpirun/srun matching mpi4py's MPI, or pass "
+        "launcher='mpi' to trust MPI alone.")
+
+
+def init(*, launcher: str | None = None,
+         rank: int | None = None,
+         size: int | None = None,
+         local_rank: int | None = None,
+         local_size: int | None = None,
+         coordinator_address: str | None = None,
+         devices_per_process: int | None = None,
+         jax_distributed: bool | None = None,
+         comm: Any = None,
+         abort_on_exception: bool | None = None) -> Runtime:
+  """Starts the mpijax runtime on this rank (idempotent).
+
+  Args:
+    launcher: force a detector ("openmpi4", "prrte", "slurm", "mpich", "mpi",
+      "single"); default: the first whose variables are present.
+    rank, size, local_rank, local_size: explicit values; they beat the
+      environment and are still cross-checked against MPI.
+    coordinator_address: "host:port" to use instead of rank 0 picking one.
+    devices_per_process: number of CPU devices per rank (default: the user's
+      XLA_FLAGS / jax_num_cpu_devices, else MPIJAX_DEVICES_PER_PROCESS, else 1).
+    jax_distributed: also call ``jax.distributed.initialize`` (default off, or
+      MPIJAX_JAX_DISTRIBUTED).
+    comm: the mpi4py communicator spanning the job (default COMM_WORLD);
+      mpijax works on a private clone of it.
+    abort_on_exception: install the hook that aborts every rank when one has
+      an uncaught exception (default on, MPIJAX_ABORT_ON_EXCEPTION).
+
+  Returns:
+    The :class:`Runtime`.
+
+  Examples:
+    >>> import mpijax
+    >>> rt = mpijax.init()  # doctest: +SKIP
+    >>> print(rt.topology)  # doctest: +SKIP
+    Topology(rank=0, size=4, local_rank=0, local_size=4, node=0/1, ...)
+  """
+  global _runtime
+  with _lock:
+    if _runtime is not None:
+      return _runtime
+    info = cluster.detect(launcher or config.get("launcher") or None, rank=rank, size=size,
+                          local_rank=local_rank, local_size=local_size)
+    MPI = mpi_util.import_mpi()
+    base = comm if comm is not None else MPI.COMM_WORLD
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+      print(f"mpijax: warning: MPI was initialized with thread level {MPI.Query_thread()} "
+            "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
+            "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE.",
+            file=sys.stderr)
+    if comm is None:
+      _check("rank", info.launcher, info.rank, base.Get_rank())
+      _check("size", info.launcher, info.size, base.Get_size())
+    my_rank, my_size = base.Get_rank(), base.Get_size()
+    private = base.Clone()
+    private.Set_name("mpijax")
+
+    host = socket.gethostname()
+    hostnames = tuple(mpi_util.allgather_str(private, host))
+    # Order the node's ranks by the launcher's local rank when it gives one (Open MPI
+    # may number them in mapping order, not world order); then MPI's local rank
+    # equals the launcher's exactly when the launcher's numbering is consistent.
+    key = info.local_rank if (info.local_rank is not None and comm is None) else my_rank
+    shared = private.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    mpi_local_rank, mpi_local_size = shared.Get_rank(), shared.Get_size()
+    shared.Free()
+    if comm is None:
+      _check("local_rank", info.launcher, info.local_rank, mpi_local_rank)
+      _check("local_size", info.launcher, info.local_size, mpi_local_size)
+    node_index, node_count = _node_layout(hostnames, my_rank)
+    address = _pick_coordinator(private, hostnames, coordinator_address)
+
+    _configure_devices(devices_per_process, mpi_local_rank, mpi_local_size)
+    use_dist = config.get("jax_distributed") if jax_distributed is None else jax_distributed
+    import jax
+    if use_dist:
+      _start_jax_distributed(address, my_size, my_rank)
+    local_devices = list(jax.local_devices())
+    table = _device_table(private, local_devices, host)
+
+    topology = Topology(rank=my_rank, size=my_size, local_rank=mpi_local_rank,
+                        local_size=mpi_local_size, node_index=node_index,
+                        node_count=node_count, hostnames=hostnames,
+                        coordinator_address=address, launcher=info.launcher)
+    _runtime = Runtime(topology=topology, comm=private, local_devices=local_devices,
+                       device_table=table, jax_distributed=bool(use_dist), _world_comm=base)
+    abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
+    if abort:
+      failure.install()
+    return _runtime
+
+
+def _start_jax_distributed(address: str, size: int, rank: int) -> None:
+  import jax
+  # Cross-process computations on CPU go through jax_cpu_collectives_implementation
+  # (gloo by default in current JAX); a user's own choice is kept.
+  jax.distributed.initialize(coordinator_address=address, num_processes=size, process_id=rank)
+
+
+def _device_table(comm, local_devices, host: str) -> tuple[DeviceInfo, ...]:
+  counts = mpi_util.allgather_int(comm, len(local_devices))
+  if len(set(counts)) != 1:
+    majority = max(set(counts), key=counts.count)
+    odd = [r for r, c in enumerate(counts) if c != majority]
+    raise RuntimeError(
+        "mpijax.init(): every rank must have the same number of local devices, but "
+        + ", ".join(f"rank {r} has {counts[r]}" for r in odd)
+        + f" while the others have {majority}. Set the same devices_per_process / "
+        "MPIJAX_DEVICES_PER_PROCESS / XLA_FLAGS on every rank (mpijax-run does this).")
+  platform = local_devices[0].platform
+  kind = getattr(local_devices[0], "device_kind", platform)
+  described = mpi_util.allgather_str(comm, f"{platform}\t{kind}\t{host}")
+  L = counts[0]
+  table = []
+  for p, text in enumerate(described):
+    plat, dkind, h = text.split("\t")
+    for l in range(L):
+      table.append(DeviceInfo(p, l, p * L + l, plat, h, dkind))
+  return tuple(table)
+
+
+def shutdown() -> None:
+  """Frees mpijax's communicators and state; ``init()`` may be called again."""
+  global _runtime
+  with _lock:
+    rt = _runtime
+    if rt is None:
+      return
+    for fn in reversed(_shutdown_hooks):
+      fn()
+    _shutdown_hooks.clear()
+    if rt.jax_distributed:
+      import jax
+      jax.distributed.shutdown()
+    MPI = mpi_util.import_mpi()
+    if not MPI.Is_finalized():
+      rt.comm.Free()
+    failure.uninstall()
+    _runtime = None
+
+
+# --- convenience accessors ---------------------------------------------------
+
+def process_index() -> int:
+  return get("mpijax.process_index()").rank
+
+
+def process_count() -> int:
+  return get("mpijax.process_count()").size
+
+
+def local_devices() -> list[Any]:
+  return list(get("mpijax.local_devices()").local_devices)
+
+
+def local_device_count() -> int:
+  return get("mpijax.local_device_count()").local_device_count
+
+
+def devices() -> tuple[DeviceInfo, ...]:
+  """The global device table: every device of every rank, in global order."""
+  return get("mpijax.devices()").device_table

@@ -1,0 +1,45 @@
+"""How the test suite starts MPI jobs: always bounded by a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mpirun_command(n: int, devices_per_process: int = 1) -> list[str]:
+  """The command prefix that starts ``n`` ranks with ``mpijax-run``."""
+  return [sys.executable, "-m", "mpijax.launch", "-n", str(n),
+          "--devices-per-process", str(devices_per_process), "--"]
+
+
+def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: float = 300,
+            env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+  """Runs ``argv`` on ``n`` ranks; returns the result and the wall time.
+
+  The job gets its own process group so a timeout kills every rank.
+  """
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  full_env["MPIJAX_DEVICES_PER_PROCESS"] = str(devices_per_process)
+  cmd = mpirun_command(n, devices_per_process) + argv
+  start = time.monotonic()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=full_env, cwd=str(cwd or REPO), start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, 9)
+    out, _ = proc.communicate()
+    out += f"\n[tests] killed after the {timeout}s timeout\n"
+    proc.returncode = -9
+  result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+  return result, time.monotonic() - start
+
+
+def tail(text: str, lines: int = 80) -> str:
+  return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,31 @@
+"""One rank's uncaught exception ends the whole job quickly, naming the rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests._launch import REPO, run_mpi, tail
+
+
+def _no_leftovers(marker: str) -> list[str]:
+  out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+  return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.parametrize("script,wrapped", [
+    ("fail_rank2.py", False),        # hook installed by mpijax.init()
+    ("fail_rank2_noinit.py", True),  # python -m mpijax.run wrapper
+])
+def test_rank_2_raises_and_the_job_aborts(script, wrapped):
+  path = str(REPO / "tests" / "scripts" / script)
+  argv = [sys.executable] + (["-m", "mpijax.run"] if wrapped else []) + [path]
+  result, seconds = run_mpi(4, argv, timeout=120)
+  out = result.stdout
+  assert result.returncode != 0, tail(out)
+  assert seconds < 90, f"took {seconds:.0f}s"
+  assert "rank 2/4" in out and "deliberate failure on rank 2" in out, tail(out)
+  assert "passed the barrier" not in out, tail(out)
+  assert not _no_leftovers(script), _no_leftovers(script)

@@ -1,0 +1,32 @@
+"""Runs the ``tests/mpi`` suite inside real MPI jobs (bounded by timeouts)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests._launch import run_mpi, tail
+
+# (ranks, CPU devices per rank). 4 ranks on 2 cores is slow: keep tests/mpi lean.
+CONFIGS = [
+    pytest.param(4, 1, id="4ranks-x-1dev"),
+    pytest.param(2, 2, id="2ranks-x-2dev"),
+    pytest.param(1, 1, id="1rank"),
+]
+
+
+@pytest.mark.parametrize("ranks,devices", CONFIGS)
+def test_mpi_suite(ranks, devices):
+  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+          "-W", "ignore::DeprecationWarning", "tests/mpi"]
+  select = os.environ.get("MPIJAX_TEST_SELECT")  # e.g. "-k allreduce" for local work
+  if select:
+    argv += select.split()
+  result, seconds = run_mpi(ranks, argv, devices_per_process=devices, timeout=900,
+                            env={"MPIJAX_TEST_INSIDE_MPI": "1", "MPIJAX_TIMEOUT": "120"})
+  print(tail(result.stdout, 400))
+  assert result.returncode == 0, (
+      f"tests/mpi failed under {ranks} ranks x {devices} devices "
+      f"(exit {result.returncode}, {seconds:.0f}s):\n{tail(result.stdout)}")
