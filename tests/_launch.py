@@ -11,22 +11,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def mpirun_command(n: int, devices_per_process: int = 1) -> list[str]:
+def mpirun_command(n: int, devices_per_process: int = 1, wrap: bool = True) -> list[str]:
   """The command prefix that starts ``n`` ranks with ``mpijax-run``."""
   return [sys.executable, "-m", "mpijax.launch", "-n", str(n),
-          "--devices-per-process", str(devices_per_process), "--"]
+          "--devices-per-process", str(devices_per_process)] + ([] if wrap else ["--no-wrap"]) + ["--"]
 
 
 def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: float = 300,
-            env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+            env: dict[str, str] | None = None, cwd: Path | None = None,
+            wrap: bool = True) -> tuple[subprocess.CompletedProcess, float]:
   """Runs ``argv`` on ``n`` ranks; returns the result and the wall time.
+
+  ``wrap=False`` runs a Python program without the ``mpijax.run`` wrapper.
 
   The job gets its own process group so a timeout kills every rank.
   """
   full_env = dict(os.environ)
   full_env.update(env or {})
   full_env["MPIJAX_DEVICES_PER_PROCESS"] = str(devices_per_process)
-  cmd = mpirun_command(n, devices_per_process) + argv
+  cmd = mpirun_command(n, devices_per_process, wrap) + argv
   start = time.monotonic()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=full_env, cwd=str(cwd or REPO), start_new_session=True)

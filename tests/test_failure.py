@@ -16,13 +16,12 @@ def _no_leftovers(marker: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script,wrapped", [
-    ("fail_rank2.py", False),        # hook installed by mpijax.init()
-    ("fail_rank2_noinit.py", True),  # python -m mpijax.run wrapper
+    ("fail_rank2.py", False),        # only the hook that mpijax.init() installs
+    ("fail_rank2_noinit.py", True),  # mpijax-run's python -m mpijax.run wrapper
 ])
 def test_rank_2_raises_and_the_job_aborts(script, wrapped):
   path = str(REPO / "tests" / "scripts" / script)
-  argv = [sys.executable] + (["-m", "mpijax.run"] if wrapped else []) + [path]
-  result, seconds = run_mpi(4, argv, timeout=120)
+  result, seconds = run_mpi(4, [sys.executable, path], timeout=120, wrap=wrapped)
   out = result.stdout
   assert result.returncode != 0, tail(out)
   assert seconds < 90, f"took {seconds:.0f}s"
