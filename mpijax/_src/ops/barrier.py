@@ -1,0 +1,38 @@
+"""barrier: waits until every rank of the communicator has reached it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.interpreters import partial_eval as pe
+
+from mpijax._src.ops import _base
+
+barrier_p = _base.make_primitive("mpijax_barrier", multiple_results=True)
+
+
+def barrier(*, comm: Any = None) -> None:
+  """Blocks until all ranks of ``comm`` call it (eagerly or inside jit).
+
+  Inside ``jax.jit`` it runs in program order with the other mpijax ops.
+  """
+  info = _base.resolve_comm(comm, "mpijax.ops.barrier")
+  barrier_p.bind(comm_id=info.id)
+
+
+def _abstract_eval(*, comm_id):
+  return []
+
+
+def _attrs(*, comm_id):
+  return dict(comm=_base.i64(comm_id))
+
+
+def _keep(used_outputs, eqn):
+  # It has no outputs to be used; keep it anyway (it is all side effect).
+  return [], eqn
+
+
+barrier_p.def_abstract_eval(_abstract_eval)
+_base.register_ffi_lowering(barrier_p, "mpijax_barrier", _attrs)
+pe.dce_rules[barrier_p] = _keep

@@ -1,0 +1,123 @@
+"""bcast: every rank gets root's ``x``; and reduce, its transpose.
+
+``reduce(x, root)`` sums to ``root`` and gives zeros elsewhere, which is the
+transpose of ``bcast`` (and bcast is the transpose of reduce-sum).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad, batching
+
+from mpijax._src.ops import _base
+
+bcast_p = _base.make_primitive("mpijax_bcast")
+reduce_p = _base.make_primitive("mpijax_reduce")
+
+
+def _check_root(op_name: str, root: int, size: int) -> int:
+  if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < size:
+    raise ValueError(f"{op_name} got root={root!r}; expected a static int rank "
+                     f"in [0, {size}).")
+  return root
+
+
+def bcast(x, root: int, *, comm: Any = None) -> jax.Array:
+  """Broadcasts ``x`` from rank ``root`` to every rank of ``comm``.
+
+  Args:
+    x: array of a supported dtype; same shape and dtype on every rank (only
+      root's values are used).
+    root: the sending rank (a Python int).
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    Root's ``x`` on every rank.
+
+  Examples:
+    >>> params = mpijax.ops.bcast(params_leaf, root=0)  # doctest: +SKIP
+  """
+  x = jnp.asarray(x)
+  _base.check_dtype("mpijax.ops.bcast", x.dtype)
+  info = _base.resolve_comm(comm, "mpijax.ops.bcast")
+  _check_root("mpijax.ops.bcast", root, info.size)
+  return bcast_p.bind(x, comm_id=info.id, root=root)
+
+
+def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
+  """Reduces ``x`` over ranks onto ``root``; the other ranks get zeros.
+
+  Args:
+    x: array of a supported dtype; same shape on every rank.
+    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor").
+    root: the receiving rank (a Python int).
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    The reduction on ``root``, zeros of ``x``'s shape elsewhere.
+  """
+  x = jnp.asarray(x)
+  _base.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
+  info = _base.resolve_comm(comm, "mpijax.ops.reduce")
+  _check_root("mpijax.ops.reduce", root, info.size)
+  return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
+
+
+def _same(x, **params):
+  return x
+
+
+def _bcast_attrs(*, comm_id, root):
+  return dict(comm=_base.i64(comm_id), root=_base.i64(root))
+
+
+def _reduce_attrs(*, comm_id, op, root):
+  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]),
+              root=_base.i64(root))
+
+
+def _elementwise_batcher(prim):
+  def rule(args, dims, **params):
+    return prim.bind(args[0], **params), dims[0]
+  return rule
+
+
+def _bcast_transpose(ct, x, *, comm_id, root):
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  return (reduce_p.bind(ct, comm_id=comm_id, op="sum", root=root),)
+
+
+def _reduce_jvp(primals, tangents, *, comm_id, op, root):
+  (x,), (t,) = primals, tangents
+  out = reduce_p.bind(x, comm_id=comm_id, op=op, root=root)
+  if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
+    return out, ad.Zero.from_primal_value(out)
+  if op != "sum":
+    raise TypeError(f"mpijax.ops.reduce(op={op!r}) is not differentiable; "
+                    "only op='sum' is.")
+  return out, reduce_p.bind(t, comm_id=comm_id, op="sum", root=root)
+
+
+def _reduce_transpose(ct, x, *, comm_id, op, root):
+  if op != "sum":
+    raise TypeError(f"mpijax.ops.reduce(op={op!r}) is not linear.")
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  # Only root's cotangent matters (the others' outputs are constant zeros).
+  return (bcast_p.bind(ct, comm_id=comm_id, root=root),)
+
+
+bcast_p.def_abstract_eval(_same)
+_base.register_ffi_lowering(bcast_p, "mpijax_bcast", _bcast_attrs)
+batching.primitive_batchers[bcast_p] = _elementwise_batcher(bcast_p)
+ad.deflinear2(bcast_p, _bcast_transpose)
+
+reduce_p.def_abstract_eval(_same)
+_base.register_ffi_lowering(reduce_p, "mpijax_reduce", _reduce_attrs)
+batching.primitive_batchers[reduce_p] = _elementwise_batcher(reduce_p)
+ad.primitive_jvps[reduce_p] = _reduce_jvp
+ad.primitive_transposes[reduce_p] = _reduce_transpose

@@ -1,0 +1,118 @@
+"""ppermute / sendrecv: point-to-point exchange by a permutation of ranks.
+
+Semantics of ``jax.lax.ppermute``: ``perm`` is a sequence of ``(src, dst)``
+pairs, each rank appearing at most once as a source and once as a
+destination; a rank nobody sends to receives zeros. The transpose is the
+inverse permutation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad, batching
+
+from mpijax._src.ops import _base
+
+ppermute_p = _base.make_primitive("mpijax_ppermute")
+
+
+def _normalize_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
+  try:
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+  except (TypeError, ValueError):
+    raise TypeError(f"mpijax.ops.ppermute got perm={perm!r}; expected a "
+                    "sequence of (src, dst) rank pairs.") from None
+  srcs = [s for s, _ in pairs]
+  dsts = [d for _, d in pairs]
+  for r in srcs + dsts:
+    if not 0 <= r < size:
+      raise ValueError(f"mpijax.ops.ppermute perm={pairs} names rank {r}, "
+                       f"outside the communicator of size {size}.")
+  if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+    raise ValueError(f"mpijax.ops.ppermute perm={pairs} is not a permutation: "
+                     "each rank may appear at most once as a source and once "
+                     "as a destination.")
+  return pairs
+
+
+def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Array:
+  """Sends ``x`` from ``src`` to ``dst`` for every pair in ``perm``.
+
+  Args:
+    x: array of a supported dtype; same shape and dtype on every rank.
+    perm: ``(src, dst)`` rank pairs (cycles and partial maps allowed).
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    What the rank's source sent, or zeros if no pair targets this rank.
+
+  Examples:
+    >>> ring = [(r, (r + 1) % size) for r in range(size)]  # doctest: +SKIP
+    >>> y = mpijax.ops.ppermute(x, ring)  # doctest: +SKIP
+  """
+  x = jnp.asarray(x)
+  _base.check_dtype("mpijax.ops.ppermute", x.dtype)
+  info = _base.resolve_comm(comm, "mpijax.ops.ppermute")
+  pairs = _normalize_perm(perm, info.size)
+  if not pairs:
+    return jnp.zeros_like(x)
+  return ppermute_p.bind(x, comm_id=info.id, perm=pairs)
+
+
+def sendrecv(x, source: int | None, dest: int | None, *,
+             comm: Any = None) -> jax.Array:
+  """This rank's step of a point-to-point exchange, like ``MPI_Sendrecv``.
+
+  Sends ``x`` to rank ``dest`` and returns what rank ``source`` sent (zeros
+  when ``source`` is None; nothing is sent when ``dest`` is None). The ranks'
+  arguments must match up (if r sends to d, d receives from r) -- as with MPI,
+  a mismatch waits until the configured timeout and then raises. It is a
+  ``ppermute`` over the pairs this rank knows about, so it has the same
+  transpose (send back to ``source``, receive from ``dest``).
+
+  Examples:
+    >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP
+  """
+  x = jnp.asarray(x)
+  _base.check_dtype("mpijax.ops.sendrecv", x.dtype)
+  info = _base.resolve_comm(comm, "mpijax.ops.sendrecv")
+  pairs = []
+  if dest is not None:
+    pairs.append((info.rank, dest))
+  if source is not None:
+    pairs.append((source, info.rank))
+  pairs = _normalize_perm(list(dict.fromkeys(pairs)), info.size)
+  if not pairs:
+    return jnp.zeros_like(x)
+  return ppermute_p.bind(x, comm_id=info.id, perm=pairs)
+
+
+def _abstract_eval(x, *, comm_id, perm):
+  return x
+
+
+def _attrs(*, comm_id, perm):
+  srcs = np.array([s for s, _ in perm], np.int64)
+  dsts = np.array([d for _, d in perm], np.int64)
+  return dict(comm=_base.i64(comm_id), srcs=srcs, dsts=dsts)
+
+
+def _batch(args, dims, *, comm_id, perm):
+  return ppermute_p.bind(args[0], comm_id=comm_id, perm=perm), dims[0]
+
+
+def _transpose(ct, x, *, comm_id, perm):
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  inverse = tuple((d, s) for s, d in perm)
+  return (ppermute_p.bind(ct, comm_id=comm_id, perm=inverse),)
+
+
+ppermute_p.def_abstract_eval(_abstract_eval)
+_base.register_ffi_lowering(ppermute_p, "mpijax_ppermute", _attrs)
+batching.primitive_batchers[ppermute_p] = _batch
+ad.deflinear2(ppermute_p, _transpose)

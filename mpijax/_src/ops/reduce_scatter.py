@@ -1,0 +1,82 @@
+"""reduce_scatter: rank r gets the reduction over ranks of ``x[r]``.
+
+Transpose (op="sum"): allgather, and vice versa.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad, batching
+
+from mpijax._src.ops import _base
+
+reduce_scatter_p = _base.make_primitive("mpijax_reduce_scatter")
+
+
+def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
+  """Reduces ``x`` over ranks and scatters the result along axis 0.
+
+  Args:
+    x: array with ``x.shape[0] == comm size``; same shape on every rank.
+    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor").
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    On rank r, the reduction over all ranks of ``x[r]`` (shape ``x.shape[1:]``).
+
+  Examples:
+    >>> mine = mpijax.ops.reduce_scatter(jnp.ones((size, 3)))  # doctest: +SKIP
+  """
+  x = jnp.asarray(x)
+  _base.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
+  info = _base.resolve_comm(comm, "mpijax.ops.reduce_scatter")
+  if x.ndim == 0 or x.shape[0] != info.size:
+    raise ValueError(
+        f"mpijax.ops.reduce_scatter needs x.shape[0] == communicator size "
+        f"{info.size}, got shape {x.shape}; reshape to ({info.size}, ...).")
+  return reduce_scatter_p.bind(x, comm_id=info.id, op=op, size=info.size)
+
+
+def _abstract_eval(x, *, comm_id, op, size):
+  return x.update(shape=x.shape[1:])
+
+
+def _attrs(*, comm_id, op, size):
+  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]))
+
+
+def _batch(args, dims, *, comm_id, op, size):
+  (x,), (d,) = args, dims
+  out = reduce_scatter_p.bind(_base.moveaxis(x, d, 1), comm_id=comm_id, op=op,
+                              size=size)
+  return out, 0
+
+
+def _jvp(primals, tangents, *, comm_id, op, size):
+  (x,), (t,) = primals, tangents
+  out = reduce_scatter_p.bind(x, comm_id=comm_id, op=op, size=size)
+  if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
+    return out, ad.Zero.from_primal_value(out)
+  if op != "sum":
+    raise TypeError(f"mpijax.ops.reduce_scatter(op={op!r}) is not "
+                    "differentiable; only op='sum' is.")
+  return out, reduce_scatter_p.bind(t, comm_id=comm_id, op="sum", size=size)
+
+
+def _transpose(ct, x, *, comm_id, op, size):
+  from mpijax._src.ops.allgather import allgather_p
+  if op != "sum":
+    raise TypeError(f"mpijax.ops.reduce_scatter(op={op!r}) is not linear.")
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  return (allgather_p.bind(ct, comm_id=comm_id, size=size),)
+
+
+reduce_scatter_p.def_abstract_eval(_abstract_eval)
+_base.register_ffi_lowering(reduce_scatter_p, "mpijax_reduce_scatter", _attrs)
+batching.primitive_batchers[reduce_scatter_p] = _batch
+ad.primitive_jvps[reduce_scatter_p] = _jvp
+ad.primitive_transposes[reduce_scatter_p] = _transpose
