@@ -1,0 +1,358 @@
+"""Shared harness of the mpijax benchmarks.
+
+What every benchmark here does the same way:
+
+* **Timing.** A row is a zero-argument ``step()`` that runs one operation and
+  blocks on its result. Each trial runs ``step()`` ``iters`` times behind a
+  barrier; ``iters`` is chosen so a trial lasts about ``trial_seconds`` and is
+  agreed across ranks (the max), because every rank must issue the same
+  number of collectives. A rank's figure is the median over trials of the
+  time per step; the reported figure is the max over ranks of those medians.
+* **Phases.** Some rows cannot share a process with the others: JAX's gloo
+  ``psum`` needs ``jax.distributed``, a setting such as ``MPIJAX_TIMEOUT=0``
+  is read at start-up, and a hierarchical run needs a different device count.
+  Each such phase is a separate ``mpirun`` of the same script with
+  ``--phase NAME --phase-out FILE``; :func:`run_phase` starts it (from a plain
+  process, or from rank 0 of an ``mpirun`` job with the launcher's variables
+  removed, so Open MPI starts a fresh job) and reads back its JSON.
+* **Output.** A Markdown table (rows = methods, columns = sizes, cells =
+  median microseconds), JSON with every rank's median, and a log-log PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+# Variables through which mpirun tells its children who they are. A nested
+# mpirun that inherits them would try to join the outer job.
+_LAUNCHER_ENV_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_", "MPI_LOCALRANKID",
+                          "MPI_LOCALNRANKS")
+
+DEFAULT_SIZES = (4, 4 << 10, 256 << 10, 4 << 20, 64 << 20)
+QUICK_SIZES = (4, 4 << 10, 256 << 10)
+
+
+# --- sizes ---------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+  """'4', '4K', '4KiB', '256KiB', '4MiB', '1GiB' -> bytes."""
+  t = text.strip().lower().replace("ib", "").rstrip("b")
+  mult = 1
+  for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+    if t.endswith(suffix):
+      t, mult = t[:-1], m
+      break
+  try:
+    value = int(float(t) * mult)
+  except ValueError:
+    raise ValueError(f"cannot read size {text!r}; write e.g. 4, 4KiB, 256KiB, 4MiB") from None
+  if value < 4 or value % 4:
+    raise ValueError(f"size {text!r} = {value} B is not a positive multiple of 4 (float32)")
+  return value
+
+
+def parse_sizes(text: str) -> list[int]:
+  return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def fmt_size(nbytes: int) -> str:
+  for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if nbytes >= m and nbytes % m == 0:
+      return f"{nbytes // m} {unit}"
+  return f"{nbytes} B"
+
+
+def default_trials(nbytes: int) -> int:
+  # Small messages are cheap and noisy: more trials. Large ones are >= 10.
+  return 30 if nbytes < (1 << 20) else 10
+
+
+# --- communication used by the harness itself ------------------------------------
+
+def under_mpi_launcher() -> bool:
+  """True when this process was started by mpirun/mpiexec/srun as an MPI rank."""
+  keys = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS")
+  return any(k in os.environ for k in keys)
+
+
+def import_mpi():
+  """mpi4py's MPI, initialized with MPI_THREAD_MULTIPLE as mpijax.init() would."""
+  import mpi4py
+  if "mpi4py.MPI" not in sys.modules:
+    mpi4py.rc.thread_level = "multiple"
+  from mpi4py import MPI
+  return MPI
+
+
+class HarnessComm:
+  """Barrier and reductions for the harness, on its own duplicate of COMM_WORLD."""
+
+  def __init__(self):
+    MPI = import_mpi()
+    self.MPI = MPI
+    self.comm = MPI.COMM_WORLD.Dup()
+    self.rank = self.comm.Get_rank()
+    self.size = self.comm.Get_size()
+
+  def barrier(self) -> None:
+    self.comm.Barrier()
+
+  def max(self, value: float) -> float:
+    return self.comm.allreduce(value, op=self.MPI.MAX)
+
+  def gather(self, value: Any) -> list[Any] | None:
+    return self.comm.gather(value, root=0)
+
+  def bcast(self, value: Any) -> Any:
+    return self.comm.bcast(value, root=0)
+
+  def idle_barrier(self) -> None:
+    """A barrier that sleeps instead of spinning: the waiting ranks must not
+    take CPU from a nested job that rank 0 is running on the same cores."""
+    req = self.comm.Ibarrier()
+    while not req.Test():
+      time.sleep(0.02)
+
+
+# --- timing ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Timing:
+  median_us: float           # max over ranks of each rank's median
+  rank_medians_us: list[float]
+  iters: int                 # steps per trial
+  trials: int
+  per_op_divisor: int = 1    # steps count this many operations each
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def time_step(step: Callable[[], Any], hc: HarnessComm, *, trials: int,
+              trial_seconds: float = 0.005, warmup: int = 3, max_iters: int = 20000,
+              per_op_divisor: int = 1) -> Timing:
+  """Times ``step()`` (which must block on its result); see the module docstring."""
+  for _ in range(warmup):
+    step()
+  # Calibrate: a few timed steps, the fastest decides (less noisy than the mean).
+  hc.barrier()
+  probe = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    step()
+    probe.append(time.perf_counter() - t0)
+  est = max(min(probe), 1e-7)
+  iters = int(min(max_iters, max(1, math.ceil(trial_seconds / est))))
+  iters = int(hc.max(iters))
+  per_step = []
+  for _ in range(trials):
+    hc.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      step()
+    per_step.append((time.perf_counter() - t0) / iters)
+  mine = statistics.median(per_step) * 1e6 / per_op_divisor
+  gathered = hc.comm.allgather(mine)
+  return Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters,
+                trials=trials, per_op_divisor=per_op_divisor)
+
+
+# --- rows and results -------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+  """One method measured over the sizes: ``cells[nbytes]`` is a Timing or a skip reason."""
+  key: str
+  label: str
+  phase: str
+  cells: dict[int, Timing | str] = dataclasses.field(default_factory=dict)
+  note: str = ""
+
+  def us(self, nbytes: int) -> float | None:
+    c = self.cells.get(nbytes)
+    return c.median_us if isinstance(c, Timing) else None
+
+  def to_json(self) -> dict[str, Any]:
+    return {"key": self.key, "label": self.label, "phase": self.phase, "note": self.note,
+            "cells": {str(k): (v.to_json() if isinstance(v, Timing) else {"skipped": v})
+                      for k, v in self.cells.items()}}
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> Row:
+    cells: dict[int, Timing | str] = {}
+    for k, v in d["cells"].items():
+      cells[int(k)] = v["skipped"] if "skipped" in v else Timing(**v)
+    return cls(d["key"], d["label"], d["phase"], cells, d.get("note", ""))
+
+
+def environment_info() -> dict[str, Any]:
+  info: dict[str, Any] = {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "host": socket.gethostname(),
+      "python": platform.python_version(),
+      "machine": platform.machine(),
+      "cpus": os.cpu_count(),
+  }
+  for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax"):
+    try:
+      from importlib import metadata
+      info[mod] = metadata.version(mod)
+    except Exception:  # not installed
+      info[mod] = None
+  try:
+    MPI = import_mpi() if "mpi4py.MPI" in sys.modules else None
+    if MPI is not None:
+      info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+      info["mpi_thread_level"] = MPI.Query_thread()
+  except Exception:
+    pass
+  return info
+
+
+# --- phases in separate mpirun jobs -------------------------------------------------
+
+def launcher_free_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+  env.update(overrides or {})
+  return env
+
+
+def mpirun_command(nprocs: int, argv: Sequence[str], *, timeout: float) -> list[str]:
+  return (["timeout", "--kill-after=10", str(int(timeout)), "mpirun", "--allow-run-as-root",
+           "--oversubscribe", "-n", str(nprocs)] + list(argv))
+
+
+def run_phase(script: str, nprocs: int, phase: str, args: Sequence[str], *,
+              env: dict[str, str] | None = None, timeout: float = 600,
+              verbose: bool = True) -> tuple[list[Row], dict[str, Any]] | str:
+  """Runs ``script --phase phase`` under a fresh ``mpirun -n nprocs``.
+
+  Returns the rows and the phase's metadata, or a one-line reason on failure
+  (non-zero exit, timeout), so the caller can print it in the table.
+  """
+  with tempfile.TemporaryDirectory(prefix="mpijax-bench-") as tmp:
+    out = os.path.join(tmp, f"{phase}.json")
+    argv = [sys.executable, script, "--phase", phase, "--phase-out", out] + list(args)
+    cmd = mpirun_command(nprocs, argv, timeout=timeout)
+    if verbose:
+      envtxt = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+      print(f"# phase {phase}: {envtxt + ' ' if envtxt else ''}{shlex.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=launcher_free_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    took = time.perf_counter() - t0
+    if verbose and proc.stdout.strip():
+      for line in proc.stdout.rstrip().splitlines():
+        print(f"#   [{phase}] {line}", flush=True)
+    if proc.returncode != 0 or not os.path.exists(out):
+      reason = ("timed out after %ds" % timeout if proc.returncode in (124, 137)
+                else f"exit code {proc.returncode}")
+      tail = [l for l in proc.stdout.strip().splitlines() if l.strip()][-1:] or [""]
+      return f"phase {phase!r} failed ({reason}): {tail[0][:200]}"
+    with open(out) as f:
+      data = json.load(f)
+  if verbose:
+    print(f"# phase {phase}: done in {took:.0f} s", flush=True)
+  return [Row.from_json(r) for r in data["rows"]], data.get("meta", {})
+
+
+def write_phase_output(path: str, rows: Sequence[Row], meta: dict[str, Any]) -> None:
+  with open(path, "w") as f:
+    json.dump({"rows": [r.to_json() for r in rows], "meta": meta}, f, indent=1)
+
+
+# --- reporting ---------------------------------------------------------------------
+
+def _fmt_us(v: float | None) -> str:
+  if v is None:
+    return "–"
+  if v >= 1000:
+    return f"{v:,.0f}"
+  if v >= 100:
+    return f"{v:.0f}"
+  if v >= 10:
+    return f"{v:.1f}"
+  return f"{v:.2f}"
+
+
+def _fmt_ratio(v: float | None) -> str:
+  if v is None:
+    return "–"
+  return f"{v:.3f}×" if v < 0.1 else f"{v:.2f}×"
+
+
+def markdown_table(rows: Sequence[Row], sizes: Sequence[int], *,
+                   ratio_to: Row | None = None, title: str = "method") -> str:
+  """Times (or, with ``ratio_to``, time / that row's time) as a Markdown table."""
+  head = f"| {title} | " + " | ".join(fmt_size(s) for s in sizes) + " |"
+  sep = "|---|" + "---:|" * len(sizes)
+  lines = [head, sep]
+  for r in rows:
+    cells = []
+    for s in sizes:
+      v = r.us(s)
+      if ratio_to is not None:
+        base = ratio_to.us(s)
+        cells.append(_fmt_ratio(v / base if v is not None and base else None))
+      else:
+        cells.append(_fmt_us(v))
+    lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def skip_notes(rows: Sequence[Row]) -> list[str]:
+  """One line per distinct reason a row has no figure."""
+  notes = []
+  for r in rows:
+    reasons = sorted({v for v in r.cells.values() if isinstance(v, str)})
+    for reason in reasons:
+      notes.append(f"- {r.label}: {reason}")
+  return notes
+
+
+def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str) -> str | None:
+  """Log-log time-vs-size PNG; returns a reason instead if matplotlib is missing."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except Exception as e:  # optional dependency
+    return f"no plot: matplotlib not importable ({e})"
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  markers = "os^vD<>phx*+"
+  for i, r in enumerate(rows):
+    pts = [(s, r.us(s)) for s in sizes if r.us(s) is not None]
+    if not pts:
+      continue
+    xs, ys = zip(*pts)
+    ax.plot(xs, ys, marker=markers[i % len(markers)], label=r.label)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xticks(list(sizes))
+  ax.set_xticklabels([fmt_size(s) for s in sizes])
+  ax.set_xlabel("message size per rank (float32)")
+  ax.set_ylabel("median time per operation (µs, max over ranks)")
+  ax.set_title(title)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return None
+
+
+def default_out_dir() -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

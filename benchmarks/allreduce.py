@@ -1,0 +1,530 @@
+"""float32 sum all-reduce: mpijax inside jax.jit against what a user would pick instead.
+
+Run it as an MPI job (every row, gloo phase included)::
+
+  timeout 900 mpirun --allow-run-as-root --oversubscribe -n 2 python benchmarks/allreduce.py
+
+or from a plain shell, which starts the mpirun jobs itself::
+
+  python benchmarks/allreduce.py --np 2
+
+Rows (median µs per operation, max over ranks):
+
+* ``mpi4py Allreduce`` on NumPy buffers, out of place and in place: the floor.
+* ``jax.jit(x + 1)``: the cost of one jitted dispatch, the floor of any
+  collective called from jit.
+* ``mpijax.ops.allreduce`` in jit: one per jitted call; ten chained in one
+  call (time per all-reduce); the input donated (in place, >= 256 KiB).
+* ``mpi4jax.allreduce`` in jit, one per call and ten chained, if importable.
+* JAX's own ``psum`` across processes (gloo, ``jax.distributed``), in its own
+  phase: ``shard_map`` over a 1-D mesh of the P global CPU devices.
+* ``--env-row MPIJAX_TIMEOUT=0`` (repeatable) adds the mpijax rows measured in
+  a job with that environment variable set, e.g. stall inspector off.
+
+Writes ``allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
+(default ``benchmarks/results/``) and prints the table and the issue-3 targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from _common import HarnessComm, Row, Timing  # noqa: E402
+
+SCRIPT = os.path.abspath(__file__)
+CHAIN = 10
+
+# key -> label, in table order.
+LABELS = {
+    "raw_oop": "mpi4py Allreduce, NumPy, out of place",
+    "raw_inplace": "mpi4py Allreduce, NumPy, in place",
+    "jit_floor": "jax.jit(x + 1) (dispatch floor)",
+    "mpijax_1": "mpijax allreduce in jit, 1 per call",
+    "mpijax_10": f"mpijax allreduce in jit, {CHAIN} chained (per op)",
+    "mpijax_donated": "mpijax allreduce in jit, donated (in place)",
+    "mpi4jax_1": "mpi4jax allreduce in jit, 1 per call",
+    "mpi4jax_10": f"mpi4jax allreduce in jit, {CHAIN} chained (per op)",
+    "gloo_psum": "JAX psum over gloo (jax.distributed)",
+}
+DONATED_MIN_BYTES = 256 << 10
+
+
+class Skip(Exception):
+  """A row cannot run here; the message says why (printed under the table)."""
+
+
+# --- step builders: nbytes -> (step, ops per step) ---------------------------------
+#
+# A builder compiles, checks the result once against NumPy, and returns a step
+# that runs one call and blocks on it. Checking first means a wrong answer can
+# never be reported as a fast one.
+
+def _expect(got, want, what: str) -> None:
+  import numpy as np
+  got = np.asarray(got)
+  if not np.allclose(got, want, rtol=1e-5):
+    raise RuntimeError(f"{what}: wrong result, got {got.ravel()[:4]} expected {want}")
+
+
+def _raw(hc: HarnessComm, in_place: bool) -> Callable[[int], tuple[Callable[[], Any], int]]:
+  import numpy as np
+  MPI = hc.MPI
+
+  def build(nbytes: int):
+    n = nbytes // 4
+    comm = hc.comm.Dup()  # its own communicator, as a user's code would have
+    send = np.full(n, hc.rank + 1, np.float32)
+    recv = np.empty(n, np.float32)
+    if in_place:
+      comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)
+      _expect(send, hc.size * (hc.size + 1) / 2, "mpi4py in place")
+      send[:] = 0
+      return (lambda: comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)), 1
+    comm.Allreduce(send, recv, op=MPI.SUM)
+    _expect(recv, hc.size * (hc.size + 1) / 2, "mpi4py out of place")
+    return (lambda: comm.Allreduce(send, recv, op=MPI.SUM)), 1
+  return build
+
+
+def _jit_floor(hc: HarnessComm):
+  import jax
+  import jax.numpy as jnp
+
+  def build(nbytes: int):
+    f = jax.jit(lambda x: x + 1)
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    _expect(f(x), 1.0, "jit(x + 1)")
+    return (lambda: f(x).block_until_ready()), 1
+  return build
+
+
+def _chain(reduce_fn, k: int):
+  def f(x):
+    for _ in range(k):
+      x = reduce_fn(x)
+    return x
+  return f
+
+
+def _jitted_allreduce(hc: HarnessComm, reduce_fn, what: str, *, chained: int = 1,
+                      donate: bool = False):
+  import jax
+  import jax.numpy as jnp
+
+  def build(nbytes: int):
+    if donate and nbytes < DONATED_MIN_BYTES:
+      raise Skip(f"donated variant is measured from {_common.fmt_size(DONATED_MIN_BYTES)} on")
+    n = nbytes // 4
+    body = _chain(reduce_fn, chained)
+    if donate:
+      f = jax.jit(body, donate_argnums=0)
+      x = jnp.full(n, hc.rank + 1, jnp.float32)
+      y = f(x)
+      _expect(y, hc.size * (hc.size + 1) / 2, what)
+      if not x.is_deleted():
+        raise Skip("XLA did not donate the input buffer on this platform")
+      # Zeros stay zeros, so the output can be fed back in forever.
+      state = [f(jnp.zeros(n, jnp.float32))]
+
+      def step():
+        state[0] = f(state[0])
+        state[0].block_until_ready()
+      return step, chained
+    f = jax.jit(body)
+    x = jnp.full(n, 1.0 if chained > 1 else hc.rank + 1, jnp.float32)
+    want = float(hc.size) ** chained if chained > 1 else hc.size * (hc.size + 1) / 2
+    _expect(f(x), want, what)
+    return (lambda: f(x).block_until_ready()), chained
+  return build
+
+
+def _mpijax_fn():
+  try:
+    import mpijax
+    import mpijax.ops
+  except Exception as e:
+    raise Skip(f"mpijax.ops not importable: {type(e).__name__}: {e}") from None
+  if not hasattr(mpijax.ops, "allreduce"):
+    raise Skip("mpijax.ops.allreduce does not exist yet")
+  return lambda x: mpijax.ops.allreduce(x, "sum")
+
+
+def _mpi4jax_fn(hc: HarnessComm):
+  try:
+    import mpi4jax
+  except Exception as e:
+    raise Skip(f"mpi4jax not importable: {type(e).__name__}: {e}") from None
+  comm = hc.comm.Dup()
+  SUM = hc.MPI.SUM
+
+  def reduce_fn(x):
+    out = mpi4jax.allreduce(x, op=SUM, comm=comm)
+    return out[0] if isinstance(out, tuple) else out  # mpi4jax < 0.4 returned (x, token)
+  return reduce_fn
+
+
+# --- phases -------------------------------------------------------------------
+
+def _measure(hc: HarnessComm, key: str, label: str, phase: str, build_factory,
+             sizes: list[int], args) -> Row:
+  """Builds and times one row at every size; every rank agrees on skips."""
+  row = Row(key, label, phase)
+  factory_error = None
+  try:
+    build = build_factory()
+  except Skip as e:
+    factory_error = str(e)
+  except Exception as e:
+    factory_error = f"{type(e).__name__}: {e}"
+  errors = hc.comm.allgather(factory_error)
+  if any(errors):
+    reason = next(e for e in errors if e)
+    row.cells = {s: reason for s in sizes}
+    _log(hc, f"{label}: skipped: {reason}")
+    return row
+  for s in sizes:
+    err, step, per = None, None, 1
+    try:
+      step, per = build(s)
+    except Skip as e:
+      err = str(e)
+    except Exception as e:
+      err = f"{type(e).__name__}: {e}"
+      if args.verbose:
+        traceback.print_exc()
+    errs = hc.comm.allgather(err)
+    if any(errs):
+      row.cells[s] = next(e for e in errs if e)
+      _log(hc, f"{label} @ {_common.fmt_size(s)}: skipped: {row.cells[s]}")
+      continue
+    trials = args.trials or (5 if args.quick else _common.default_trials(s))
+    t = _common.time_step(step, hc, trials=trials, trial_seconds=args.trial_seconds,
+                          per_op_divisor=per)
+    row.cells[s] = t
+    _log(hc, f"{label} @ {_common.fmt_size(s)}: {t.median_us:.2f} us "
+             f"(ranks {', '.join(f'{v:.2f}' for v in t.rank_medians_us)}; {t.iters} x {t.trials})")
+    del step
+  return row
+
+
+def _log(hc: HarnessComm, msg: str) -> None:
+  if hc.rank == 0:
+    print(msg, flush=True)
+
+
+def _init_mpijax(**kwargs) -> str | None:
+  """mpijax.init() when the runtime exists; the reason otherwise."""
+  try:
+    import mpijax
+    mpijax.init(**kwargs)
+    return None
+  except Exception as e:
+    return f"{type(e).__name__}: {e}"
+
+
+def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str = "") -> list[Row]:
+  init_error = _init_mpijax()
+  hc = HarnessComm()
+  if init_error:
+    _log(hc, f"mpijax.init() failed: {init_error}")
+  rows = []
+  tag = f" [{suffix}]" if suffix else ""
+  kt = f"@{suffix}" if suffix else ""
+
+  def add(key, factory):
+    rows.append(_measure(hc, key + kt, LABELS[key] + tag, "main" + kt, factory, sizes, args))
+
+  if not only_mpijax:
+    add("raw_oop", lambda: _raw(hc, in_place=False))
+    add("raw_inplace", lambda: _raw(hc, in_place=True))
+    add("jit_floor", lambda: _jit_floor(hc))
+
+  def mpijax_factory(**kw):
+    def factory():
+      if init_error:
+        raise Skip(f"mpijax.init() failed: {init_error}")
+      return _jitted_allreduce(hc, _mpijax_fn(), "mpijax allreduce", **kw)
+    return factory
+
+  add("mpijax_1", mpijax_factory())
+  add("mpijax_10", mpijax_factory(chained=CHAIN))
+  add("mpijax_donated", mpijax_factory(donate=True))
+  if not only_mpijax:
+    add("mpi4jax_1", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce"))
+    add("mpi4jax_10", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce",
+                                                chained=CHAIN))
+  return rows
+
+
+def start_jax_distributed() -> tuple[HarnessComm, str | None]:
+  """jax.distributed over this MPI job: mpijax.init(jax_distributed=True), else by hand."""
+  err = _init_mpijax(jax_distributed=True)
+  hc = HarnessComm()
+  if err is None:
+    return hc, None
+  import jax
+  import socket
+  address = None
+  if hc.rank == 0:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      address = f"127.0.0.1:{s.getsockname()[1]}"
+  address = hc.bcast(address)
+  try:
+    jax.distributed.initialize(coordinator_address=address, num_processes=hc.size,
+                               process_id=hc.rank)
+  except Exception as e:
+    return hc, f"jax.distributed.initialize failed: {type(e).__name__}: {e}"
+  return hc, None
+
+
+def gloo_factory(hc: HarnessComm):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  devices = jax.devices()
+  if len(devices) != hc.size * len(jax.local_devices()):
+    raise Skip(f"jax.distributed sees {len(devices)} devices, expected one set per rank")
+  impl = jax.config.jax_cpu_collectives_implementation
+  mesh = jax.sharding.Mesh(np.array(devices), ("i",))
+  sharding = NamedSharding(mesh, P("i"))
+  f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"),
+                            out_specs=P("i")))
+  L = len(jax.local_devices())
+
+  def global_array(n: int, value: float):
+    shards = [jax.device_put(jnp.full(n, value, jnp.float32), d) for d in jax.local_devices()]
+    return jax.make_array_from_single_device_arrays((len(devices) * n,), sharding, shards)
+
+  def build(nbytes: int):
+    n = nbytes // 4
+    x = global_array(n, hc.rank + 1)
+    y = f(x)
+    want = L * sum(range(1, hc.size + 1))
+    for shard in y.addressable_shards:
+      _expect(shard.data, want, f"gloo psum ({impl})")
+    return (lambda: f(x).block_until_ready()), 1
+  return build
+
+
+def phase_gloo(args, sizes: list[int]) -> list[Row]:
+  hc, err = start_jax_distributed()
+  import jax
+  impl = jax.config.jax_cpu_collectives_implementation
+  label = LABELS["gloo_psum"].replace("gloo", impl or "gloo")
+
+  def factory():
+    if err:
+      raise Skip(err)
+    return gloo_factory(hc)
+  return [_measure(hc, "gloo_psum", label, "gloo", factory, sizes, args)]
+
+
+# --- orchestration ---------------------------------------------------------------
+
+def _phase_args(args, sizes: list[int]) -> list[str]:
+  out = ["--sizes", ",".join(str(s) for s in sizes),
+         "--trial-seconds", str(args.trial_seconds)]
+  if args.trials:
+    out += ["--trials", str(args.trials)]
+  if args.quick:
+    out += ["--quick"]
+  return out
+
+
+def _subphases(args) -> list[tuple[str, dict[str, str]]]:
+  """(phase name, environment) of every phase that needs its own mpirun job."""
+  phases = []
+  if not args.no_gloo:
+    phases.append(("gloo", {}))
+  for spec in args.env_row:
+    name, _, value = spec.partition("=")
+    phases.append((f"mpijax-env:{spec}", {name: value}))
+  return phases
+
+
+def run_sub(args, sizes, nprocs, phase, env) -> list[Row] | str:
+  res = _common.run_phase(SCRIPT, nprocs, phase, _phase_args(args, sizes), env=env,
+                          timeout=args.phase_timeout)
+  return res if isinstance(res, str) else res[0]
+
+
+def _failed_rows(phase: str, reason: str, sizes) -> list[Row]:
+  if phase == "gloo":
+    return [Row("gloo_psum", LABELS["gloo_psum"], "gloo", {s: reason for s in sizes})]
+  spec = phase.split(":", 1)[1]
+  return [Row(k + "@" + spec, LABELS[k] + f" [{spec}]", "main@" + spec, {s: reason for s in sizes})
+          for k in ("mpijax_1", "mpijax_10", "mpijax_donated")]
+
+
+def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
+  """The issue-3 targets as PASS / FAIL / N/A lines."""
+  by = {r.key: r for r in rows}
+  out = []
+
+  def get(key, s):
+    r = by.get(key)
+    return r.us(s) if r else None
+
+  def line(ok, text):
+    out.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")
+
+  if 4 in sizes:
+    m1, m4j, m10 = get("mpijax_1", 4), get("mpi4jax_1", 4), get("mpijax_10", 4)
+    line(None if m1 is None else m1 <= 20, f"4 B, 1 per call <= 20 us: "
+         f"{'missing' if m1 is None else f'{m1:.2f} us'}")
+    if m1 is not None and m4j is not None:
+      line(m1 <= 0.1 * m4j, f"4 B, 1 per call <= 0.1x mpi4jax: {m1:.2f} / {m4j:.2f} us = "
+           f"{m1 / m4j:.3f}x")
+    else:
+      line(None, "4 B, 1 per call <= 0.1x mpi4jax: "
+           + ("mpi4jax row missing" if m4j is None else "mpijax row missing"))
+    line(None if m10 is None else m10 <= 6, f"4 B, {CHAIN} chained <= 6 us per op: "
+         f"{'missing' if m10 is None else f'{m10:.2f} us'}")
+  for s in sizes:
+    if s < 256 << 10:
+      continue
+    for key, base, name in (("mpijax_1", "raw_oop", "out of place"),
+                            ("mpijax_donated", "raw_inplace", "in place (donated)")):
+      v, b = get(key, s), get(base, s)
+      if v is None or b is None:
+        line(None, f"{_common.fmt_size(s)} {name} <= 1.2x raw: missing")
+      else:
+        line(v <= 1.2 * b, f"{_common.fmt_size(s)} {name} <= 1.2x raw: {v:.1f} / {b:.1f} us "
+             f"= {v / b:.2f}x")
+  for s in sizes:
+    if s > 4 << 20:
+      continue
+    v, g = get("mpijax_1", s), get("gloo_psum", s)
+    if v is None or g is None:
+      line(None, f"{_common.fmt_size(s)} >= 10x faster than gloo psum: missing")
+    else:
+      line(g >= 10 * v, f"{_common.fmt_size(s)} >= 10x faster than gloo psum: "
+           f"{g:.1f} / {v:.1f} us = {g / v:.1f}x")
+  if nprocs != 2:
+    out.append(f"(targets are stated for 2 ranks; this run has {nprocs})")
+  return out
+
+
+def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str, Any]) -> None:
+  order = list(LABELS)
+  rows = sorted(rows, key=lambda r: (order.index(r.key.split("@")[0]), r.key))
+  by = {r.key: r for r in rows}
+  title = f"float32 sum allreduce, {nprocs} ranks: median µs per op (max over ranks)"
+  parts = [f"### {title}", "", _common.markdown_table(rows, sizes)]
+  if by.get("raw_oop"):
+    parts += ["", "Ratio to raw mpi4py out of place:", "",
+              _common.markdown_table(rows, sizes, ratio_to=by["raw_oop"])]
+  m4j = by.get("mpi4jax_1")
+  if m4j and any(m4j.us(s) is not None for s in sizes):
+    parts += ["", "Ratio to mpi4jax (1 per call):", "",
+              _common.markdown_table(rows, sizes, ratio_to=m4j)]
+  notes = _common.skip_notes(rows)
+  if notes:
+    parts += ["", "Not measured:", ""] + notes
+  targets = check_targets(rows, sizes, nprocs)
+  parts += ["", "Targets (issue 3):", "", "```"] + targets + ["```"]
+  text = "\n".join(parts)
+  print("\n" + text, flush=True)
+
+  os.makedirs(args.out, exist_ok=True)
+  base = os.path.join(args.out, f"allreduce_np{nprocs}")
+  with open(base + ".md", "w") as f:
+    f.write(text + "\n")
+  with open(base + ".json", "w") as f:
+    json.dump({"benchmark": "allreduce", "nprocs": nprocs, "sizes": sizes, "meta": meta,
+               "targets": targets, "rows": [r.to_json() for r in rows]}, f, indent=1)
+  why = _common.plot(rows, sizes, base + ".png", title)
+  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sizes", default=None,
+                 help="comma-separated sizes per rank, e.g. 4,4KiB,256KiB,4MiB,64MiB (default)")
+  p.add_argument("--trials", type=int, default=None,
+                 help="trials per cell (default 30 below 1 MiB, 10 from 1 MiB; 5 with --quick)")
+  p.add_argument("--trial-seconds", type=float, default=0.005,
+                 help="target length of one trial; sets the steps per trial (default 0.005)")
+  p.add_argument("--quick", action="store_true", help="smoke test: 4 B, 4 KiB, 256 KiB; 5 trials")
+  p.add_argument("--out", default=_common.default_out_dir(), help="output directory")
+  p.add_argument("--np", type=int, default=2,
+                 help="ranks when started from a plain shell (under mpirun: the job's size)")
+  p.add_argument("--no-gloo", action="store_true", help="skip the jax.distributed gloo phase")
+  p.add_argument("--env-row", action="append", default=[], metavar="NAME=VALUE",
+                 help="also measure the mpijax rows in a job with this environment variable "
+                      "(repeatable), e.g. MPIJAX_TIMEOUT=0")
+  p.add_argument("--phase-timeout", type=float, default=600, help="seconds per sub-job")
+  p.add_argument("--verbose", action="store_true")
+  p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  for spec in args.env_row:
+    if "=" not in spec or not spec.split("=", 1)[0]:
+      p.error(f"--env-row wants NAME=VALUE, got {spec!r}")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  sizes = (_common.parse_sizes(args.sizes) if args.sizes
+           else list(_common.QUICK_SIZES if args.quick else _common.DEFAULT_SIZES))
+
+  if args.phase is not None:  # one sub-job of an orchestrated run
+    if args.phase == "main":
+      rows = phase_main(args, sizes)
+    elif args.phase == "gloo":
+      rows = phase_gloo(args, sizes)
+    elif args.phase.startswith("mpijax-env:"):
+      rows = phase_main(args, sizes, only_mpijax=True, suffix=args.phase.split(":", 1)[1])
+    else:
+      raise SystemExit(f"unknown --phase {args.phase!r}")
+    hc = HarnessComm()
+    if hc.rank == 0 and args.phase_out:
+      _common.write_phase_output(args.phase_out, rows, _common.environment_info())
+    return 0
+
+  if _common.under_mpi_launcher():
+    # The user's mpirun job measures the main rows itself; rank 0 then runs each
+    # extra phase as a fresh mpirun job of the same size while the others sleep.
+    rows = phase_main(args, sizes)
+    hc = HarnessComm()
+    meta = _common.environment_info()
+    if hc.rank == 0:
+      for phase, env in _subphases(args):
+        res = run_sub(args, sizes, hc.size, phase, env)
+        rows += _failed_rows(phase, res, sizes) if isinstance(res, str) else res
+      report(rows, sizes, hc.size, args, meta)
+    hc.idle_barrier()
+    return 0
+
+  # Plain shell: every phase is its own mpirun job.
+  rows: list[Row] = []
+  meta: dict[str, Any] = {}
+  for phase, env in [("main", {})] + _subphases(args):
+    res = _common.run_phase(SCRIPT, args.np, phase, _phase_args(args, sizes), env=env,
+                            timeout=args.phase_timeout)
+    if isinstance(res, str):
+      if phase == "main":
+        print(res, file=sys.stderr)
+        return 1
+      rows += _failed_rows(phase, res, sizes)
+    else:
+      rows += res[0]
+      meta = meta or res[1]
+  report(rows, sizes, args.np, args, meta)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
