@@ -6,6 +6,10 @@ whose named axis spans every device of every rank.
 """
 
 from mpijax._src import config as config
+from mpijax._src.mesh import GlobalMesh as GlobalMesh
+from mpijax._src.mesh import make_mesh as make_mesh
+from mpijax._src.mesh import pmap as pmap
+from mpijax._src.mesh import shard_map as shard_map
 from mpijax._src.runtime import DeviceInfo as DeviceInfo
 from mpijax._src.runtime import Runtime as Runtime
 from mpijax._src.runtime import Topology as Topology
@@ -18,10 +22,14 @@ from mpijax._src.runtime import process_count as process_count
 from mpijax._src.runtime import process_index as process_index
 from mpijax._src.runtime import shutdown as shutdown
 
+from mpijax import lax as lax  # noqa: E402  (submodules after the names they use)
+from mpijax import ops as ops  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceInfo",
+    "GlobalMesh",
     "Runtime",
     "Topology",
     "config",
@@ -30,7 +38,10 @@ __all__ = [
     "is_initialized",
     "local_device_count",
     "local_devices",
+    "make_mesh",
+    "pmap",
     "process_count",
     "process_index",
+    "shard_map",
     "shutdown",
 ]

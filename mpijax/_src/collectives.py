@@ -1,0 +1,336 @@
+"""``jax.lax``-shaped collectives over axes that span every device of every rank.
+
+On an axis bound by :func:`mpijax.pmap` / :func:`mpijax.shard_map` each
+collective is a local XLA collective over this rank's devices plus an MPI
+step between ranks (on the process-group communicator of the axis; every
+local device uses its own sub-communicator). On a purely local axis it is
+exactly ``jax.lax``; on an axis mpijax does not know (a ``vmap`` axis, a
+plain ``jax.shard_map`` axis) the call is handed to ``jax.lax`` unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpijax._src import config
+from mpijax._src import mesh as mesh_lib
+from mpijax._src.mesh import AxisInfo, GlobalMesh
+from mpijax import ops
+
+
+def _names(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _resolve(fn: str, axis_name) -> tuple[GlobalMesh | None, list[AxisInfo], tuple]:
+  """Splits ``axis_name`` into mpijax-bound axes and names left to jax.lax."""
+  env = mesh_lib.axis_env()
+  names = _names(axis_name)
+  ours = [n for n in names if n in env]
+  others = tuple(n for n in names if n not in env)
+  if not ours:
+    return None, [], others
+  meshes = {id(env[n][0]) for n in ours}
+  if len(meshes) > 1:
+    raise ValueError(f"{fn} got axes {ours} from different mpijax meshes; use axes of one mesh.")
+  return env[ours[0]][0], [env[n][1] for n in ours], others
+
+
+def _unbound(fn: str, axis_name, err: Exception) -> Exception:
+  bound = sorted(mesh_lib.axis_env())
+  hint = (f"the enclosing mpijax.pmap/mpijax.shard_map maps {bound}" if bound else
+          "no mpijax.pmap or mpijax.shard_map encloses this call")
+  return NameError(f"{fn} got axis_name {axis_name!r}, but {hint}. Call it inside "
+                   f"mpijax.pmap(f, axis_name=...) or mpijax.shard_map(f, mesh=...) whose mesh "
+                   f"has that axis. ({err})")
+
+
+def _lax(fn: str, axis_name, call):
+  try:
+    return call()
+  except NameError as e:
+    raise _unbound(fn, axis_name, e) from None
+
+
+def _local_names(axes: Sequence[AxisInfo]) -> tuple[str, ...]:
+  return tuple(a.local_name for a in axes if a.local_size > 1)
+
+
+# --- reductions ----------------------------------------------------------------------
+
+
+def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+  local = _local_names(axes)
+  comm = mesh.process_comm([a.name for a in axes])
+  x = jnp.asarray(x)
+  if comm is None:
+    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
+  n_local = math.prod(a.local_size for a in axes)
+  if (op == "sum" and n_local > 1 and x.size >= n_local
+      and x.size * x.dtype.itemsize >= config.get("hierarchical_min_bytes")):
+    # Bandwidth-aware: each local device reduces 1/n_local of the array across
+    # ranks, so the MPI traffic per rank is the array's size once.
+    flat = x.reshape(-1)
+    pad = (-flat.size) % n_local
+    if pad:
+      flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+    part = jax.lax.psum_scatter(flat, local, scatter_dimension=0, tiled=True)
+    part = ops.allreduce(part, "sum", comm=comm)
+    full = jax.lax.all_gather(part, local, axis=0, tiled=True)
+    return full[:x.size].reshape(x.shape)
+  if local:
+    x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
+  return ops.allreduce(x, op, comm=comm)
+
+
+def _reduction(fn: str, op: str, x, axis_name):
+  mesh, axes, others = _resolve(fn, axis_name)
+  lax_fn = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op]
+  if others:
+    x = _lax(fn, axis_name, lambda: lax_fn(x, others))
+  if mesh is None:
+    return x
+  return jax.tree.map(lambda leaf: _reduce_leaf(leaf, mesh, axes, op), x)
+
+
+def psum(x, axis_name):
+  """Sum over ``axis_name`` (a name or tuple of names), like ``jax.lax.psum``."""
+  return _reduction("psum", "sum", x, axis_name)
+
+
+def pmax(x, axis_name):
+  """Element-wise maximum over ``axis_name``, like ``jax.lax.pmax``."""
+  return _reduction("pmax", "max", x, axis_name)
+
+
+def pmin(x, axis_name):
+  """Element-wise minimum over ``axis_name``, like ``jax.lax.pmin``."""
+  return _reduction("pmin", "min", x, axis_name)
+
+
+def pmean(x, axis_name):
+  """Mean over ``axis_name``: ``psum(x) / axis_size``, like ``jax.lax.pmean``."""
+  n = axis_size(axis_name)
+  return jax.tree.map(lambda s: s / n, psum(x, axis_name))
+
+
+# --- indices ------------------------------------------------------------------------
+
+
+def axis_size(axis_name) -> int:
+  """Number of devices along ``axis_name`` (every rank's devices)."""
+  mesh, axes, others = _resolve("axis_size", axis_name)
+  size = math.prod(a.size for a in axes)
+  if others:
+    size *= _lax("axis_size", axis_name, lambda: jax.lax.axis_size(others))
+  return size
+
+
+def _axis_index_one(a: AxisInfo):
+  local = jax.lax.axis_index(a.local_name) if a.local_size > 1 else 0
+  return jnp.int32(a.proc_index * a.local_size) + local
+
+
+def axis_index(axis_name):
+  """This device's index along ``axis_name``: global over every rank's devices."""
+  env = mesh_lib.axis_env()
+  index = jnp.int32(0)
+  for n in _names(axis_name):
+    if n in env:
+      a = env[n][1]
+      index = index * a.size + _axis_index_one(a)
+    else:
+      size = _lax("axis_index", n, lambda: jax.lax.axis_size(n))
+      index = index * size + _lax("axis_index", n, lambda: jax.lax.axis_index(n))
+  return index
+
+
+# --- data movement ---------------------------------------------------------------------
+
+
+def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
+  mesh, axes, others = _resolve(fn, axis_name)
+  if mesh is None:
+    return None, None
+  if others or len(axes) != 1:
+    raise NotImplementedError(
+        f"{fn} over several axes {axis_name!r} is done one axis at a time; "
+        "mpijax resolves a tuple of axes for reductions only")
+  return mesh, axes[0]
+
+
+def _gather_one(x, mesh: GlobalMesh, a: AxisInfo):
+  """[size, *x.shape] ordered by the global index along ``a``."""
+  y = x[None]
+  if a.local_size > 1:
+    y = jax.lax.all_gather(x, a.local_name, axis=0)
+  if a.proc_size > 1:
+    y = ops.allgather(y, comm=mesh.process_comm([a.name]))
+    y = y.reshape((a.size,) + x.shape)
+  return y
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+  """Gathers ``x`` from every device along ``axis_name``, like ``jax.lax.all_gather``."""
+  env = mesh_lib.axis_env()
+  names = _names(axis_name)
+  if not any(n in env for n in names):
+    return _lax("all_gather", axis_name,
+                lambda: jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled))
+
+  def leaf(v):
+    v = jnp.asarray(v)
+    g = v[None]
+    # Innermost axis first: each gather stacks a new major dimension in front,
+    # so the combined index is row-major over the names, as in jax.lax.
+    for n in reversed(names):
+      if n in env:
+        m, ax_info = env[n]
+        g = _gather_one(g, m, ax_info)
+      else:
+        g = _lax("all_gather", n, lambda g=g: jax.lax.all_gather(g, n, axis=0))
+      g = g.reshape((-1,) + v.shape)
+    ax = axis % (v.ndim if tiled else v.ndim + 1)
+    g = jnp.moveaxis(g, 0, ax)
+    if tiled:
+      return g.reshape(v.shape[:ax] + (-1,) + v.shape[ax + 1:])
+    return g
+
+  return jax.tree.map(leaf, x)
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+  """Sums over ``axis_name`` and keeps this device's block, like ``jax.lax.psum_scatter``."""
+  env = mesh_lib.axis_env()
+  names = _names(axis_name)
+  if not any(n in env for n in names):
+    return _lax("psum_scatter", axis_name, lambda: jax.lax.psum_scatter(
+        x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled))
+  total = axis_size(axis_name)
+
+  def leaf(v):
+    v = jnp.asarray(v)
+    d = scatter_dimension % v.ndim
+    n = v.shape[d]
+    if (not tiled and n != total) or (tiled and n % total):
+      raise ValueError(
+          f"psum_scatter over {axis_name!r} (size {total}) got scatter_dimension {d} of size "
+          f"{n}; it must be {'divisible by' if tiled else 'equal to'} {total}.")
+    rest = v.shape[:d] + v.shape[d + 1:]
+    y = jnp.moveaxis(v, d, 0).reshape((total, n // total) + rest)
+    # Outermost axis first: its block index is the major one.
+    for name in names:
+      y = y.reshape((axis_size(name), -1) + y.shape[1:])
+      if name in env:
+        m, ax_info = env[name]
+        y = _scatter_one(y, m, ax_info)
+      else:
+        y = _lax("psum_scatter", name,
+                 lambda y=y: jax.lax.psum_scatter(y, name, scatter_dimension=0))
+    y = jnp.moveaxis(y.reshape((n // total,) + rest), 0, d)
+    return y if tiled else jnp.squeeze(y, d)
+
+  return jax.tree.map(leaf, x)
+
+
+def _scatter_one(y, mesh: GlobalMesh, a: AxisInfo):
+  """y: [a.size, ...] blocks -> this device's block summed over ``a``."""
+  blocks = y.reshape((a.proc_size, a.local_size) + y.shape[1:])
+  if a.local_size > 1:
+    blocks = jax.lax.psum_scatter(blocks, a.local_name, scatter_dimension=1)  # [ps, ...]
+  else:
+    blocks = blocks[:, 0]
+  if a.proc_size > 1:
+    return ops.reduce_scatter(blocks, "sum", comm=mesh.process_comm([a.name]))
+  return blocks[0]
+
+
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+  """Exchanges chunks between all devices of ``axis_name``, like ``jax.lax.all_to_all``."""
+  mesh, a = _single("all_to_all", axis_name)
+  if mesh is None:
+    return _lax("all_to_all", axis_name, lambda: jax.lax.all_to_all(
+        x, axis_name, split_axis, concat_axis, tiled=tiled))
+  if a.is_local:
+    return jax.lax.all_to_all(x, a.local_name, split_axis, concat_axis, tiled=tiled)
+  S = a.size
+
+  def leaf(v):
+    v = jnp.asarray(v)
+    sa, ca = split_axis % v.ndim, concat_axis % v.ndim
+    if v.shape[sa] % S or (not tiled and v.shape[sa] != S):
+      raise ValueError(
+          f"all_to_all over {axis_name!r} (size {S}) got split_axis {sa} of size "
+          f"{v.shape[sa]}; it must be {'divisible by' if tiled else 'equal to'} {S}.")
+    # Chunks by destination: [S, ...] where chunk j goes to device j.
+    chunks = jnp.moveaxis(v.reshape(v.shape[:sa] + (S, v.shape[sa] // S) + v.shape[sa + 1:]), sa, 0)
+    b = chunks.reshape((a.proc_size, a.local_size) + chunks.shape[1:])
+    if a.local_size > 1:
+      b = jax.lax.all_to_all(b, a.local_name, 1, 1, tiled=True)  # [pd, l_src, ...]
+    b = ops.alltoall(b, comm=mesh.process_comm([a.name]))  # [p_src, l_src, ...]
+    r = b.reshape((S,) + chunks.shape[1:])  # [src, ..., chunk, ...] (chunk at position sa+1)
+    r = r.reshape(r.shape[:sa + 1] + r.shape[sa + 2:]) if not tiled else r
+    if not tiled:
+      # Drop the size-1 split dim, put the source axis at concat_axis.
+      return jnp.moveaxis(r, 0, ca)
+    # Tiled: chunks keep the split dim; concatenate sources along concat_axis.
+    r = jnp.moveaxis(r, 0, ca)  # source axis in front of the concat dim
+    shape = r.shape
+    return r.reshape(shape[:ca] + (shape[ca] * shape[ca + 1],) + shape[ca + 2:])
+
+  return jax.tree.map(leaf, x)
+
+
+def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
+  """Sends ``x`` from device ``src`` to device ``dst`` for each pair, like ``jax.lax.ppermute``.
+
+  Devices that receive nothing get zeros.
+  """
+  mesh, a = _single("ppermute", axis_name)
+  if mesh is None:
+    return _lax("ppermute", axis_name, lambda: jax.lax.ppermute(x, axis_name, perm))
+  perm = tuple((int(s), int(d)) for s, d in perm)
+  srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+  bad = [i for i in srcs + dsts if not 0 <= i < a.size]
+  if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+    raise ValueError(
+        f"ppermute over {axis_name!r} (size {a.size}) got perm={list(perm)}, which is not a "
+        "permutation: every source and every destination must be distinct indices in "
+        f"[0, {a.size}).")
+  if a.is_local:
+    return jax.lax.ppermute(x, a.local_name, perm)
+  if a.is_process:
+    return jax.tree.map(lambda v: ops.ppermute(v, perm, comm=mesh.process_comm([a.name])), x)
+  # An axis spanning ranks and local devices: gather, then pick the source.
+  src_of = np.full(a.size, -1, np.int32)
+  for s, d in perm:
+    src_of[d] = s
+  me = axis_index(axis_name)
+
+  def leaf(v):
+    g = all_gather(v, axis_name)
+    src = jnp.asarray(src_of)[me]
+    picked = jnp.take(g, jnp.maximum(src, 0), axis=0)
+    return jnp.where(src >= 0, picked, jnp.zeros_like(picked))
+
+  return jax.tree.map(leaf, x)
+
+
+def pbroadcast(x, axis_name, source: int):
+  """Every device along ``axis_name`` gets the value of device ``source``."""
+  size = axis_size(axis_name)
+  if not 0 <= int(source) < size:
+    raise ValueError(f"pbroadcast got source={source} for axis {axis_name!r} of size {size}; "
+                     f"it must be in [0, {size}).")
+  mesh, axes, others = _resolve("pbroadcast", axis_name)
+  if mesh is not None and not others and len(axes) == 1 and axes[0].is_process:
+    comm = mesh.process_comm([axes[0].name])
+    return jax.tree.map(lambda v: ops.bcast(jnp.asarray(v), int(source), comm=comm), x)
+  me = axis_index(axis_name)
+  return psum(jax.tree.map(lambda v: jnp.where(me == source, v, jnp.zeros_like(v)), x),
+              axis_name)

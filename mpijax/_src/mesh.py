@@ -1,0 +1,421 @@
+"""Meshes over (process, local device) and the maps that bind their axes.
+
+A :class:`GlobalMesh` arranges all ``process_count * local_device_count``
+devices (global index = process * L + local) row-major into named axes. Each
+axis is factored into a *process part* (which ranks it spans, realized as an
+MPI sub-communicator) and a *local part* (which of this rank's devices it
+spans, realized as an axis of a ``jax.sharding.Mesh`` over the local devices).
+An axis can be purely local, purely across processes, or both (the process
+part is then the outer factor of the axis index).
+
+:func:`shard_map` and :func:`pmap` run the user's function under
+``jax.shard_map`` over the local mesh while an axis environment tells
+:mod:`mpijax.lax` which named axes span ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from mpijax._src import runtime
+
+P = PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisInfo:
+  """How one named mesh axis maps onto processes and local devices."""
+  name: str
+  size: int
+  proc_size: int   # how many process coordinates the axis spans
+  local_size: int  # how many local devices of one process it spans
+  local_name: str  # the axis name in the local jax mesh
+  proc_index: int  # this rank's coordinate along the process part
+
+  @property
+  def is_local(self) -> bool:
+    return self.proc_size == 1
+
+  @property
+  def is_process(self) -> bool:
+    return self.local_size == 1
+
+
+def _local_axis_name(name: str, local_only: bool) -> str:
+  # A purely local axis keeps its name, so jax.lax collectives work on it
+  # unchanged. Axes that span ranks get a private name: jax.lax.psum(x, 'i')
+  # on them would silently reduce over this rank's devices only.
+  return name if local_only else f"{name}@local"
+
+
+def _factor(shape: Sequence[int], names: Sequence[str], L: int) -> tuple[list[int], list[int]]:
+  """Splits each axis size into (process part, local part), innermost first."""
+  proc, loc = [1] * len(shape), [1] * len(shape)
+  remaining = L
+  for k in reversed(range(len(shape))):
+    s = shape[k]
+    if remaining == 1:
+      proc[k] = s
+    elif remaining % s == 0:
+      loc[k] = s
+      remaining //= s
+    elif s % remaining == 0:
+      loc[k], proc[k] = remaining, s // remaining
+      remaining = 1
+    else:
+      raise ValueError(
+          f"mesh axis {names[k]!r} of size {s} cannot be laid over {L} local devices per "
+          f"process (mesh shape {tuple(shape)}, axes {tuple(names)}): an axis must cover "
+          "whole groups of a process's local devices or divide them. Choose sizes such "
+          f"that the innermost axes multiply to {L} or a divisor/multiple of it.")
+  return proc, loc
+
+
+class GlobalMesh:
+  """Named axes over every device of every rank.
+
+  Creating a mesh is collective (it splits MPI communicators): every rank must
+  create the same meshes in the same order.
+
+  Args:
+    axis_shapes: size of each axis; their product must be the global device
+      count.
+    axis_names: the names, as for ``jax.make_mesh``.
+
+  Examples:
+    >>> mesh = mpijax.make_mesh((4,), ("i",))  # doctest: +SKIP
+    >>> mesh = mpijax.make_mesh((2, 2), ("data", "model"))  # doctest: +SKIP
+  """
+
+  def __init__(self, axis_shapes: Sequence[int], axis_names: Sequence[str]):
+    rt = runtime.get("mpijax.GlobalMesh")
+    axis_shapes = tuple(int(s) for s in axis_shapes)
+    axis_names = tuple(axis_names)
+    if len(axis_shapes) != len(axis_names):
+      raise ValueError(f"mesh got {len(axis_shapes)} sizes {axis_shapes} but "
+                       f"{len(axis_names)} names {axis_names}")
+    if len(set(axis_names)) != len(axis_names):
+      raise ValueError(f"mesh axis names must be distinct, got {axis_names}")
+    Pn, L = rt.size, rt.local_device_count
+    if math.prod(axis_shapes) != Pn * L:
+      raise ValueError(
+          f"mesh shape {axis_shapes} has {math.prod(axis_shapes)} devices, but the job has "
+          f"{Pn} processes x {L} local devices = {Pn * L}. Pick sizes whose product is {Pn * L}.")
+    proc, loc = _factor(axis_shapes, axis_names, L)
+    self.axis_names = axis_names
+    self.shape = dict(zip(axis_names, axis_shapes))
+    self.devices = np.arange(Pn * L).reshape(axis_shapes)  # global device indices
+    self.process_count, self.local_device_count = Pn, L
+    proc_coords = np.unravel_index(rt.rank, proc) if Pn > 1 else (0,) * len(proc)
+    self._proc_sizes = proc
+    self._proc_coords = tuple(int(c) for c in proc_coords)
+    self.axes = {
+        n: AxisInfo(n, s, p, l, _local_axis_name(n, p == 1), int(c))
+        for n, s, p, l, c in zip(axis_names, axis_shapes, proc, loc, self._proc_coords)}
+    local_shape = tuple(loc)
+    self.local_mesh = Mesh(np.array(rt.local_devices).reshape(local_shape),
+                           tuple(self.axes[n].local_name for n in axis_names))
+    self._comms: dict[tuple[str, ...], Any] = {}
+    # Splitting is collective: make every process-group communicator now, in the
+    # same order on every rank, rather than lazily at trace time.
+    spanning = [n for n in axis_names if self.axes[n].proc_size > 1]
+    for r in range(1, len(spanning) + 1):
+      for group in itertools.combinations(spanning, r):
+        self._comms[group] = self._split(rt.comm, group)
+
+  def _split(self, comm, group: tuple[str, ...]):
+    idx = [self.axis_names.index(n) for n in group]
+    rest = [k for k in range(len(self.axis_names)) if k not in idx]
+    color = int(np.ravel_multi_index([self._proc_coords[k] for k in rest],
+                                     [self._proc_sizes[k] for k in rest])) if rest else 0
+    key = int(np.ravel_multi_index([self._proc_coords[k] for k in idx],
+                                   [self._proc_sizes[k] for k in idx]))
+    sub = comm.Split(color, key)
+    sub.Set_name("mpijax-mesh-" + "-".join(group))
+    return sub
+
+  def process_comm(self, axis_names: Sequence[str]):
+    """The communicator over the process parts of ``axis_names`` (None if local)."""
+    group = tuple(n for n in self.axis_names if n in axis_names and self.axes[n].proc_size > 1)
+    return self._comms[group] if group else None
+
+  @property
+  def size(self) -> int:
+    return self.devices.size
+
+  def __repr__(self) -> str:
+    axes = ", ".join(f"{n!r}: {self.shape[n]}" for n in self.axis_names)
+    parts = ", ".join(f"{n}={a.proc_size}x{a.local_size}" for n, a in self.axes.items())
+    return f"GlobalMesh({axes}; process x local: {parts})"
+
+  def __eq__(self, other) -> bool:
+    return (isinstance(other, GlobalMesh) and self.axis_names == other.axis_names
+            and self.shape == other.shape)
+
+  def __hash__(self) -> int:
+    return hash((self.axis_names, tuple(self.shape.items())))
+
+  # --- specs --------------------------------------------------------------------
+
+  def spec_axes(self, entry) -> tuple[str, ...]:
+    if entry is None:
+      return ()
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    for n in names:
+      if n not in self.axes:
+        raise ValueError(f"PartitionSpec names axis {n!r}, but the mesh has axes "
+                         f"{self.axis_names}")
+    return names
+
+  def local_spec(self, spec: PartitionSpec) -> PartitionSpec:
+    """The spec of this rank's part over the local mesh."""
+    out = []
+    for entry in spec:
+      local = tuple(self.axes[n].local_name for n in self.spec_axes(entry)
+                    if self.axes[n].local_size > 1)
+      out.append(None if not local else (local[0] if len(local) == 1 else local))
+    return P(*out)
+
+  def process_block(self, spec: PartitionSpec, dim: int) -> tuple[int, int]:
+    """(number of process blocks, this rank's block index) along ``dim``.
+
+    Raises if this rank's part along ``dim`` is not one contiguous block.
+    """
+    names = self.spec_axes(spec[dim]) if dim < len(spec) else ()
+    if not names:
+      return 1, 0
+    seen_local = False
+    for n in names:
+      a = self.axes[n]
+      if a.proc_size > 1 and seen_local:
+        raise ValueError(
+            f"PartitionSpec {spec} shards dimension {dim} over {names}: a process axis after "
+            "a local one gives each rank a strided part. Put the axes that span processes "
+            "first, e.g. " + repr(tuple(sorted(names, key=lambda m: self.axes[m].proc_size == 1))))
+      if a.local_size > 1:
+        seen_local = True
+    count = math.prod(self.axes[n].proc_size for n in names)
+    index = int(np.ravel_multi_index([self.axes[n].proc_index for n in names],
+                                     [self.axes[n].proc_size for n in names]))
+    return count, index
+
+
+def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str]) -> GlobalMesh:
+  """A :class:`GlobalMesh` (like ``jax.make_mesh``, over every rank's devices)."""
+  return GlobalMesh(axis_shapes, axis_names)
+
+
+# --- the axis environment read by mpijax.lax ----------------------------------------
+
+_env = threading.local()
+
+
+def axis_env() -> dict[str, tuple[GlobalMesh, AxisInfo]]:
+  return getattr(_env, "axes", {})
+
+
+@contextlib.contextmanager
+def bind_axes(mesh: GlobalMesh, names: Sequence[str]):
+  old = axis_env()
+  new = dict(old)
+  for n in names:
+    new[n] = (mesh, mesh.axes[n])
+  _env.axes = new
+  try:
+    yield
+  finally:
+    _env.axes = old
+
+
+# --- shard_map ---------------------------------------------------------------------
+
+
+def _as_spec(s) -> PartitionSpec:
+  if s is None:
+    return P()
+  return s if isinstance(s, PartitionSpec) else P(*s)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec) or x is None
+
+
+def _broadcast_specs(specs, tree, what: str):
+  if _is_spec(specs):
+    return jax.tree.map(lambda _: _as_spec(specs), tree)
+  try:
+    return jax.tree.map(lambda s, _: _as_spec(s), specs, tree, is_leaf=_is_spec)
+  except ValueError as e:
+    raise ValueError(f"shard_map {what} do not match the arguments' structure: {e}") from None
+
+
+def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
+              check_vma: bool = False) -> Callable:
+  """Maps ``f`` over every device of every rank, like ``jax.shard_map``.
+
+  Specs refer to global shapes. Each rank passes (and gets back) its own part:
+  the block of the global array held by its devices. ``f`` sees one device's
+  block and may call :mod:`mpijax.lax` collectives over the mesh's axes.
+
+  Examples:
+    >>> mesh = mpijax.make_mesh((mpijax.process_count(),), ("x",))  # doctest: +SKIP
+    >>> part = np.arange(32)[8 * rank: 8 * rank + 8]  # this rank's block  # doctest: +SKIP
+    >>> mpijax.shard_map(lambda x: mpijax.lax.psum(x.sum(), "x"), mesh=mesh,
+    ...                  in_specs=P("x"), out_specs=P())(part)  # doctest: +SKIP
+    Array(496, dtype=int32)
+  """
+  if not isinstance(mesh, GlobalMesh):
+    raise TypeError(f"mpijax.shard_map needs a mpijax.GlobalMesh (mpijax.make_mesh), got "
+                    f"{type(mesh).__name__}")
+
+  def local_body(*args):
+    with bind_axes(mesh, mesh.axis_names):
+      return f(*args)
+
+  @functools.wraps(f)
+  def wrapped(*args):
+    ins = _in_specs_tree(in_specs, args)
+    local_ins = jax.tree.map(mesh.local_spec, ins, is_leaf=_is_spec)
+    local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s)), out_specs,
+                              is_leaf=_is_spec)
+    _check_local_shapes(mesh, ins, args)
+    mapped = jax.shard_map(local_body, mesh=mesh.local_mesh, in_specs=local_ins,
+                           out_specs=local_outs, check_vma=check_vma)
+    return mapped(*args)
+
+  return wrapped
+
+
+def _in_specs_tree(in_specs, args):
+  if _is_spec(in_specs):
+    return tuple(_as_spec(in_specs) for _ in args)
+  if not isinstance(in_specs, (tuple, list)) or len(in_specs) != len(args):
+    raise ValueError(f"shard_map got {len(args)} arguments but in_specs={in_specs!r}; give one "
+                     "spec per argument (a tuple), or one spec for all.")
+  return tuple(jax.tree.map(lambda s, _: _as_spec(s), s, a, is_leaf=_is_spec)
+               if not _is_spec(s) else jax.tree.map(lambda _: _as_spec(s), a)
+               for s, a in zip(in_specs, args))
+
+
+def _check_local_shapes(mesh: GlobalMesh, specs, args) -> None:
+  def check(spec, x):
+    shape = np.shape(x)
+    for d, entry in enumerate(spec):
+      names = mesh.spec_axes(entry)
+      n_local = math.prod(mesh.axes[n].local_size for n in names)
+      if d >= len(shape):
+        raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the argument "
+                         f"has shape {shape}")
+      if shape[d] % n_local:
+        raise ValueError(
+            f"dimension {d} of this rank's part (shape {shape}) is sharded by {spec} over "
+            f"{n_local} local devices, but {shape[d]} is not divisible by {n_local}. "
+            "Pad the data or choose another spec.")
+  jax.tree.map(check, specs, tuple(args), is_leaf=_is_spec)
+
+
+# --- pmap ---------------------------------------------------------------------------
+
+
+def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
+         static_broadcasted_argnums: int | Sequence[int] = (),
+         donate_argnums: int | Sequence[int] = ()) -> Callable:
+  """``jax.pmap`` whose axis spans every device of every rank.
+
+  Inputs and outputs have leading dimension ``local_device_count`` (this
+  rank's devices), as with ``jax.pmap`` in a multi-process JAX job;
+  :func:`mpijax.lax.axis_index` is the global device index
+  ``process_index * local_device_count + local_index``.
+
+  Examples:
+    >>> xs = jnp.ones(mpijax.local_device_count())  # doctest: +SKIP
+    >>> mpijax.pmap(lambda x: mpijax.lax.psum(x, "i"), axis_name="i")(xs)  # doctest: +SKIP
+    Array([4., 4., 4., 4.], dtype=float32)  # 4 devices in the whole job
+  """
+  if isinstance(static_broadcasted_argnums, int):
+    static_broadcasted_argnums = (static_broadcasted_argnums,)
+  if isinstance(donate_argnums, int):
+    donate_argnums = (donate_argnums,)
+  static = tuple(static_broadcasted_argnums)
+  cache: dict[Any, Callable] = {}
+
+  def _mesh() -> GlobalMesh:
+    rt = runtime.get("mpijax.pmap")
+    key = (rt.size, rt.local_device_count, axis_name)
+    m = _pmap_meshes.get(key)
+    if m is None:
+      m = _pmap_meshes[key] = GlobalMesh((rt.size * rt.local_device_count,), (axis_name,))
+    return m
+
+  @functools.wraps(fun)
+  def wrapped(*args):
+    mesh = _mesh()
+    L = mesh.local_device_count
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    dyn = [args[i] for i in dyn_idx]
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    if len(axes) != len(args):
+      raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {len(args)} arguments")
+    dyn_axes = [axes[i] for i in dyn_idx]
+    static_vals = tuple((i, args[i]) for i in static)
+    key = (static_vals, tuple(dyn_axes), jax.tree.structure(tuple(dyn)))
+    fn = cache.get(key)
+    if fn is None:
+      fn = cache[key] = _build_pmap(fun, mesh, axis_name, dyn_idx, dyn_axes, static_vals,
+                                    out_axes, len(args), donate_argnums, L)
+    for x, ax in zip(dyn, dyn_axes):
+      if ax is None:
+        continue
+      for leaf in jax.tree.leaves(x):
+        if np.ndim(leaf) <= ax or np.shape(leaf)[ax] != L:
+          raise ValueError(
+              f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
+              f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
+              f"has size local_device_count() = {L}.")
+    return fn(*dyn)
+
+  return wrapped
+
+
+_pmap_meshes: dict[Any, GlobalMesh] = {}
+
+
+def _build_pmap(fun, mesh: GlobalMesh, axis_name, dyn_idx, dyn_axes, static_vals, out_axes,
+                nargs, donate_argnums, L):
+  local = mesh.axes[axis_name].local_name
+  statics = dict(static_vals)
+
+  def body(*dyn):
+    full = [None] * nargs
+    for i, v in statics.items():
+      full[i] = v
+    for i, v, ax in zip(dyn_idx, dyn, dyn_axes):
+      full[i] = v if ax is None else jax.tree.map(lambda a: jnp.squeeze(a, ax), v)
+    with bind_axes(mesh, (axis_name,)):
+      out = fun(*full)
+    if out_axes is None:  # replicated result: returned once, not per device
+      return out
+    return jax.tree.map(lambda a: jnp.expand_dims(a, out_axes), out)
+
+  def spec_for(ax):
+    if ax is None:
+      return P()
+    return P(*([None] * ax + [local]))
+
+  in_specs = tuple(spec_for(ax) for ax in dyn_axes)
+  out_spec = spec_for(out_axes)
+  mapped = jax.shard_map(body, mesh=mesh.local_mesh, in_specs=in_specs, out_specs=out_spec,
+                         check_vma=False)
+  donate = tuple(dyn_idx.index(i) for i in donate_argnums if i in dyn_idx)
+  return jax.jit(mapped, donate_argnums=donate)
