@@ -1,0 +1,169 @@
+"""A real one-node Slurm on this machine runs slurm/cpu.sbatch with 4 mpijax ranks.
+
+Installs Debian's slurm-wlm and munge when missing, starts munged, slurmctld
+and slurmd from a generated config in a temp dir (we own their PIDs), submits
+the batch script with sbatch --wait, and checks what every rank saw. Two ways
+of starting the ranks are checked:
+
+* direct launch: ``srun --mpi=pmix`` (Slurm's PMIx server starts the ranks;
+  mpijax's Topology says launcher "slurm"). Works with the Open MPI wheel here:
+  Open MPI 5 is a PMIx client, and Debian's mpi/pmix plugin (PMIx 4.2) serves it.
+* mpirun inside the allocation (the fallback for MPIs Slurm cannot start):
+  the ranks see the job's SLURM_* variables; mpijax reports launcher "prrte".
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import REPO, read_reports, run
+
+import slurm_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+
+ENV_CAPTURE = "/tmp/slurm-env-capture.json"
+NTASKS = 4
+
+
+def _has_pmix_plugin() -> bool:
+  return bool(glob.glob("/usr/lib/*/slurm-wlm/mpi_pmix*.so") + glob.glob("/usr/lib*/slurm/mpi_pmix*.so"))
+
+
+def _daemon_pids(cluster) -> list[int]:
+  return [p.pid for p in cluster.procs]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+  reason = slurm_cluster.why_unavailable()
+  if reason:
+    pytest.skip(reason)
+  slurm_cluster.ensure_installed()
+  root = tempfile.mkdtemp(prefix="mpijax-slurm-")
+  os.chmod(root, 0o755)
+  cluster = slurm_cluster.SlurmCluster(root=root, host=slurm_cluster.short_hostname(), cpus=NTASKS)
+  started: list[int] = []
+  try:
+    cluster.start("pmix" if _has_pmix_plugin() else "none")
+    started = _daemon_pids(cluster)
+    yield cluster
+  finally:
+    logs = cluster.logs()
+    cluster.stop()
+    # Every daemon we started is gone, and no job step daemon outlives them.
+    for pid in started:
+      assert not _alive(pid), f"daemon pid {pid} survived stop()"
+    end = time.monotonic() + 15
+    while _stepds(root) and time.monotonic() < end:
+      time.sleep(0.2)
+    assert not _stepds(root), f"slurmstepd left behind: {_stepds(root)}\n{logs}"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _stepds(root: str) -> list[int]:
+  """Live slurmstepd processes of our cluster (they keep our config path in their environment)."""
+  out = []
+  for pid in subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True, text=True).stdout.split():
+    if _alive(int(pid)):
+      try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+          env = f.read()
+      except OSError:
+        continue
+      if root.encode() in env or b"SLURM_CONF" not in env:
+        out.append(int(pid))
+  return out
+
+
+def _submit(cluster, launcher: str, outdir, timeout: float = 150) -> tuple[str, str]:
+  """Submits slurm/cpu.sbatch running rank_report.py and waits for it; returns (job id, output)."""
+  out_file = outdir.parent / f"job-{launcher}.out"
+  argv = ["sbatch", "--parsable", f"--ntasks={NTASKS}", "--nodes=1", "--time=5",
+          f"--output={out_file}", f"--chdir={REPO}",
+          f"--export=ALL,LAUNCHER={launcher},PYTHON={sys.executable},MPIJAX_TIMEOUT=60",
+          str(REPO / "slurm" / "cpu.sbatch"),
+          sys.executable, str(REPO / "tests" / "system" / "rank_report.py"), str(outdir)]
+  r = cluster.run(argv, timeout=30)
+  assert r.returncode == 0, f"sbatch failed: {r.stderr}\n{cluster.logs()}"
+  job_id = r.stdout.strip().split(";")[0]
+  # Poll (sbatch --wait backs off to tens of seconds between checks).
+  end = time.monotonic() + timeout
+  state, exit_code = "PENDING", ""
+  while time.monotonic() < end:
+    info = cluster.run(["scontrol", "-o", "show", "job", job_id], timeout=20).stdout
+    fields = dict(w.split("=", 1) for w in info.split() if "=" in w)
+    state, exit_code = fields.get("JobState", "?"), fields.get("ExitCode", "")
+    if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "?"):
+      break
+    time.sleep(0.5)
+  else:
+    cluster.run(["scancel", job_id], timeout=10)
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s:\n{_read(out_file)}\n"
+                         f"{cluster.logs()}")
+  job_output = _read(out_file)
+  assert (state, exit_code) == ("COMPLETED", "0:0"), \
+      f"job {job_id}: {state} {exit_code}\n{job_output}\n{cluster.logs()}"
+  return job_id, job_output
+
+
+def _read(path) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return f.read()
+  except OSError:
+    return "(no job output)"
+
+
+def _check_common(reports, job_id, job_output):
+  assert len(reports) == NTASKS, f"{len(reports)} of {NTASKS} ranks reported:\n{job_output}"
+  coordinators = {r["coordinator_address"] for r in reports}
+  assert len(coordinators) == 1 and ":" in coordinators.pop(), reports
+  for i, r in enumerate(reports):
+    assert (r["rank"], r["size"]) == (i, NTASKS), r
+    assert (r["local_rank"], r["local_size"], r["node_count"]) == (i, NTASKS, 1), r
+    assert r["sum"] == NTASKS * (NTASKS + 1) / 2, r  # a collective across all ranks
+    assert r["slurm_env"]["SLURM_JOB_ID"] == job_id, r["slurm_env"]
+
+
+def test_cpu_sbatch_direct_srun_launch(slurm, report_dir):
+  """mpijax-run picks srun inside the allocation; every rank learns rank/size/coordinator from Slurm."""
+  job_id, job_output = _submit(slurm, "auto", report_dir)
+  reports = read_reports(report_dir)
+  _check_common(reports, job_id, job_output)
+  for i, r in enumerate(reports):
+    assert r["launcher"] == "slurm", (r, job_output)
+    env = r["slurm_env"]
+    # It ran as a job step with these tasks, and Slurm's variables say who it is.
+    assert env["SLURM_PROCID"] == str(i) and env["SLURM_NTASKS"] == str(NTASKS), env
+    assert env.get("SLURM_STEP_ID", env.get("SLURM_STEPID")) == "0", env
+    assert env.get("SLURM_MPI_TYPE", "pmix").startswith("pmix"), env
+  assert f"[{0}]" in job_output or "0: rank 0" in job_output, job_output  # srun --label tags
+  # A real SLURM_* step environment for the cluster detector's unit-test fixture.
+  with open(ENV_CAPTURE, "w") as f:
+    json.dump(reports[1]["slurm_env"], f, indent=1, sort_keys=True)
+
+
+def test_cpu_sbatch_mpirun_inside_allocation(slurm, report_dir):
+  """The fallback: mpirun in the batch step starts the ranks; they still see the allocation."""
+  job_id, job_output = _submit(slurm, "mpirun", report_dir)
+  reports = read_reports(report_dir)
+  _check_common(reports, job_id, job_output)
+  for r in reports:
+    assert r["launcher"] in ("prrte", "openmpi"), (r, job_output)
+    assert r["slurm_env"]["SLURM_NTASKS"] == str(NTASKS), r["slurm_env"]
