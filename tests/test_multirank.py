@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -19,7 +20,9 @@ CONFIGS = [
 
 @pytest.mark.parametrize("ranks,devices", CONFIGS)
 def test_mpi_suite(ranks, devices):
-  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+  # pytest-mpi, when installed, would skip everything under a directory named "mpi"
+  # unless --with-mpi is given; mpijax's suite does not use it.
+  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:pytest_mpi", "--color=no",
           "-W", "ignore::DeprecationWarning", "tests/mpi"]
   select = os.environ.get("MPIJAX_TEST_SELECT")  # e.g. "-k allreduce" for local work
   if select:
@@ -30,3 +33,6 @@ def test_mpi_suite(ranks, devices):
   assert result.returncode == 0, (
       f"tests/mpi failed under {ranks} ranks x {devices} devices "
       f"(exit {result.returncode}, {seconds:.0f}s):\n{tail(result.stdout)}")
+  # Every rank must have run tests, not skipped them all.
+  summaries = re.findall(r"(\d+) passed", result.stdout)
+  assert len(summaries) >= ranks and min(int(n) for n in summaries) > 0, tail(result.stdout)
