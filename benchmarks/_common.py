@@ -136,6 +136,7 @@ class Timing:
   iters: int                 # steps per trial
   trials: int
   per_op_divisor: int = 1    # steps count this many operations each
+  best_us: float | None = None  # max over ranks of each rank's fastest trial (noise floor)
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -166,8 +167,9 @@ def time_step(step: Callable[[], Any], hc: HarnessComm, *, trials: int,
     per_step.append((time.perf_counter() - t0) / iters)
   mine = statistics.median(per_step) * 1e6 / per_op_divisor
   gathered = hc.comm.allgather(mine)
+  best = hc.max(min(per_step) * 1e6 / per_op_divisor)
   return Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters,
-                trials=trials, per_op_divisor=per_op_divisor)
+                trials=trials, per_op_divisor=per_op_divisor, best_us=best)
 
 
 # --- rows and results -------------------------------------------------------------
@@ -205,6 +207,8 @@ def environment_info() -> dict[str, Any]:
       "python": platform.python_version(),
       "machine": platform.machine(),
       "cpus": os.cpu_count(),
+      # Other jobs on the machine inflate every figure; keep the evidence.
+      "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
   }
   for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax"):
     try:
@@ -356,3 +360,13 @@ def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str) -> st
 
 def default_out_dir() -> str:
   return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load_note() -> str:
+  """One line on machine load now; a busy machine makes every row slower and noisier."""
+  if not hasattr(os, "getloadavg"):
+    return ""
+  one, five, _ = os.getloadavg()
+  cpus = os.cpu_count() or 1
+  warn = " (busy machine: figures are inflated and noisy)" if one > cpus else ""
+  return f"Load average {one:.1f} / {five:.1f} (1 / 5 min) on {cpus} CPUs at the end of the run{warn}."

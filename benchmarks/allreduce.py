@@ -433,6 +433,7 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
     parts += ["", "Not measured:", ""] + notes
   targets = check_targets(rows, sizes, nprocs)
   parts += ["", "Targets (issue 3):", "", "```"] + targets + ["```"]
+  parts += ["", _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)
 
