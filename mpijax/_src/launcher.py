@@ -301,6 +301,7 @@ class Options:
   mpirun: str | None = None
   launcher_args: list[str] = dataclasses.field(default_factory=list)
   wrap: bool = True
+  rank_wrapper: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +340,7 @@ def choose_launcher(opts: Options, env: dict[str, str]) -> str:
 def build_command(opts: Options, sit: Situation) -> list[str]:
   """The full launcher command line for ``opts`` in situation ``sit``."""
   program = wrap_program(opts.program) if opts.wrap else list(opts.program)
+  program = opts.rank_wrapper + program
   kind = choose_launcher(opts, sit.env)
   if kind == "srun":
     return _srun_command(opts, sit, program)
@@ -609,6 +611,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mpirun", metavar="PATH", help="the mpirun/mpiexec to use instead of the detected one")
   p.add_argument("--launcher-args", metavar="'ARGS'", default="",
                  help="extra arguments for the launcher, one shell-quoted string")
+  p.add_argument("--rank-wrapper", metavar="'CMD'", default="",
+                 help="command each rank runs the program through, e.g. launch/gpu-per-rank.sh "
+                      "(the Python wrapper still applies to PROGRAM)")
   p.add_argument("--no-wrap", action="store_true",
                  help="run a Python PROGRAM as is, without 'python -m mpijax.run'")
   p.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -638,7 +643,8 @@ def parse_args(argv: Sequence[str]) -> Options:
   return Options(np=ns.np, program=program, devices_per_process=ns.devices_per_process,
                  hostfile=ns.hostfile, hosts=ns.hosts, timeout=ns.timeout, dry_run=ns.dry_run,
                  launcher=ns.launcher, mpirun=ns.mpirun,
-                 launcher_args=shlex.split(ns.launcher_args), wrap=not ns.no_wrap)
+                 launcher_args=shlex.split(ns.launcher_args), wrap=not ns.no_wrap,
+                 rank_wrapper=shlex.split(ns.rank_wrapper))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

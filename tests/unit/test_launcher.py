@@ -204,6 +204,11 @@ def test_launcher_args_and_no_wrap():
   assert got[-5:] == ["--mca", "btl", "tcp,self", "python", "x.py"]
 
 
+def test_rank_wrapper_goes_before_the_wrapped_program():
+  got = cmd(["-n", "2", "--rank-wrapper", "launch/gpu-per-rank.sh", "--", "python", "x.py"])
+  assert got[-5:] == ["launch/gpu-per-rank.sh", "python", "-m", "mpijax.run", "x.py"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["-n", "0", "--", "x"], "at least 1"),
     (["-n", "2"], "no PROGRAM"),
