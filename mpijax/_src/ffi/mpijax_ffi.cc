@@ -290,7 +290,9 @@ int CommSize(MPI_Comm c) { int s = 0; MPI_Comm_size(c, &s); return s; }
 // Handlers.
 
 ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                         ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
                          int64_t op) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
@@ -317,7 +319,9 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+                         ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allgather", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
@@ -346,7 +350,9 @@ ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                             ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
                              int64_t op) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm), rank = CommRank(comm);
@@ -386,7 +392,9 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+                        ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"alltoall", x.element_type(), x.dimensions(), size, comm_id,
@@ -422,7 +430,9 @@ ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
-                     ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                     ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
                      int64_t root) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
@@ -450,7 +460,9 @@ ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
 
 // Sum (or op) to root; zeros on the other ranks. The transpose of bcast.
 ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                      ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
                       int64_t op, int64_t root) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
@@ -485,7 +497,9 @@ ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
 // Point-to-point by a permutation given as (srcs[i] -> dsts[i]) rank pairs.
 // A rank nobody sends to gets zeros (jax.lax.ppermute semantics).
 ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                        ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
                         ffi::Span<const int64_t> srcs,
                         ffi::Span<const int64_t> dsts) {
   MPIJAX_GET_COMM(comm, comm_id, device);
@@ -534,7 +548,9 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-ffi::Error BarrierImpl(int64_t device, int64_t comm_id) {
+ffi::Error BarrierImpl(int64_t device, ffi::AnyBuffer /*token_in*/,
+                       ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                       int64_t comm_id) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"barrier", ffi::DataType::INVALID, {}, CommSize(comm), comm_id,
                 device};
@@ -549,40 +565,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter, ReduceScatterImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAlltoall, AlltoallImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBcast, BcastImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduce, ReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("root"));
@@ -590,13 +618,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPpermute, PpermuteImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<ffi::Span<const int64_t>>("srcs")
                                   .Attr<ffi::Span<const int64_t>>("dsts"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
+                                  .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm"));
 
 // ---------------------------------------------------------------------------
