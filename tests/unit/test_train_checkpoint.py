@@ -34,6 +34,7 @@ def _assert_same(a, b):
     if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       x, y = jax.random.key_data(x), jax.random.key_data(y)
     assert np.asarray(x).dtype == np.asarray(y).dtype
+    assert np.shape(x) == np.shape(y)
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

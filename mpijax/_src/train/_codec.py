@@ -65,7 +65,8 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[np.ndarray], Any]:
   specs, arrays = [], []
   for path, leaf in with_paths:
     arr, kind, impl = leaf_to_numpy(leaf)
-    arr = np.ascontiguousarray(arr)
+    # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
+    arr = arr if arr.flags.c_contiguous else arr.copy(order="C")
     specs.append(LeafSpec(jax.tree_util.keystr(path), kind, arr.dtype.name, tuple(arr.shape), impl))
     arrays.append(arr)
   return specs, arrays, treedef

@@ -76,7 +76,9 @@ class DataParallel:
     if rng is None:
       rng = jax.random.key(0)
     params, rng = _bcast.broadcast((params, rng), self.root, comm=self.comm)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), rng)
+    # One compiled call instead of many small eager ops (each would compile).
+    opt_state = jax.jit(self.optimizer.init)(params)
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng)
 
   # -- one step ---------------------------------------------------------------
 
