@@ -183,9 +183,12 @@ class Row:
   cells: dict[int, Timing | str] = dataclasses.field(default_factory=dict)
   note: str = ""
 
-  def us(self, nbytes: int) -> float | None:
+  def us(self, nbytes: int, stat: str = "median") -> float | None:
+    """The cell's figure: "median" (the reported one) or "best" (fastest trial)."""
     c = self.cells.get(nbytes)
-    return c.median_us if isinstance(c, Timing) else None
+    if not isinstance(c, Timing):
+      return None
+    return c.best_us if stat == "best" else c.median_us
 
   def to_json(self) -> dict[str, Any]:
     return {"key": self.key, "label": self.label, "phase": self.phase, "note": self.note,
@@ -299,7 +302,8 @@ def _fmt_ratio(v: float | None) -> str:
 
 
 def markdown_table(rows: Sequence[Row], sizes: Sequence[int], *,
-                   ratio_to: Row | None = None, title: str = "method") -> str:
+                   ratio_to: Row | None = None, title: str = "method",
+                   stat: str = "median") -> str:
   """Times (or, with ``ratio_to``, time / that row's time) as a Markdown table."""
   head = f"| {title} | " + " | ".join(fmt_size(s) for s in sizes) + " |"
   sep = "|---|" + "---:|" * len(sizes)
@@ -307,9 +311,9 @@ def markdown_table(rows: Sequence[Row], sizes: Sequence[int], *,
   for r in rows:
     cells = []
     for s in sizes:
-      v = r.us(s)
+      v = r.us(s, stat)
       if ratio_to is not None:
-        base = ratio_to.us(s)
+        base = ratio_to.us(s, stat)
         cells.append(_fmt_ratio(v / base if v is not None and base else None))
       else:
         cells.append(_fmt_us(v))
@@ -327,7 +331,8 @@ def skip_notes(rows: Sequence[Row]) -> list[str]:
   return notes
 
 
-def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str) -> str | None:
+def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str, *,
+         xlabel: str = "message size per rank (float32)") -> str | None:
   """Log-log time-vs-size PNG; returns a reason instead if matplotlib is missing."""
   try:
     import matplotlib
@@ -347,7 +352,7 @@ def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str) -> st
   ax.set_yscale("log")
   ax.set_xticks(list(sizes))
   ax.set_xticklabels([fmt_size(s) for s in sizes])
-  ax.set_xlabel("message size per rank (float32)")
+  ax.set_xlabel(xlabel)
   ax.set_ylabel("median time per operation (µs, max over ranks)")
   ax.set_title(title)
   ax.grid(True, which="both", alpha=0.3)

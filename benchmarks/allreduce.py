@@ -428,6 +428,9 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   if m4j and any(m4j.us(s) is not None for s in sizes):
     parts += ["", "Ratio to mpi4jax (1 per call):", "",
               _common.markdown_table(rows, sizes, ratio_to=m4j)]
+  parts += ["", "Fastest trial instead of the median (µs, max over ranks; less sensitive to "
+             "other load on the machine, not used for the targets):", "",
+             _common.markdown_table(rows, sizes, stat="best")]
   notes = _common.skip_notes(rows)
   if notes:
     parts += ["", "Not measured:", ""] + notes
