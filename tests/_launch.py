@@ -11,10 +11,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def mpirun_command(n: int, devices_per_process: int = 1, wrap: bool = True) -> list[str]:
+def mpirun_command(n: int, devices_per_process: int = 1, wrap: bool = True,
+                   timeout: float | None = None) -> list[str]:
   """The command prefix that starts ``n`` ranks with ``mpijax-run``."""
-  return [sys.executable, "-m", "mpijax.launch", "-n", str(n),
-          "--devices-per-process", str(devices_per_process)] + ([] if wrap else ["--no-wrap"]) + ["--"]
+  return ([sys.executable, "-m", "mpijax.launch", "-n", str(n),
+           "--devices-per-process", str(devices_per_process)]
+          + ([] if wrap else ["--no-wrap"])
+          + ([] if timeout is None else ["--timeout", str(int(timeout))]) + ["--"])
 
 
 def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: float = 300,
@@ -29,15 +32,21 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
   full_env = dict(os.environ)
   full_env.update(env or {})
   full_env["MPIJAX_DEVICES_PER_PROCESS"] = str(devices_per_process)
-  cmd = mpirun_command(n, devices_per_process, wrap) + argv
+  # mpijax-run's own --timeout stops every rank (they run in other sessions than
+  # ours); our timeout below is only the backstop.
+  cmd = mpirun_command(n, devices_per_process, wrap, timeout) + argv
   start = time.monotonic()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=full_env, cwd=str(cwd or REPO), start_new_session=True)
   try:
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = proc.communicate(timeout=timeout + 30)
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, 9)
-    out, _ = proc.communicate()
+    proc.terminate()  # mpijax-run forwards SIGTERM and kills every rank after 5 s
+    try:
+      out, _ = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      out, _ = proc.communicate()
     out += f"\n[tests] killed after the {timeout}s timeout\n"
     proc.returncode = -9
   result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")

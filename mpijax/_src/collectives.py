@@ -71,7 +71,7 @@ def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   if comm is None:
     return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
   n_local = math.prod(a.local_size for a in axes)
-  if (op == "sum" and n_local > 1 and x.size >= n_local
+  if (n_local > 1 and x.size >= n_local
       and x.size * x.dtype.itemsize >= config.get("hierarchical_min_bytes")):
     # Bandwidth-aware: each local device reduces 1/n_local of the array across
     # ranks, so the MPI traffic per rank is the array's size once.
@@ -79,8 +79,12 @@ def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     pad = (-flat.size) % n_local
     if pad:
       flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-    part = jax.lax.psum_scatter(flat, local, scatter_dimension=0, tiled=True)
-    part = ops.allreduce(part, "sum", comm=comm)
+    if op == "sum":
+      part = jax.lax.psum_scatter(flat, local, scatter_dimension=0, tiled=True)
+    else:  # no pmax_scatter in XLA: exchange the parts, then reduce them here
+      parts = jax.lax.all_to_all(flat.reshape(n_local, -1), local, 0, 0, tiled=True)
+      part = parts.max(axis=0) if op == "max" else parts.min(axis=0)
+    part = ops.allreduce(part, op, comm=comm)
     full = jax.lax.all_gather(part, local, axis=0, tiled=True)
     return full[:x.size].reshape(x.shape)
   if local:
@@ -166,13 +170,14 @@ def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
 
 def _gather_one(x, mesh: GlobalMesh, a: AxisInfo):
   """[size, *x.shape] ordered by the global index along ``a``."""
-  y = x[None]
+  if a.proc_size == 1:
+    return jax.lax.all_gather(x, a.local_name, axis=0)
+  # MPI first, on each device's own sub-communicator: every shard crosses the
+  # network once; the copies for the other local devices are made locally.
+  y = ops.allgather(x, comm=mesh.process_comm([a.name]))  # [ps, ...]
   if a.local_size > 1:
-    y = jax.lax.all_gather(x, a.local_name, axis=0)
-  if a.proc_size > 1:
-    y = ops.allgather(y, comm=mesh.process_comm([a.name]))
-    y = y.reshape((a.size,) + x.shape)
-  return y
+    y = jax.lax.all_gather(y, a.local_name, axis=1)  # [ps, ls, ...]
+  return y.reshape((a.size,) + x.shape)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from mpijax._src import replication
 from mpijax._src import runtime
 
 P = PartitionSpec
@@ -280,8 +281,14 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
                     f"{type(mesh).__name__}")
 
   def local_body(*args):
+    ins = _in_specs_tree(in_specs, args)
+    args = jax.tree.map(lambda s, x: replication.mark_input(x, mesh, _unmentioned(mesh, s)),
+                        ins, tuple(args), is_leaf=_is_spec)
     with bind_axes(mesh, mesh.axis_names):
-      return f(*args)
+      out = f(*args)
+    specs = jax.tree.map(lambda _: out_specs, out) if _is_spec(out_specs) else out_specs
+    return jax.tree.map(lambda s, y: replication.mark_output(y, _copies(mesh, _as_spec(s))),
+                        specs, out, is_leaf=_is_spec)
 
   @functools.wraps(f)
   def wrapped(*args):
@@ -295,6 +302,17 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     return mapped(*args)
 
   return wrapped
+
+
+def _unmentioned(mesh: GlobalMesh, spec: PartitionSpec) -> tuple[str, ...]:
+  """Axes spanning processes that ``spec`` does not shard over (replicated there)."""
+  used = {n for entry in spec for n in mesh.spec_axes(entry)}
+  return tuple(n for n in mesh.axis_names if n not in used and mesh.axes[n].proc_size > 1)
+
+
+def _copies(mesh: GlobalMesh, spec: PartitionSpec) -> int:
+  """How many processes hold the same block of an output with ``spec``."""
+  return math.prod(mesh.axes[n].proc_size for n in _unmentioned(mesh, spec))
 
 
 def _in_specs_tree(in_specs, args):
