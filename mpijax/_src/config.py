@@ -122,3 +122,16 @@ def reset(name: str | None = None) -> None:
     _OVERRIDES.clear()
   else:
     _OVERRIDES.pop(name, None)
+
+
+def markdown_table() -> str:
+  """The README's configuration table (``python -m mpijax._src.config``)."""
+  rows = ["| variable | default | meaning |", "|---|---|---|"]
+  for s in settings():
+    default = "unset" if s.default in (None, "") else repr(s.default)
+    rows.append(f"| `{s.env_var}` | {default} | {s.doc} |")
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  print(markdown_table())

@@ -1,0 +1,44 @@
+"""The one module that reads MPIJAX_* variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpijax._src import config
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_environment_default_and_override(monkeypatch):
+  monkeypatch.delenv("MPIJAX_TIMEOUT", raising=False)
+  assert config.get("timeout") == 300.0
+  monkeypatch.setenv("MPIJAX_TIMEOUT", "7.5")
+  assert config.get("timeout") == 7.5
+  config.update("timeout", 3.0)
+  try:
+    assert config.get("timeout") == 3.0  # code beats the environment
+  finally:
+    config.reset("timeout")
+  assert config.get("timeout") == 7.5
+
+
+def test_bad_value_names_the_variable(monkeypatch):
+  monkeypatch.setenv("MPIJAX_CHECK", "maybe")
+  with pytest.raises(ValueError, match="MPIJAX_CHECK='maybe'"):
+    config.get("check")
+
+
+def test_unknown_setting():
+  with pytest.raises(KeyError, match="no setting 'nope'"):
+    config.get("nope")
+
+
+def test_readme_table_is_current():
+  text = README.read_text()
+  start, end = "<!-- config-table:start -->\n", "\n<!-- config-table:end -->"
+  table = text[text.index(start) + len(start):text.index(end)]
+  assert table.strip() == config.markdown_table().strip(), (
+      "README's configuration table is stale; regenerate it with "
+      "python -c 'from mpijax._src import config; print(config.markdown_table())'")
