@@ -6,6 +6,11 @@ whose named axis spans every device of every rank.
 """
 
 from mpijax._src import config as config
+from mpijax._src.array_checkpoint import load as load
+from mpijax._src.array_checkpoint import save as save
+from mpijax._src.global_array import GlobalArray as GlobalArray
+from mpijax._src.global_array import reshard as reshard
+from mpijax._src.global_array import visualize_sharding as visualize_sharding
 from mpijax._src.mesh import GlobalMesh as GlobalMesh
 from mpijax._src.mesh import make_mesh as make_mesh
 from mpijax._src.mesh import pmap as pmap
@@ -29,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeviceInfo",
+    "GlobalArray",
     "GlobalMesh",
     "Runtime",
     "Topology",
@@ -36,12 +42,16 @@ __all__ = [
     "devices",
     "init",
     "is_initialized",
+    "load",
     "local_device_count",
     "local_devices",
     "make_mesh",
     "pmap",
     "process_count",
     "process_index",
+    "reshard",
+    "save",
     "shard_map",
     "shutdown",
+    "visualize_sharding",
 ]

@@ -1,0 +1,759 @@
+"""GlobalArray: a sharded array that knows its global shape, mesh and spec.
+
+Each rank holds only its *process-local part*: the block of the global array
+held by its devices (the same block :func:`mpijax.shard_map` passes in and
+out). That part is a ``jax.Array`` over the rank's local devices, sharded over
+``mesh.local_mesh`` by ``mesh.local_spec(spec)``. A :class:`GlobalArray` pairs
+it with the global shape, dtype, :class:`~mpijax.GlobalMesh` and
+``PartitionSpec`` so that gathering, resharding, checkpointing and
+visualizing can be done without the user doing index arithmetic.
+
+Geometry: device ``g`` (global index ``process * L + local``) sits at
+``np.unravel_index(g, mesh shape)``; along an array dimension sharded over
+axes ``(a, b)`` its block index is ``ravel((coord_a, coord_b), (size_a,
+size_b))``, exactly as in ``jax.sharding.NamedSharding``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mpijax._src import mpi_util
+from mpijax._src import runtime
+from mpijax._src.mesh import GlobalMesh
+
+P = PartitionSpec
+Index = tuple[slice, ...]
+
+
+# --- specs and geometry ------------------------------------------------------------
+
+
+def _as_spec(spec) -> PartitionSpec:
+  if spec is None:
+    return P()
+  return spec if isinstance(spec, PartitionSpec) else P(*spec)
+
+
+def normalize_spec(spec, ndim: int, mesh: GlobalMesh) -> PartitionSpec:
+  """``spec`` with one entry per dimension; single-axis tuples become names.
+
+  Raises:
+    ValueError: ``spec`` is longer than ``ndim``, names an unknown axis, or uses
+      an axis twice.
+  """
+  spec = _as_spec(spec)
+  if len(spec) > ndim:
+    raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the array has {ndim} "
+                     f"dimension(s); give at most {ndim} entries.")
+  entries, used = [], []
+  for e in tuple(spec) + (None,) * (ndim - len(spec)):
+    names = mesh.spec_axes(e)
+    used += names
+    entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+  dup = sorted({n for n in used if used.count(n) > 1})
+  if dup:
+    raise ValueError(f"PartitionSpec {spec} uses mesh axis {dup[0]!r} more than once; each "
+                     "mesh axis may shard at most one dimension.")
+  return P(*entries)
+
+
+def _names(mesh: GlobalMesh, entry) -> tuple[str, ...]:
+  return mesh.spec_axes(entry)
+
+
+def block_counts(mesh: GlobalMesh, spec: PartitionSpec) -> tuple[int, ...]:
+  """How many blocks each dimension is cut into (product of its axes' sizes)."""
+  return tuple(math.prod(mesh.shape[n] for n in _names(mesh, e)) for e in spec)
+
+
+def check_divisible(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec,
+                    what: str = "GlobalArray") -> None:
+  for d, (n, k) in enumerate(zip(shape, block_counts(mesh, spec))):
+    if n % k:
+      raise ValueError(
+          f"{what}: dimension {d} of the global shape {tuple(shape)} has size {n}, which is not "
+          f"divisible by the {k} devices sharding it (PartitionSpec {spec} over mesh axes "
+          f"{dict(mesh.shape)}). Pad dimension {d} to a multiple of {k}, or shard it over fewer "
+          "devices (e.g. None in that entry of the spec).")
+
+
+@functools.lru_cache(maxsize=256)
+def _device_blocks(mesh: GlobalMesh, spec: PartitionSpec) -> np.ndarray:
+  """[global device, dim] -> block index of that device along dim."""
+  coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
+  out = np.zeros((mesh.size, len(spec)), dtype=np.int64)
+  for d, e in enumerate(spec):
+    names = _names(mesh, e)
+    if names:
+      pos = [mesh.axis_names.index(n) for n in names]
+      out[:, d] = np.ravel_multi_index([coords[:, p] for p in pos],
+                                       [mesh.shape[n] for n in names])
+  return out
+
+
+def device_indices(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec) -> list[Index]:
+  """The index (tuple of slices into the global array) of every global device."""
+  counts = block_counts(mesh, spec)
+  sizes = [n // k for n, k in zip(shape, counts)]
+  blocks = _device_blocks(mesh, spec)
+  return [tuple(slice(int(b) * s, (int(b) + 1) * s) for b, s in zip(row, sizes)) for row in blocks]
+
+
+def process_index_of(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec,
+                     process: int) -> Index:
+  """The process-local part of rank ``process``: the bounding box of its devices' blocks."""
+  L = mesh.local_device_count
+  idx = device_indices(shape, mesh, spec)[process * L:(process + 1) * L]
+  return tuple(slice(min(i[d].start for i in idx), max(i[d].stop for i in idx))
+               for d in range(len(shape)))
+
+
+def _index_shape(index: Index) -> tuple[int, ...]:
+  return tuple(s.stop - s.start for s in index)
+
+
+def _local_sharding(mesh: GlobalMesh, spec: PartitionSpec) -> NamedSharding:
+  return NamedSharding(mesh.local_mesh, mesh.local_spec(spec))
+
+
+def _check_contiguous(mesh: GlobalMesh, spec: PartitionSpec) -> None:
+  for d in range(len(spec)):
+    mesh.process_block(spec, d)  # raises for a strided (non-contiguous) part
+
+
+# --- the array ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """One block held by one of this rank's devices."""
+  index: Index  # into the global array
+  device: Any  # the jax device
+  global_device_index: int  # process_index * local_device_count + local index
+  data: jax.Array
+
+
+@jax.tree_util.register_pytree_node_class
+class GlobalArray:
+  """A global array sharded over every device of every rank.
+
+  Build one with :meth:`from_process_local`, :meth:`from_global`,
+  :meth:`from_callback`, :func:`zeros` or :func:`full`; never from the
+  constructor. It is a pytree whose only child is ``.local``, so
+  ``jax.tree.map(f, ga)`` and ``jax.jit`` of functions taking and returning
+  GlobalArrays work on the local part and keep shape, mesh and spec.
+
+  Examples:
+    >>> mesh = mpijax.make_mesh((mpijax.process_count(),), ("x",))  # doctest: +SKIP
+    >>> ga = mpijax.GlobalArray.from_global(np.arange(16.).reshape(8, 2), mesh, P("x"))  # doctest: +SKIP
+    >>> ga.local.shape  # this rank's rows  # doctest: +SKIP
+    (2, 2)
+    >>> ga.gather().sum()  # collective: every rank calls it  # doctest: +SKIP
+    120.0
+  """
+
+  def __init__(self, local: Any, shape: Sequence[int], dtype: Any, mesh: GlobalMesh,
+               spec: PartitionSpec):
+    self._local = local
+    self._shape = tuple(int(s) for s in shape)
+    self._dtype = np.dtype(dtype)
+    self._mesh = mesh
+    self._spec = spec
+
+  # pytree: children = (local,), aux = (shape, dtype, mesh, spec)
+  def tree_flatten(self):
+    return (self._local,), (self._shape, self._dtype, self._mesh, self._spec)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    shape, dtype, mesh, spec = aux
+    local = children[0]
+    # After jax.tree.map the leaf may have a new dtype (x.astype); keep it honest.
+    if hasattr(local, "dtype") and hasattr(local, "shape"):
+      try:
+        dtype = np.dtype(local.dtype)
+      except TypeError:
+        pass
+    return cls(local, shape, dtype, mesh, spec)
+
+  # --- attributes ---
+
+  @property
+  def local(self) -> jax.Array:
+    """This rank's part: a ``jax.Array`` over its local devices."""
+    return self._local
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self._shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self._dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self._shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self._shape)
+
+  @property
+  def mesh(self) -> GlobalMesh:
+    return self._mesh
+
+  @property
+  def spec(self) -> PartitionSpec:
+    return self._spec
+
+  @property
+  def sharding(self) -> NamedSharding:
+    """The sharding of ``.local`` over this rank's devices."""
+    return _local_sharding(self._mesh, self._spec)
+
+  @property
+  def process_index(self) -> Index:
+    """Where this rank's part sits in the global array."""
+    return process_index_of(self._shape, self._mesh, self._spec, runtime.get("GlobalArray").rank)
+
+  @property
+  def addressable_shards(self) -> list[Shard]:
+    """This rank's blocks, one per local device, with their global index."""
+    offset = [s.start for s in self.process_index]
+    rt = runtime.get("GlobalArray.addressable_shards")
+    local_pos = {d: i for i, d in enumerate(rt.local_devices)}
+    out = []
+    for s in self._local.addressable_shards:
+      index = tuple(slice(o + (sl.start or 0), o + (sl.stop if sl.stop is not None else n))
+                    for o, sl, n in zip(offset, s.index, self._local.shape))
+      out.append(Shard(index, s.device, rt.rank * rt.local_device_count + local_pos[s.device],
+                       s.data))
+    return sorted(out, key=lambda sh: sh.global_device_index)
+
+  @property
+  def global_devices(self) -> tuple[runtime.DeviceInfo, ...]:
+    """Every device of the mesh, in global order (``mpijax.devices()``)."""
+    return runtime.get("GlobalArray.global_devices").device_table
+
+  @property
+  def is_fully_replicated(self) -> bool:
+    return all(k == 1 for k in block_counts(self._mesh, self._spec))
+
+  def __repr__(self) -> str:
+    return (f"GlobalArray(shape={self._shape}, dtype={self._dtype.name}, spec={self._spec}, "
+            f"mesh={self._mesh!r})")
+
+  def __array__(self, *args, **kwargs):
+    raise TypeError(
+        "a GlobalArray cannot be turned into a NumPy array implicitly: each rank holds only its "
+        "part. Call ga.gather() on every rank (collective) for the whole array, or use ga.local "
+        "for this rank's part.")
+
+  def __len__(self) -> int:
+    if not self._shape:
+      raise TypeError("len() of a 0-d GlobalArray")
+    return self._shape[0]
+
+  # --- derived arrays ---
+
+  def with_local(self, local: Any) -> GlobalArray:
+    """A GlobalArray with the same shape, mesh and spec and a new local part.
+
+    For element-wise results: ``ga.with_local(jax.jit(jnp.sin)(ga.local))``.
+    The dtype follows ``local``; it is moved to the expected sharding if needed.
+    """
+    local = jnp.asarray(local)
+    want = _index_shape(self.process_index)
+    if tuple(local.shape) != want:
+      raise ValueError(
+          f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "
+          f"the global {self._shape} array (spec {self._spec}) has shape {want}. Only "
+          "shape-preserving (element-wise) results can replace the local part; use reshard or "
+          "mpijax.shard_map for anything else.")
+    sharding = self.sharding
+    if not local.sharding.is_equivalent_to(sharding, local.ndim):
+      local = jax.device_put(local, sharding)
+    return GlobalArray(local, self._shape, local.dtype, self._mesh, self._spec)
+
+  def astype(self, dtype) -> GlobalArray:
+    return self.with_local(self._local.astype(dtype))
+
+  # --- constructors ---
+
+  @classmethod
+  def from_process_local(cls, local_data: Any, mesh: GlobalMesh, spec) -> GlobalArray:
+    """From each rank's part (collective; the global shape is inferred).
+
+    Each rank passes the block of the global array its devices hold (what
+    ``mesh`` and ``spec`` assign to it; ranks that differ only along mesh axes
+    not named in ``spec`` pass equal copies). Shapes and dtypes are checked
+    across ranks with a small allgather: a rank whose part does not fit makes
+    every rank raise an error naming it.
+
+    Raises:
+      ValueError: on every rank, if any rank's part has the wrong number of
+        dimensions, a shape that does not fit the others', or another dtype.
+    """
+    rt = runtime.get("GlobalArray.from_process_local")
+    data = local_data if isinstance(local_data, jax.Array) else np.asarray(local_data)
+    status: dict[str, Any] = {}
+    try:
+      nspec = normalize_spec(spec, np.ndim(data), mesh)
+      _check_contiguous(mesh, nspec)
+      counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
+      lshape = tuple(np.shape(data))
+      for d, (n, k, c) in enumerate(zip(lshape, block_counts(mesh, nspec), counts)):
+        per_rank = k // c  # devices of one rank along d
+        if n % per_rank:
+          raise ValueError(
+              f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
+              f"{per_rank} local devices sharding it (PartitionSpec {nspec})")
+      status = {"shape": [n * c for n, c in zip(lshape, counts)],
+                "dtype": np.dtype(data.dtype).name}
+    except ValueError as e:
+      status = {"error": str(e)}
+    reports = [json.loads(s) for s in mpi_util.allgather_str(rt.comm, json.dumps(status))]
+    errors = [(r, s["error"]) for r, s in enumerate(reports) if "error" in s]
+    if errors:
+      raise ValueError("GlobalArray.from_process_local: " + "; ".join(
+          f"rank {r}: {e}" for r, e in errors[:8]))
+    keys = [(tuple(s["shape"]), s["dtype"]) for s in reports]
+    majority = max(set(keys), key=keys.count)
+    odd = [r for r, k in enumerate(keys) if k != majority]
+    if odd:
+      raise ValueError(
+          "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
+          f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
+          f"{majority[0]} dtype {majority[1]}, but " + ", ".join(
+              f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
+          + " does not. Give every rank the block mesh and spec assign to it "
+          "(global shape divided by the number of process blocks along each dimension).")
+    local = jax.device_put(data, _local_sharding(mesh, nspec))
+    return cls(local, majority[0], local.dtype, mesh, nspec)
+
+  @classmethod
+  def from_global(cls, host_array: Any, mesh: GlobalMesh, spec) -> GlobalArray:
+    """From the whole array, present on every rank; each rank keeps its part."""
+    host = np.asarray(host_array)
+    nspec = normalize_spec(spec, host.ndim, mesh)
+    check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
+    _check_contiguous(mesh, nspec)
+    part = host[process_index_of(host.shape, mesh, nspec, runtime.get("GlobalArray").rank)]
+    local = jax.device_put(part, _local_sharding(mesh, nspec))
+    return cls(local, host.shape, host.dtype, mesh, nspec)
+
+  @classmethod
+  def from_global_part(cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh,
+                       spec) -> GlobalArray:
+    """From this rank's part when the global shape is known on every rank (no communication)."""
+    shape = tuple(int(s) for s in global_shape)
+    nspec = normalize_spec(spec, len(shape), mesh)
+    check_divisible(shape, mesh, nspec, "GlobalArray.from_global_part")
+    _check_contiguous(mesh, nspec)
+    want = _index_shape(process_index_of(shape, mesh, nspec, runtime.get("GlobalArray").rank))
+    if tuple(np.shape(part)) != want:
+      raise ValueError(f"GlobalArray.from_global_part: this rank's part of the global {shape} "
+                       f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}")
+    local = jax.device_put(part, _local_sharding(mesh, nspec))
+    return cls(local, shape, local.dtype, mesh, nspec)
+
+  @classmethod
+  def zeros(cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
+            spec=None) -> GlobalArray:
+    """A GlobalArray of zeros (see :func:`full`)."""
+    return full(shape, 0, dtype, mesh=mesh, spec=spec)
+
+  @classmethod
+  def full(cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *,
+           mesh: GlobalMesh, spec=None) -> GlobalArray:
+    """A GlobalArray filled with ``fill_value``, made on the devices."""
+    return full(shape, fill_value, dtype, mesh=mesh, spec=spec)
+
+  @classmethod
+  def from_callback(cls, global_shape: Sequence[int], dtype: Any, mesh: GlobalMesh, spec,
+                    data_callback: Callable[[Index], Any]) -> GlobalArray:
+    """Like ``jax.make_array_from_callback``: ``data_callback(index)`` gives one block.
+
+    Called once per distinct block held by this rank's devices, with the
+    block's index (a tuple of slices) into the global array.
+    """
+    rt = runtime.get("GlobalArray.from_callback")
+    shape = tuple(int(s) for s in global_shape)
+    dtype = np.dtype(jnp.dtype(dtype))
+    nspec = normalize_spec(spec, len(shape), mesh)
+    check_divisible(shape, mesh, nspec, "GlobalArray.from_callback")
+    _check_contiguous(mesh, nspec)
+    L = mesh.local_device_count
+    indices = device_indices(shape, mesh, nspec)[rt.rank * L:(rt.rank + 1) * L]
+    offset = [s.start for s in process_index_of(shape, mesh, nspec, rt.rank)]
+    sharding = _local_sharding(mesh, nspec)
+    local_shape = _index_shape(process_index_of(shape, mesh, nspec, rt.rank))
+    cache: dict[Any, np.ndarray] = {}
+    arrays = []
+    for l, index in enumerate(indices):
+      key = tuple((s.start, s.stop) for s in index)
+      if key not in cache:
+        block = np.asarray(data_callback(index), dtype=dtype)
+        if block.shape != _index_shape(index):
+          raise ValueError(f"GlobalArray.from_callback: the callback returned shape {block.shape} "
+                           f"for index {index}, expected {_index_shape(index)}")
+        cache[key] = block
+      arrays.append(jax.device_put(cache[key], rt.local_devices[l]))
+    # Put the blocks in the order jax expects: per device of the local sharding.
+    by_device = dict(zip(rt.local_devices, arrays))
+    local_map = sharding.addressable_devices_indices_map(local_shape)
+    for dev, local_index in local_map.items():  # cross-check the geometry once
+      got = tuple((o + (s.start or 0)) for o, s in zip(offset, local_index))
+      want = indices[rt.local_devices.index(dev)]
+      if got != tuple(s.start for s in want):
+        raise AssertionError(f"mpijax geometry mismatch on {dev}: {got} vs {want}")
+    local = jax.make_array_from_single_device_arrays(
+        local_shape, sharding, [by_device[d] for d in local_map])
+    return cls(local, shape, dtype, mesh, nspec)
+
+  @classmethod
+  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None) -> GlobalArray:
+    """From a global ``jax.Array`` with a ``NamedSharding`` (needs ``jax.distributed``).
+
+    Args:
+      array: e.g. the result of :meth:`to_jax` after ``jax.jit``.
+      mesh: the GlobalMesh to use; default a new one with the array's mesh
+        axes (creating a mesh is collective).
+    """
+    rt = runtime.get("GlobalArray.from_jax")
+    _require_distributed(rt, "GlobalArray.from_jax")
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+      raise TypeError(f"GlobalArray.from_jax needs an array with a NamedSharding, got "
+                      f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding first.")
+    jmesh = sharding.mesh
+    if mesh is None:
+      mesh = GlobalMesh(tuple(jmesh.shape.values()), tuple(jmesh.axis_names))
+    elif tuple(jmesh.axis_names) != mesh.axis_names or dict(jmesh.shape) != mesh.shape:
+      raise ValueError(f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
+                       f"match the given {mesh}")
+    nspec = normalize_spec(sharding.spec, array.ndim, mesh)
+    want = NamedSharding(jax_mesh(mesh), nspec)
+    if not sharding.is_equivalent_to(want, array.ndim):
+      array = jax.device_put(array, want)  # another device order: let JAX move the data
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    local_sharding = _local_sharding(mesh, nspec)
+    local_shape = _index_shape(process_index_of(array.shape, mesh, nspec, rt.rank))
+    local_map = local_sharding.addressable_devices_indices_map(local_shape)
+    local = jax.make_array_from_single_device_arrays(
+        local_shape, local_sharding, [by_device[d] for d in local_map])
+    return cls(local, array.shape, array.dtype, mesh, nspec)
+
+  # --- leaving ---
+
+  def gather(self, root: int | None = None) -> np.ndarray | None:
+    """The whole array as NumPy (collective: every rank must call it).
+
+    Args:
+      root: ``None``: every rank gets the array; a rank number: only that rank
+        does, the others get ``None``.
+
+    Each distinct process part is sent once (replicas are not sent again).
+    """
+    rt = runtime.get("GlobalArray.gather")
+    MPI = mpi_util.import_mpi()
+    comm = rt.comm
+    boxes = [process_index_of(self._shape, self._mesh, self._spec, r) for r in range(rt.size)]
+    keys = [tuple((s.start, s.stop) for s in b) for b in boxes]
+    senders = [r for r in range(rt.size) if keys[r] not in keys[:r]]
+    item = self._dtype.itemsize
+    counts = [math.prod(_index_shape(boxes[r])) * item if r in senders else 0
+              for r in range(rt.size)]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    mine = np.ascontiguousarray(np.asarray(self._local)) if rt.rank in senders else None
+    send = (mine.reshape(-1).view(np.uint8) if mine is not None and mine.size
+            else np.zeros(0, np.uint8))
+    if root is not None and not 0 <= root < rt.size:
+      raise ValueError(f"gather(root={root}) but the job has ranks 0..{rt.size - 1}")
+    want = root is None or rt.rank == root
+    buf = np.empty(int(sum(counts)), np.uint8) if want else None
+    recv = [buf, (counts, displs), MPI.BYTE] if want else None
+    if root is None:
+      comm.Allgatherv([send, MPI.BYTE], recv)
+    else:
+      comm.Gatherv([send, MPI.BYTE], recv, root=root)
+    if not want:
+      return None
+    out = np.empty(self._shape, self._dtype)
+    for r in senders:
+      chunk = buf[displs[r]:displs[r] + counts[r]]
+      out[boxes[r]] = chunk.view(self._dtype).reshape(_index_shape(boxes[r]))
+    return out
+
+  def to_jax(self) -> jax.Array:
+    """A global ``jax.Array`` over JAX's devices (needs ``mpijax.init(jax_distributed=True)``).
+
+    mpijax's global device ``p * L + l`` is JAX's ``l``-th local device of
+    process ``p``, so the result has the same layout and JAX's own ``jit``
+    auto-partitioning and ``with_sharding_constraint`` apply to it. No data
+    moves.
+    """
+    rt = runtime.get("GlobalArray.to_jax")
+    _require_distributed(rt, "GlobalArray.to_jax")
+    sharding = NamedSharding(jax_mesh(self._mesh), self._spec)
+    shards = {s.device: s.data for s in self._local.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        self._shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(
+            self._shape)])
+
+
+def _require_distributed(rt, what: str) -> None:
+  if not rt.jax_distributed:
+    raise RuntimeError(
+        f"{what} needs JAX's own multi-process runtime: start with "
+        "mpijax.init(jax_distributed=True) (or MPIJAX_JAX_DISTRIBUTED=1), before anything "
+        "else uses JAX. Without it, use .gather() or .local.")
+
+
+@functools.lru_cache(maxsize=32)
+def _jax_mesh(axis_shapes: tuple[int, ...], axis_names: tuple[str, ...], L: int):
+  from jax.sharding import Mesh
+  rt = runtime.get("mpijax.GlobalArray.to_jax")
+  per_process: dict[int, list[Any]] = {}
+  for d in jax.devices():
+    per_process.setdefault(d.process_index, []).append(d)
+  # JAX lists each process' devices by id; mpijax's local order is jax.local_devices().
+  ordered = []
+  for p in range(rt.size):
+    devs = sorted(per_process.get(p, []), key=lambda d: d.id)
+    if p == rt.rank:
+      devs = list(rt.local_devices)
+    if len(devs) != L:
+      raise RuntimeError(f"JAX sees {len(devs)} devices of process {p}, mpijax expects {L}")
+    ordered += devs
+  if sorted(rt.local_devices, key=lambda d: d.id) != list(rt.local_devices):
+    raise RuntimeError("this rank's local devices are not in id order; cannot map mpijax's "
+                       "global device order onto JAX's devices")
+  return Mesh(np.array(ordered, dtype=object).reshape(axis_shapes), axis_names)
+
+
+def jax_mesh(mesh: GlobalMesh):
+  """A ``jax.sharding.Mesh`` over JAX's global devices laid out like ``mesh``."""
+  return _jax_mesh(tuple(mesh.shape[n] for n in mesh.axis_names), mesh.axis_names,
+                   mesh.local_device_count)
+
+
+# --- constructors ---------------------------------------------------------------------
+
+
+def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh,
+         spec=None) -> GlobalArray:
+  """A GlobalArray filled with ``fill_value`` (made on the devices, no host copy)."""
+  shape = tuple(int(s) for s in shape)
+  dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.asarray(fill_value).dtype
+  nspec = normalize_spec(spec, len(shape), mesh)
+  check_divisible(shape, mesh, nspec, "mpijax full/zeros")
+  _check_contiguous(mesh, nspec)
+  local_shape = _index_shape(process_index_of(shape, mesh, nspec,
+                                              runtime.get("mpijax.zeros/full").rank))
+  local = jax.jit(lambda: jnp.full(local_shape, fill_value, dtype),
+                  out_shardings=_local_sharding(mesh, nspec))()
+  return GlobalArray(local, shape, dtype, mesh, nspec)
+
+
+def zeros(shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
+          spec=None) -> GlobalArray:
+  """A GlobalArray of zeros."""
+  return full(shape, 0, dtype, mesh=mesh, spec=spec)
+
+
+# --- in and out of mpijax.shard_map / mpijax.pmap -------------------------------------
+
+
+def _is_ga(x) -> bool:
+  return isinstance(x, GlobalArray)
+
+
+def unwrap_args(args: tuple, mesh: GlobalMesh | None = None) -> tuple[tuple, list, bool]:
+  """(args with GlobalArrays replaced by ``.local``, per-leaf GlobalArray or None, any?)."""
+  leaves, treedef = jax.tree.flatten(args, is_leaf=_is_ga)
+  metas = [x if _is_ga(x) else None for x in leaves]
+  if not any(m is not None for m in metas):
+    return args, metas, False
+  plain = [x.local if _is_ga(x) else x for x in leaves]
+  return jax.tree.unflatten(treedef, plain), metas, True
+
+
+def check_arg_specs(what: str, mesh: GlobalMesh, metas: list, specs: list) -> None:
+  """Each GlobalArray argument must live on ``mesh`` with the spec given for it."""
+  for k, (ga, spec) in enumerate(zip(metas, specs)):
+    if ga is None:
+      continue
+    if ga.mesh != mesh:
+      raise ValueError(f"{what}: GlobalArray argument {k} lives on {ga.mesh}, but the map runs "
+                       f"over {mesh}. Reshard it or build it on the same mesh.")
+    want = normalize_spec(spec, ga.ndim, mesh)
+    if want != ga.spec:
+      raise ValueError(
+          f"{what}: GlobalArray argument {k} (shape {ga.shape}) has spec {ga.spec}, but the "
+          f"in_specs give {want}. Pass in_specs={ga.spec} for it, or mpijax.reshard(x, {want}) "
+          "first.")
+
+
+def wrap_outputs(mesh: GlobalMesh, out: Any, specs: list) -> Any:
+  """Turns each output leaf (this rank's part) into a GlobalArray with its spec."""
+  leaves, treedef = jax.tree.flatten(out)
+  wrapped = []
+  for x, spec in zip(leaves, specs):
+    nspec = normalize_spec(spec, np.ndim(x), mesh)
+    counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
+    shape = tuple(n * c for n, c in zip(np.shape(x), counts))
+    wrapped.append(GlobalArray(x, shape, x.dtype, mesh, nspec))
+  return jax.tree.unflatten(treedef, wrapped)
+
+
+# --- reshard ---------------------------------------------------------------------------
+
+
+def reshard(array: GlobalArray, spec) -> GlobalArray:
+  """``array`` laid out by a new ``PartitionSpec`` on the same mesh (collective).
+
+  Moves data with :mod:`mpijax.lax` collectives inside one jitted
+  :func:`mpijax.shard_map`: an axis that moves from one dimension to another
+  is one ``all_to_all`` (row-sharded to column-sharded); other changes
+  ``all_gather`` the old blocks along the changed dimensions and keep the new
+  block (sharding a replicated dimension needs no communication).
+
+  Examples:
+    >>> cols = mpijax.reshard(rows, P(None, "x"))  # doctest: +SKIP
+    >>> full = mpijax.reshard(cols, P())  # doctest: +SKIP
+  """
+  if not _is_ga(array):
+    raise TypeError(f"reshard needs a GlobalArray, got {type(array).__name__}")
+  mesh = array.mesh
+  new = normalize_spec(spec, array.ndim, mesh)
+  if new == array.spec:
+    return array
+  check_divisible(array.shape, mesh, new, "reshard")
+  _check_contiguous(mesh, new)
+  fn = _reshard_fn(mesh, array.spec, new)
+  return GlobalArray(fn(array.local), array.shape, array.dtype, mesh, new)
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard_fn(mesh: GlobalMesh, old: PartitionSpec, new: PartitionSpec):
+  from mpijax._src import collectives as mlax
+  from mpijax._src.mesh import shard_map
+  O = [_names(mesh, e) for e in old]
+  N = [_names(mesh, e) for e in new]
+
+  def body(x):
+    o, n = list(O), list(N)
+    # One axis moving between dimensions: a single all_to_all.
+    for a in range(len(o)):
+      if len(o[a]) == 1 and not n[a]:
+        for b in range(len(o)):
+          if b != a and not o[b] and n[b] == o[a]:
+            x = mlax.all_to_all(x, o[a][0], split_axis=b, concat_axis=a, tiled=True)
+            o[a], o[b] = (), n[b]
+            break
+    changed = [d for d in range(len(o)) if o[d] != n[d]]
+    for d in changed:
+      if o[d]:
+        x = mlax.all_gather(x, o[d], axis=d, tiled=True)
+    for d in changed:
+      if n[d]:
+        k = math.prod(mesh.shape[m] for m in n[d])
+        size = x.shape[d] // k
+        x = jax.lax.dynamic_slice_in_dim(x, mlax.axis_index(n[d]) * size, size, axis=d)
+    return x
+
+  return jax.jit(shard_map(body, mesh=mesh, in_specs=old, out_specs=new))
+
+
+# --- visualize ---------------------------------------------------------------------------
+
+
+def _labels(array: GlobalArray) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict]:
+  """Row and column block bounds and, per block, its holders' labels."""
+  mesh = array.mesh
+  idx = device_indices(array.shape, mesh, array.spec)
+  L = mesh.local_device_count
+  holders: dict[tuple[int, int], list[str]] = {}
+  rows, cols = set(), set()
+  for g, index in enumerate(idx):
+    r = (index[0].start, index[0].stop) if array.ndim == 2 else (0, 1)
+    c = (index[-1].start, index[-1].stop)
+    rows.add(r)
+    cols.add(c)
+    holders.setdefault((r, c), []).append(f"P{g // L}:D{g % L}")
+  return sorted(rows), sorted(cols), holders
+
+
+def visualize_sharding(array: GlobalArray, *, use_rich: bool | None = None,
+                       print_it: bool = True) -> str:
+  """A text picture of which process (P) and local device (D) holds each block.
+
+  Like ``jax.debug.visualize_array_sharding``, for 1-D and 2-D arrays. Rank 0
+  prints it (with ``rich`` when importable); every rank gets the string.
+
+  Examples:
+    >>> mpijax.visualize_sharding(ga)  # doctest: +SKIP
+    ┌───────┬───────┐
+    │ P0:D0 │ P0:D1 │
+    ├───────┼───────┤
+    │ P1:D0 │ P1:D1 │
+    └───────┴───────┘
+  """
+  if not _is_ga(array):
+    raise TypeError(f"visualize_sharding needs a GlobalArray, got {type(array).__name__}")
+  if array.ndim not in (1, 2):
+    raise ValueError(f"visualize_sharding draws 1-D and 2-D arrays; this one has shape "
+                     f"{array.shape}. Visualize a 2-D reshape or slice of it instead.")
+  rows, cols, holders = _labels(array)
+  cells = [[", ".join(holders[(r, c)]) for c in cols] for r in rows]
+  text = _draw(cells)
+  if use_rich is not False:
+    text = _draw_rich(cells) or text  # plain text when rich is not importable
+  rt = runtime.get("mpijax.visualize_sharding")
+  if print_it and rt.rank == 0:
+    print(text, flush=True)
+  return text
+
+
+def _draw(cells: list[list[str]]) -> str:
+  width = max(len(s) for row in cells for s in row) + 2
+  ncol = len(cells[0])
+
+  def rule(left, mid, right):
+    return left + mid.join("─" * width for _ in range(ncol)) + right
+
+  lines = [rule("┌", "┬", "┐")]
+  for i, row in enumerate(cells):
+    lines.append("│" + "│".join(s.center(width) for s in row) + "│")
+    lines.append(rule("├", "┼", "┤") if i + 1 < len(cells) else rule("└", "┴", "┘"))
+  return "\n".join(lines)
+
+
+def _draw_rich(cells: list[list[str]]) -> str | None:
+  try:
+    import io
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+  except ImportError:
+    return None
+  table = Table(show_header=False, show_lines=True, box=box.SQUARE, padding=(0, 1))
+  for _ in cells[0]:
+    table.add_column(justify="center")
+  for row in cells:
+    table.add_row(*row)
+  console = Console(file=io.StringIO(), width=200, color_system=None)
+  console.print(table)
+  return console.file.getvalue().rstrip("\n")
