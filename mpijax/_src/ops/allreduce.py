@@ -71,19 +71,18 @@ def _jvp(primals, tangents, *, comm_id, op):
   if op == "prod":
     # d(prod_r x_r) = sum_r t_r * prod_{s != r} x_s, without dividing by x.
     from mpijax._src.ops.allgather import allgather_p
-    gathered = allgather_p.bind(x, comm_id=comm_id)
-    info_rank = _rank_mask(gathered.shape[0], comm_id, x.dtype)
-    others = jnp.prod(jnp.where(info_rank.reshape((-1,) + (1,) * x.ndim),
-                                jnp.ones_like(gathered), gathered), axis=0)
+    size, rank = _size_rank(comm_id)
+    gathered = allgather_p.bind(x, comm_id=comm_id, size=size)
+    mine = (jnp.arange(size) == rank).reshape((-1,) + (1,) * x.ndim)
+    others = jnp.prod(jnp.where(mine, jnp.ones_like(gathered), gathered), axis=0)
     return out, allreduce_p.bind(t * others, comm_id=comm_id, op="sum")
   raise TypeError(f"mpijax.ops.allreduce op={op!r} is not differentiable.")
 
 
-def _rank_mask(size: int, comm_id: int, dtype) -> jax.Array:
-  """One-hot (size,) bool mask of this rank in communicator ``comm_id``."""
+def _size_rank(comm_id: int) -> tuple[int, int]:
   with _base._registry_lock:
-    rank = next(e.info.rank for e in _base._registry.values() if e.info.id == comm_id)
-  return jnp.arange(size) == rank
+    info = next(e.info for e in _base._registry.values() if e.info.id == comm_id)
+  return info.size, info.rank
 
 
 def _transpose(ct, x, *, comm_id, op):
