@@ -292,14 +292,22 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
 
   @functools.wraps(f)
   def wrapped(*args):
+    from mpijax._src import global_array as ga  # GlobalArray in/out; ga imports this module
+    args, metas, any_ga = ga.unwrap_args(args)
     ins = _in_specs_tree(in_specs, args)
+    if any_ga:
+      ga.check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_spec))
     local_ins = jax.tree.map(mesh.local_spec, ins, is_leaf=_is_spec)
     local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s)), out_specs,
                               is_leaf=_is_spec)
     _check_local_shapes(mesh, ins, args)
     mapped = jax.shard_map(local_body, mesh=mesh.local_mesh, in_specs=local_ins,
                            out_specs=local_outs, check_vma=check_vma)
-    return mapped(*args)
+    out = mapped(*args)
+    if any_ga:
+      specs = jax.tree.leaves(_broadcast_specs(out_specs, out, "out_specs"), is_leaf=_is_spec)
+      out = ga.wrap_outputs(mesh, out, specs)
+    return out
 
   return wrapped
 
@@ -378,14 +386,21 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
 
   @functools.wraps(fun)
   def wrapped(*args):
+    from mpijax._src import global_array as ga  # GlobalArray in/out; ga imports this module
     mesh = _mesh()
     L = mesh.local_device_count
     dyn_idx = [i for i in range(len(args)) if i not in static]
-    dyn = [args[i] for i in dyn_idx]
     axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(axes) != len(args):
       raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {len(args)} arguments")
     dyn_axes = [axes[i] for i in dyn_idx]
+    dyn, metas, any_ga = ga.unwrap_args(tuple(args[i] for i in dyn_idx))
+    dyn = list(dyn)
+    if any_ga:  # a GlobalArray must be sharded over the pmap axis along its mapped axis
+      global_spec = lambda ax: P() if ax is None else P(*([None] * ax + [axis_name]))
+      ga.check_arg_specs("mpijax.pmap", mesh, metas, jax.tree.leaves(
+          [jax.tree.map(lambda _, ax=ax: global_spec(ax), x) for x, ax in zip(dyn, dyn_axes)],
+          is_leaf=_is_spec))
     static_vals = tuple((i, args[i]) for i in static)
     key = (static_vals, tuple(dyn_axes), jax.tree.structure(tuple(dyn)))
     fn = cache.get(key)
@@ -401,7 +416,11 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
               f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
               f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
               f"has size local_device_count() = {L}.")
-    return fn(*dyn)
+    out = fn(*dyn)
+    if any_ga:
+      out_spec = P() if out_axes is None else P(*([None] * out_axes + [axis_name]))
+      out = ga.wrap_outputs(mesh, out, [out_spec] * len(jax.tree.leaves(out)))
+    return out
 
   return wrapped
 
