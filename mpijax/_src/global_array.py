@@ -329,7 +329,8 @@ class GlobalArray:
       raise ValueError("GlobalArray.from_process_local: " + "; ".join(
           f"rank {r}: {e}" for r, e in errors[:8]))
     keys = [(tuple(s["shape"]), s["dtype"]) for s in reports]
-    majority = max(set(keys), key=keys.count)
+    # Ties (e.g. two ranks) go to the lowest rank's view.
+    majority = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
     odd = [r for r, k in enumerate(keys) if k != majority]
     if odd:
       raise ValueError(
@@ -351,7 +352,7 @@ class GlobalArray:
     _check_contiguous(mesh, nspec)
     part = host[process_index_of(host.shape, mesh, nspec, runtime.get("GlobalArray").rank)]
     local = jax.device_put(part, _local_sharding(mesh, nspec))
-    return cls(local, host.shape, host.dtype, mesh, nspec)
+    return cls(local, host.shape, local.dtype, mesh, nspec)
 
   @classmethod
   def from_global_part(cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh,
@@ -390,7 +391,7 @@ class GlobalArray:
     """
     rt = runtime.get("GlobalArray.from_callback")
     shape = tuple(int(s) for s in global_shape)
-    dtype = np.dtype(jnp.dtype(dtype))
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))  # int64 -> int32 without x64
     nspec = normalize_spec(spec, len(shape), mesh)
     check_divisible(shape, mesh, nspec, "GlobalArray.from_callback")
     _check_contiguous(mesh, nspec)
@@ -556,7 +557,8 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
          spec=None) -> GlobalArray:
   """A GlobalArray filled with ``fill_value`` (made on the devices, no host copy)."""
   shape = tuple(int(s) for s in shape)
-  dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.asarray(fill_value).dtype
+  dtype = np.dtype(jax.dtypes.canonicalize_dtype(
+      dtype if dtype is not None else np.asarray(fill_value).dtype))
   nspec = normalize_spec(spec, len(shape), mesh)
   check_divisible(shape, mesh, nspec, "mpijax full/zeros")
   _check_contiguous(mesh, nspec)
