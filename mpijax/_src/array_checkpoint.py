@@ -336,8 +336,10 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         arr = _read_shard(path, meta["files"][0]).view(np.dtype(meta["dtype"])).reshape(spec.shape)
         out.append(_codec.rebuild(arr.copy(), spec, leaf))
     result = jax.tree_util.tree_unflatten(treedef, out)
-  except (CheckpointError, ValueError) as e:
+  except CheckpointError as e:
     error = str(e)
+  except Exception as e:  # any failure must reach the other ranks, or they would hang below
+    error = f"{type(e).__name__}: {e}"
   reports = mpi_util.allgather_str(rt.comm, ("error:" + error) if error else ("ok:" + digest))
   bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
   if bad:

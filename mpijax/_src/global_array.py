@@ -223,14 +223,14 @@ class GlobalArray:
     return _local_sharding(self._mesh, self._spec)
 
   @property
-  def process_index(self) -> Index:
+  def local_index(self) -> Index:
     """Where this rank's part sits in the global array."""
     return process_index_of(self._shape, self._mesh, self._spec, runtime.get("GlobalArray").rank)
 
   @property
   def addressable_shards(self) -> list[Shard]:
     """This rank's blocks, one per local device, with their global index."""
-    offset = [s.start for s in self.process_index]
+    offset = [s.start for s in self.local_index]
     rt = runtime.get("GlobalArray.addressable_shards")
     local_pos = {d: i for i, d in enumerate(rt.local_devices)}
     out = []
@@ -274,7 +274,7 @@ class GlobalArray:
     The dtype follows ``local``; it is moved to the expected sharding if needed.
     """
     local = jnp.asarray(local)
-    want = _index_shape(self.process_index)
+    want = _index_shape(self.local_index)
     if tuple(local.shape) != want:
       raise ValueError(
           f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "

@@ -65,6 +65,7 @@ def test_constructors_round_trip_through_gather(meshes):
     assert a.shape == shape and a.mesh == mesh
     assert a.dtype == a.local.dtype == jax.dtypes.canonicalize_dtype(dtype)
     assert a.local.sharding.mesh == mesh.local_mesh
+    np.testing.assert_array_equal(np.asarray(a.local), g.astype(a.dtype)[a.local_index])
     # Each shard is the block of g at its global index, on its device.
     shards = a.addressable_shards
     assert [s.device for s in shards] == mpijax.local_devices()

@@ -101,9 +101,49 @@ def _job_to_jax() -> None:
   print(f"TO_JAX OK rank {mpijax.process_index()}", flush=True)
 
 
+def _job_save_crash(path: str) -> None:
+  """Rank 1 dies after writing its first shard file, in the middle of mpijax.save."""
+  import mpijax
+  from mpijax._src import array_checkpoint
+  mpijax.init()
+  if mpijax.process_index() == 1:
+    real = array_checkpoint._write_atomic
+
+    def write_then_die(file, parts):
+      real(file, parts)
+      print("CRASHING rank 1 mid-save", flush=True)
+      os._exit(3)
+
+    array_checkpoint._write_atomic = write_then_die
+  _job_save(path)
+
+
+def _job_refuse(path: str) -> None:
+  import glob
+  import mpijax
+  from jax.sharding import PartitionSpec as P
+  from mpijax._src.train.checkpoint import CheckpointError
+  mpijax.init()
+  mesh = mpijax.make_mesh((mpijax.process_count() * mpijax.local_device_count(),), ("x",))
+  like = {"w": mpijax.GlobalArray.zeros((8, 6), mesh=mesh, spec=P()),
+          "m": mpijax.GlobalArray.zeros((4, 8), "int32", mesh=mesh, spec=P()),
+          "b": mpijax.GlobalArray.zeros((5,), mesh=mesh, spec=P()), "step": 0}
+  leftovers = glob.glob(path + ".tmp-*")
+  assert len(leftovers) == 1, leftovers
+  for target, why in [(path, "no checkpoint directory"), (leftovers[0], "no metadata.json")]:
+    try:
+      mpijax.load(target, like=like)
+    except CheckpointError as e:
+      assert why in str(e), e
+      print(f"REFUSED {why}", flush=True)
+    else:
+      raise AssertionError(f"loaded {target}")
+
+
 if __name__ == "__main__":
   {"save": lambda: _job_save(sys.argv[2]), "load": lambda: _job_load(sys.argv[2]),
-   "to_jax": _job_to_jax}[sys.argv[1]]()
+   "save_crash": lambda: _job_save_crash(sys.argv[2]),
+   "refuse": lambda: _job_refuse(sys.argv[2]), "to_jax": _job_to_jax}[sys.argv[1]]()
   sys.exit(0)
 
 
@@ -114,9 +154,12 @@ import pytest  # noqa: E402
 from tests._launch import run_mpi, tail  # noqa: E402
 
 
-def _run(n, devices, *args, env=None):
+def _run(n, devices, *args, env=None, expect_ok=True):
   result, seconds = run_mpi(n, [sys.executable, HERE, *args], devices_per_process=devices,
                             timeout=240, env={"MPIJAX_TIMEOUT": "120", **(env or {})})
+  if not expect_ok:
+    assert result.returncode not in (0, -9), tail(result.stdout)  # failed, did not hang
+    return result.stdout
   assert result.returncode == 0, (f"{args[0]} on {n} ranks x {devices} devices failed "
                                   f"(exit {result.returncode}, {seconds:.0f}s):\n"
                                   f"{tail(result.stdout)}")
@@ -139,3 +182,12 @@ def test_checkpoint_from_4_ranks_loads_on_2_ranks_x_2_devices_and_on_1_rank(tmp_
 def test_to_jax_and_back_under_jax_distributed():
   out = _run(2, 2, "to_jax")
   assert out.count("TO_JAX OK") == 2, tail(out)
+
+
+def test_a_crash_mid_save_publishes_nothing_loadable(tmp_path):
+  path = str(tmp_path / "ckpt")
+  out = _run(2, 1, "save_crash", path, expect_ok=False)
+  assert "CRASHING rank 1 mid-save" in out and "SAVED" not in out, tail(out)
+  assert not os.path.exists(path)
+  out = _run(1, 1, "refuse", path)
+  assert out.count("REFUSED") == 2, tail(out)
