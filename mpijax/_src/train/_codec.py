@@ -101,9 +101,10 @@ def rebuild(arr: np.ndarray, spec: LeafSpec, like: Any = None) -> Any:
     impl = str(jax.random.key_impl(like)) if like is not None else spec.impl
     return jax.random.wrap_key_data(jnp.asarray(arr), impl=impl)
   if kind == "jax":
-    if like is not None and isinstance(like, jax.Array) and len(like.devices()) == 1:
-      # Keep the leaf on the device the caller's tree lives on.
-      return jax.device_put(arr, next(iter(like.devices())))
+    if like is not None and isinstance(like, jax.Array) and getattr(like, "committed", False):
+      # Keep the placement the caller chose (device or sharding); an
+      # uncommitted leaf stays uncommitted so jit may still move it.
+      return jax.device_put(arr, like.sharding)
     return jnp.asarray(arr)
   if kind == "python":
     value = arr.item()
