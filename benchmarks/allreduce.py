@@ -183,7 +183,7 @@ def _measure(hc: HarnessComm, key: str, label: str, phase: str, build_factory,
     factory_error = str(e)
   except Exception as e:
     factory_error = f"{type(e).__name__}: {e}"
-  errors = hc.comm.allgather(factory_error)
+  errors = hc.comm.allgather(_one_line(factory_error))
   if any(errors):
     reason = next(e for e in errors if e)
     row.cells = {s: reason for s in sizes}
@@ -199,7 +199,7 @@ def _measure(hc: HarnessComm, key: str, label: str, phase: str, build_factory,
       err = f"{type(e).__name__}: {e}"
       if args.verbose:
         traceback.print_exc()
-    errs = hc.comm.allgather(err)
+    errs = hc.comm.allgather(_one_line(err))
     if any(errs):
       row.cells[s] = next(e for e in errs if e)
       _log(hc, f"{label} @ {_common.fmt_size(s)}: skipped: {row.cells[s]}")
@@ -212,6 +212,14 @@ def _measure(hc: HarnessComm, key: str, label: str, phase: str, build_factory,
              f"(ranks {', '.join(f'{v:.2f}' for v in t.rank_medians_us)}; {t.iters} x {t.trials})")
     del step
   return row
+
+
+def _one_line(reason: str | None, limit: int = 300) -> str | None:
+  """A skip reason fit for one table note (pybind/nanobind errors span lines)."""
+  if reason is None:
+    return None
+  text = " ".join(reason.split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _log(hc: HarnessComm, msg: str) -> None:
