@@ -28,3 +28,11 @@ def test_rank_2_raises_and_the_job_aborts(script, wrapped):
   assert "rank 2/4" in out and "deliberate failure on rank 2" in out, tail(out)
   assert "passed the barrier" not in out, tail(out)
   assert not _no_leftovers(script), _no_leftovers(script)
+
+
+def test_exit_with_collectives_in_flight():
+  path = str(REPO / "tests" / "scripts" / "exit_inflight.py")
+  result, seconds = run_mpi(4, [sys.executable, path], timeout=120)
+  assert result.returncode == 0, tail(result.stdout)
+  assert result.stdout.count("dispatched") == 4, tail(result.stdout)
+  assert not _no_leftovers("exit_inflight.py")

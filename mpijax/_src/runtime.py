@@ -8,6 +8,7 @@ configures JAX's local devices and gathers the global device table.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import re
@@ -341,9 +342,16 @@ def init(*, launcher: str | None = None,
                         coordinator_address=address, launcher=info.launcher)
     _runtime = Runtime(topology=topology, comm=private, local_devices=local_devices,
                        device_table=table, jax_distributed=bool(use_dist), _world_comm=base)
+    atexit.register(_drain_at_exit)
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
     if abort:
       failure.install()
+    # --- issue 8 (stall inspector): a responder thread answers other ranks'
+    # "what are you doing?" queries; stopped at shutdown() and at exit.
+    from mpijax._src import inspector
+    inspector.start(private)
+    register_shutdown_hook(inspector.stop)
+    # --- end issue 8
     return _runtime
 
 
@@ -374,6 +382,27 @@ def _device_table(comm, local_devices, host: str) -> tuple[DeviceInfo, ...]:
     for l in range(L):
       table.append(DeviceInfo(p, l, p * L + l, plat, h, dkind))
   return tuple(table)
+
+
+def _drain_at_exit() -> None:
+  """Waits for dispatched computations before mpi4py finalizes MPI.
+
+  With asynchronous dispatch a jitted call can still be running (inside an
+  MPI collective) when the script ends; mpi4py's MPI_Finalize at exit would
+  then race with it. atexit runs this before mpi4py's own hook (registered
+  earlier, run later), and every rank drains the same work.
+  """
+  if _runtime is None:
+    return
+  try:
+    import jax
+    for a in jax.live_arrays():
+      try:
+        a.block_until_ready()
+      except Exception:  # a failed computation has nothing left to wait for
+        pass
+  except Exception:
+    pass
 
 
 def shutdown() -> None:
