@@ -236,7 +236,7 @@ def shared_dir():
 
 
 def test_save_load_round_trip_with_another_spec(meshes, shared_dir):
-  n, mesh, comm = _n(), meshes["x"], runtime.get().comm
+  n, mesh = _n(), meshes["x"]
   g = _value((2 * n, 3 * n), np.float32)
   tree = {"w": GlobalArray.from_global(g, mesh, P("x")),
           "b": GlobalArray.from_global(g[0], mesh, P()),

@@ -72,7 +72,6 @@ def _job_to_jax() -> None:
   import mpijax
   mpijax.init(jax_distributed=True)
   import jax
-  import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   Pn, L = mpijax.process_count(), mpijax.local_device_count()
@@ -97,7 +96,6 @@ def _job_to_jax() -> None:
   np.testing.assert_array_equal(back.gather(), g * 2)
   back2 = mpijax.GlobalArray.from_jax(arr)  # a new GlobalMesh from the array's mesh
   np.testing.assert_array_equal(back2.gather(), g)
-  del jnp
   print(f"TO_JAX OK rank {mpijax.process_index()}", flush=True)
 
 
@@ -148,8 +146,6 @@ if __name__ == "__main__":
 
 
 # --- the test side (plain pytest, starts the jobs) ---------------------------------------
-
-import pytest  # noqa: E402
 
 from tests._launch import run_mpi, tail  # noqa: E402
 
