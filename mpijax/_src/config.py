@@ -74,7 +74,8 @@ _define("stall_action", str, "abort",
         "What a stall does after reporting: 'abort' the job or only 'warn'.")
 _define("check", _parse_bool, False,
         "Compare every collective call's signature across ranks (slower); "
-        "by default each compiled program is compared once, on its first run.")
+        "by default each call site of a compiled program is compared once, "
+        "on its first run.")
 _define("max_chunk_bytes", int, 1 << 30,
         "Largest single MPI message; bigger buffers are sent in chunks.")
 _define("hierarchical_min_bytes", int, 64 * 1024,

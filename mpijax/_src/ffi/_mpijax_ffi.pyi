@@ -5,11 +5,27 @@ from typing import Any
 def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
-def setup(max_chunk_bytes: int, timeout_s: float) -> None:
-  """Creates the float16/bfloat16 MPI ops and sets chunk size and timeout."""
+def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
+          check_every: bool = False) -> None:
+  """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
+  action and whether every call's signature is compared across ranks."""
 
-def register_comms(handles: list[int]) -> int:
-  """Registers one communicator per local device index; returns its id."""
+def register_comms(handles: list[int], check_handles: list[int], key: int) -> int:
+  """Registers one communicator (and one signature-check communicator) per
+  local device index; ``key`` is the id all its ranks agreed on. Returns the
+  id used as the ops' ``comm`` attribute."""
+
+def register_site(text: str) -> int:
+  """Registers a call site's description; returns its id (``site`` attribute)."""
+
+def start_inspector(handle: int) -> bool:
+  """Starts the stall inspector's responder thread on a private communicator."""
+
+def stop_inspector() -> None:
+  """Stops and joins the responder thread."""
+
+def status(key: int, device: int) -> str:
+  """'<calls> <phase> <text>' for (communicator key, device), as sent to askers."""
 
 def unregister_comms(comm_id: int) -> None:
   """Forgets the communicators of ``comm_id`` (before they are freed)."""

@@ -19,7 +19,10 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -44,9 +47,73 @@ namespace {
 
 std::atomic<int64_t> g_max_chunk_bytes{int64_t{1} << 30};
 std::atomic<double> g_timeout_s{0.0};
+std::atomic<bool> g_stall_abort{true};   // MPIJAX_STALL_ACTION=abort
+std::atomic<bool> g_check_every{false};  // MPIJAX_CHECK=1
+
+using Clock = std::chrono::steady_clock;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
+// What one (communicator, local device) is doing, for the stall inspector.
+// Written by the handler thread with relaxed atomics (a few stores per call:
+// the fast path stays lean), read by the responder thread.
+struct Status {
+  std::atomic<int64_t> calls{0};     // calls entered so far
+  std::atomic<int64_t> site{-1};     // site id of the current / last call
+  std::atomic<int64_t> since_ns{0};  // entered (in a call) or left (idle)
+  std::atomic<int> phase{0};         // 0 idle, 1 mismatch check, 2 collective
+};
+
+// One local device's private communicators: `comm` carries the collectives,
+// `check` only the signature checks, so a check on one rank can never pair
+// up with (and corrupt) a real collective on another: a divergence there is
+// a stall the inspector reports, never silent garbage.
+struct DevComm {
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm check = MPI_COMM_NULL;
+  int64_t key = -1;  // the communicator's id, agreed by all its ranks
+  Status status;
+};
+
+struct CommEntry {
+  int64_t key = -1;
+  // unique_ptr: DevComm holds atomics; entries are never deleted (a freed
+  // communicator keeps its memory so the responder never reads freed state).
+  std::vector<std::unique_ptr<DevComm>> devs;
+  bool freed = false;
+};
 
 std::mutex g_comms_mu;
-std::vector<std::vector<MPI_Comm>> g_comms;  // comm id -> one per local device
+std::vector<CommEntry> g_comms;  // comm id -> one DevComm per local device
+
+// Call sites: id -> "allreduce(float32[4], sum) at train.py:42", registered
+// by Python at lowering time, and which local devices already checked them.
+struct Site {
+  std::string text;
+  std::atomic<uint64_t> checked{0};  // bit d: device d compared this site
+};
+std::mutex g_sites_mu;
+std::deque<Site> g_sites;
+
+int CommRank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
+int CommSize(MPI_Comm c) { int s = 0; MPI_Comm_size(c, &s); return s; }
+
+std::string SiteText(int64_t site) {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  if (site < 0 || site >= static_cast<int64_t>(g_sites.size()))
+    return "an unknown operation";
+  return g_sites[site].text;
+}
+
+Site* GetSite(int64_t site) {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  if (site < 0 || site >= static_cast<int64_t>(g_sites.size())) return nullptr;
+  return &g_sites[site];
+}
 
 std::once_flag g_types_once;
 MPI_Datatype g_half_type = MPI_DATATYPE_NULL;  // 2 opaque bytes (f16, bf16)
@@ -122,6 +189,8 @@ struct CallInfo {
   int comm_size;
   int64_t comm_id;
   int64_t device;
+  DevComm* dc = nullptr;  // set by MPIJAX_ENTER
+  int64_t site = -1;
 
   std::string Describe() const {
     std::ostringstream s;
@@ -148,31 +217,262 @@ ffi::Error MpiError(int rc, const char* call, const CallInfo& info) {
     if (rc_ != MPI_SUCCESS) return MpiError(rc_, #call, info); \
   } while (0)
 
+// ---------------------------------------------------------------------------
+// Stall inspector. Each process runs one responder thread on a private clone
+// of the runtime's communicator; it polls for status queries (MPI_Iprobe,
+// then sleeps, so it costs nothing measurable) and answers with what its
+// (communicator, device) is doing. A rank whose wait passes the deadline asks
+// the other ranks of the op's communicator and prints who has not arrived.
+
+constexpr int kQueryTag = 7001;
+constexpr int kReplyTagBase = 7002;  // + (query sequence % 20000)
+constexpr double kReplyWaitS = 2.0;
+
+std::mutex g_insp_mu;                  // start / stop
+std::atomic<MPI_Comm> g_insp_comm{MPI_COMM_NULL};
+std::thread* g_responder = nullptr;    // joined by StopInspector
+std::atomic<bool> g_responder_stop{false};
+std::atomic<int64_t> g_query_seq{0};
+
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s);
+  return buf;
+}
+
+DevComm* FindDev(int64_t key, int64_t device) {
+  std::lock_guard<std::mutex> lock(g_comms_mu);
+  for (auto& e : g_comms) {
+    if (e.key == key && !e.freed && device >= 0 &&
+        device < static_cast<int64_t>(e.devs.size()))
+      return e.devs[device].get();
+  }
+  return nullptr;
+}
+
+// "<calls> <phase> <human text>" for (key, device), as sent to an asker.
+std::string DescribeStatus(int64_t key, int64_t device) {
+  DevComm* dc = FindDev(key, device);
+  if (dc == nullptr) return "0 0 has not used this communicator yet";
+  const Status& st = dc->status;
+  int64_t calls = st.calls.load(std::memory_order_relaxed);
+  int phase = st.phase.load(std::memory_order_relaxed);
+  int64_t site = st.site.load(std::memory_order_relaxed);
+  double secs = (NowNs() - st.since_ns.load(std::memory_order_relaxed)) * 1e-9;
+  std::ostringstream s;
+  s << calls << " " << phase << " ";
+  if (calls == 0) {
+    s << "idle, no call on this communicator yet";
+  } else if (phase == 0) {
+    s << "idle since " << Seconds(secs) << " s; last: " << SiteText(site)
+      << ", call #" << calls;
+  } else {
+    s << "in call #" << calls << " since " << Seconds(secs) << " s: "
+      << (phase == 1 ? "signature check before " : "") << SiteText(site);
+  }
+  return s.str();
+}
+
+void ResponderLoop(MPI_Comm comm) {
+  struct Pending {
+    MPI_Request req;
+    std::unique_ptr<std::string> text;
+  };
+  std::vector<Pending> pending;
+  while (!g_responder_stop.load(std::memory_order_relaxed)) {
+    for (size_t i = 0; i < pending.size();) {
+      int done = 0;
+      MPI_Test(&pending[i].req, &done, MPI_STATUS_IGNORE);
+      if (done) {
+        pending[i] = std::move(pending.back());
+        pending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kQueryTag, comm, &flag, &st) != MPI_SUCCESS)
+      break;
+    if (!flag) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    int64_t q[3];  // key, device, reply tag
+    MPI_Recv(q, 3, MPI_INT64_T, st.MPI_SOURCE, kQueryTag, comm,
+             MPI_STATUS_IGNORE);
+    Pending p{MPI_REQUEST_NULL,
+              std::make_unique<std::string>(DescribeStatus(q[0], q[1]))};
+    MPI_Isend(p.text->data(), static_cast<int>(p.text->size()), MPI_CHAR,
+              st.MPI_SOURCE, static_cast<int>(q[2]), comm, &p.req);
+    pending.push_back(std::move(p));
+  }
+  for (auto& p : pending) {  // an asker that died: drop, leak the text
+    MPI_Cancel(&p.req);
+    MPI_Request_free(&p.req);
+    p.text.release();
+  }
+}
+
+void StopInspector() {
+  std::lock_guard<std::mutex> lock(g_insp_mu);
+  if (g_responder != nullptr) {
+    g_responder_stop = true;
+    g_responder->join();
+    delete g_responder;
+    g_responder = nullptr;
+  }
+  g_insp_comm = MPI_COMM_NULL;
+}
+
+// Asks every other rank of the stalled op's communicator for its status and
+// prints the report on stderr.
+void ReportStall(const CallInfo& info, double waited) {
+  DevComm* dc = info.dc;
+  MPI_Comm insp = g_insp_comm.load();
+  int my_insp_rank = insp == MPI_COMM_NULL ? -1 : CommRank(insp);
+  const Status& st = dc->status;
+  int64_t my_calls = st.calls.load(std::memory_order_relaxed);
+  int my_phase = st.phase.load(std::memory_order_relaxed);
+  int n = CommSize(dc->comm), me = CommRank(dc->comm);
+  std::ostringstream s;
+  s << "mpijax: stall: rank " << (insp == MPI_COMM_NULL ? me : my_insp_rank)
+    << " waited " << Seconds(waited) << " s in "
+    << (my_phase == 1 ? "the signature check before " : "")
+    << SiteText(info.site) << " (call #" << my_calls << " on communicator "
+    << dc->key;
+  if (info.device != 0) s << ", local device " << info.device;
+  s << ").";
+  if (insp == MPI_COMM_NULL) {
+    s << " (The stall inspector is off: mpijax.init() did not start it, so "
+         "the other ranks cannot be asked.)";
+  } else {
+    std::vector<int> ranks(n), world(n);
+    for (int i = 0; i < n; ++i) ranks[i] = i;
+    MPI_Group g, wg;
+    MPI_Comm_group(dc->comm, &g);
+    MPI_Comm_group(insp, &wg);
+    MPI_Group_translate_ranks(g, n, ranks.data(), wg, world.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+    int tag = kReplyTagBase + static_cast<int>(g_query_seq++ % 20000);
+    // Queries outlive this call if a peer never receives them: leaked.
+    auto* queries = new std::vector<int64_t>(3 * n);
+    std::vector<MPI_Request> sends;
+    for (int r = 0; r < n; ++r) {
+      if (r == me || world[r] == MPI_UNDEFINED) continue;
+      int64_t* q = queries->data() + 3 * r;
+      q[0] = dc->key; q[1] = info.device; q[2] = tag;
+      MPI_Request req;
+      MPI_Isend(q, 3, MPI_INT64_T, world[r], kQueryTag, insp, &req);
+      sends.push_back(req);
+    }
+    std::vector<std::string> answer(n);
+    std::vector<bool> got(n, false);
+    got[me] = true;
+    auto until = Clock::now() + std::chrono::milliseconds(
+                                    static_cast<int>(kReplyWaitS * 1000));
+    int missing = n - 1;
+    while (missing > 0 && Clock::now() < until) {
+      bool any = false;
+      for (int r = 0; r < n; ++r) {
+        if (got[r] || world[r] == MPI_UNDEFINED) continue;
+        int flag = 0;
+        MPI_Status rs;
+        MPI_Iprobe(world[r], tag, insp, &flag, &rs);
+        if (!flag) continue;
+        int len = 0;
+        MPI_Get_count(&rs, MPI_CHAR, &len);
+        answer[r].resize(len);
+        MPI_Recv(answer[r].data(), len, MPI_CHAR, world[r], tag, insp,
+                 MPI_STATUS_IGNORE);
+        got[r] = true;
+        --missing;
+        any = true;
+      }
+      if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    bool all_sent = true;
+    for (auto& req : sends) {
+      int done = 0;
+      MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      if (!done) { all_sent = false; MPI_Request_free(&req); }
+    }
+    if (all_sent) delete queries;
+    std::vector<std::string> late, arrived;
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      std::string who = "rank " + std::to_string(world[r]);
+      if (!got[r]) {
+        late.push_back(who + " (no answer within " + Seconds(kReplyWaitS) +
+                       " s: the process died, is exiting, or is stuck "
+                       "outside mpijax)");
+        continue;
+      }
+      long long calls = 0;
+      int phase = 0, used = 0;
+      std::sscanf(answer[r].c_str(), "%lld %d %n", &calls, &phase, &used);
+      if (calls == my_calls && phase == my_phase) {
+        arrived.push_back(std::to_string(world[r]));
+      } else {
+        late.push_back(who + " (" + answer[r].substr(used) + ")");
+      }
+    }
+    if (late.empty()) {
+      s << " Every rank has arrived; the network may be stuck.";
+    } else {
+      s << " Not arrived: ";
+      for (size_t i = 0; i < late.size(); ++i) s << (i ? ", " : "") << late[i];
+      s << ".";
+    }
+    if (!arrived.empty()) {
+      s << " Waiting in the same call: rank" << (arrived.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < arrived.size(); ++i)
+        s << (i ? "," : "") << arrived[i];
+      s << ".";
+    }
+  }
+  s << " Every rank must call the same collectives in the same order "
+       "(MPIJAX_TIMEOUT=" << g_timeout_s.load() << " s; MPIJAX_STALL_ACTION="
+    << (g_stall_abort.load() ? "abort" : "warn") << ").\n";
+  std::string text = s.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+}
+
 // The one place every operation waits. timeout <= 0 waits forever in
-// MPI_Waitall; otherwise polls so a stall becomes an error, not a hang.
-// (Issue 8 extends the expiry branch to name the ranks that did not arrive.)
+// MPI_Waitall; otherwise polls, and past the deadline the stall inspector
+// reports which ranks have not arrived, then aborts the job (or, with
+// MPIJAX_STALL_ACTION=warn, keeps waiting and reports again every timeout).
+// Returning an error instead is not an option: the pending request still
+// owns XLA's buffers.
 ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
   double timeout = g_timeout_s.load(std::memory_order_relaxed);
   if (timeout <= 0) {
     MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE), info);
     return ffi::Error::Success();
   }
-  using Clock = std::chrono::steady_clock;
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double>(timeout));
+  auto period = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(timeout));
+  auto start = Clock::now();
+  auto deadline = start + period;
   for (uint64_t spin = 0;; ++spin) {
     int done = 0;
     MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), info);
     if (done) return ffi::Error::Success();
     // Reading the clock every poll would cost more than a small message.
     if ((spin & 255) == 255) {
-      if (Clock::now() > deadline) {
-        std::ostringstream s;
-        s << info.Describe() << " timed out: not complete after " << timeout
-          << " s (MPIJAX_TIMEOUT). Another rank is probably not calling the "
-             "same collective; every rank must run the same collectives in "
-             "the same order.";
-        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
+      auto now = Clock::now();
+      if (now > deadline) {
+        if (info.dc == nullptr) {
+          std::ostringstream s;
+          s << info.Describe() << " timed out: not complete after " << timeout
+            << " s (MPIJAX_TIMEOUT).";
+          return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
+        }
+        ReportStall(info, std::chrono::duration<double>(now - start).count());
+        if (g_stall_abort.load()) MPI_Abort(MPI_COMM_WORLD, 1);
+        deadline = Clock::now() + period;
       }
       // Oversubscribed ranks (more ranks than cores) need the CPU back.
       if (spin > 4096) std::this_thread::yield();
@@ -184,29 +484,129 @@ ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
   return WaitAll(1, req, info);
 }
 
-ffi::ErrorOr<MPI_Comm> GetComm(int64_t comm_id, int64_t device) {
+ffi::ErrorOr<DevComm*> GetComm(int64_t comm_id, int64_t device) {
   std::lock_guard<std::mutex> lock(g_comms_mu);
   if (comm_id < 0 || comm_id >= static_cast<int64_t>(g_comms.size())) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
         "mpijax: unknown communicator id " + std::to_string(comm_id) +
         " (was the program compiled in another process?)"));
   }
-  const auto& per_device = g_comms[comm_id];
-  if (per_device.empty()) {
+  const auto& entry = g_comms[comm_id];
+  if (entry.freed) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
         "mpijax: communicator " + std::to_string(comm_id) +
         " was freed by mpijax.shutdown(); this compiled program is stale. "
         "Call jax.clear_caches() after re-running mpijax.init()."));
   }
-  if (device < 0 || device >= static_cast<int64_t>(per_device.size())) {
+  if (device < 0 || device >= static_cast<int64_t>(entry.devs.size())) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
         "mpijax: local device ordinal " + std::to_string(device) +
         " has no sub-communicator; communicator " + std::to_string(comm_id) +
-        " was registered for " + std::to_string(per_device.size()) +
+        " was registered for " + std::to_string(entry.devs.size()) +
         " local devices. Call mpijax.init() after setting the number of "
         "local devices."));
   }
-  return per_device[device];
+  return entry.devs[device].get();
+}
+
+// Marks the (communicator, device) busy for the handler's lifetime.
+struct CallScope {
+  Status& st;
+  CallScope(Status& s, int64_t site) : st(s) {
+    st.site.store(site, std::memory_order_relaxed);
+    st.since_ns.store(NowNs(), std::memory_order_relaxed);
+    st.phase.store(2, std::memory_order_relaxed);
+    st.calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~CallScope() {
+    st.since_ns.store(NowNs(), std::memory_order_relaxed);
+    st.phase.store(0, std::memory_order_relaxed);
+  }
+};
+
+// Every rank of the communicator gets this error, from the same check.
+ffi::Error MismatchError(const CallInfo& info, int64_t sig) {
+  DevComm* dc = info.dc;
+  int n = CommSize(dc->check);
+  std::string text = SiteText(info.site);
+  int64_t mine[2] = {sig, static_cast<int64_t>(text.size())};
+  std::vector<int64_t> all(2 * n);
+  MPI_Request req;
+  MPIJAX_CHECK_MPI(MPI_Iallgather(mine, 2, MPI_INT64_T, all.data(), 2,
+                                  MPI_INT64_T, dc->check, &req), info);
+  if (auto e = Wait(&req, info); e.failure()) return e;
+  std::vector<int> counts(n), displs(n);
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    counts[r] = static_cast<int>(all[2 * r + 1]);
+    displs[r] = total;
+    total += counts[r];
+  }
+  std::string texts(std::max(total, 1), '\0');
+  MPIJAX_CHECK_MPI(MPI_Iallgatherv(text.data(), static_cast<int>(text.size()),
+                                   MPI_CHAR, texts.data(), counts.data(),
+                                   displs.data(), MPI_CHAR, dc->check, &req),
+                   info);
+  if (auto e = Wait(&req, info); e.failure()) return e;
+  // Group ranks by signature, in order of first appearance.
+  std::vector<int64_t> sigs;
+  std::vector<std::vector<int>> members;
+  for (int r = 0; r < n; ++r) {
+    auto it = std::find(sigs.begin(), sigs.end(), all[2 * r]);
+    if (it == sigs.end()) {
+      sigs.push_back(all[2 * r]);
+      members.push_back({r});
+    } else {
+      members[it - sigs.begin()].push_back(r);
+    }
+  }
+  std::ostringstream s;
+  s << "mpijax: collective mismatch on communicator " << dc->key
+    << " (call #" << dc->status.calls.load(std::memory_order_relaxed)
+    << "): ";
+  for (size_t g = 0; g < sigs.size(); ++g) {
+    const auto& m = members[g];
+    int first = m[0];
+    if (g) s << (g + 1 == sigs.size() ? " but " : ", ");
+    s << (m.size() > 1 ? "ranks " : "rank ");
+    for (size_t i = 0; i < m.size(); ++i) s << (i ? "," : "") << m[i];
+    s << (m.size() > 1 ? " run " : " runs ")
+      << texts.substr(displs[first], counts[first]);
+    char hex[32];
+    std::snprintf(hex, sizeof(hex), "%016llx",
+                  static_cast<unsigned long long>(sigs[g]));
+    s << " [signature " << hex << "]";
+  }
+  s << ". Every rank must call the same collectives in the same order with "
+       "the same shapes and dtypes.";
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.str());
+}
+
+// Compares this call's signature across the communicator's ranks: on the
+// first execution of each call site, or on every call with MPIJAX_CHECK=1.
+// Runs on the separate `check` communicator (see DevComm).
+ffi::Error CheckSignature(const CallInfo& info, int64_t sig) {
+  DevComm* dc = info.dc;
+  Site* site = GetSite(info.site);
+  uint64_t bit = info.device >= 0 && info.device < 64
+                     ? (uint64_t{1} << info.device) : 0;
+  bool every = g_check_every.load(std::memory_order_relaxed);
+  if (!every && site != nullptr && bit != 0 &&
+      (site->checked.load(std::memory_order_relaxed) & bit)) {
+    return ffi::Error::Success();
+  }
+  if (info.comm_size > 1) {
+    dc->status.phase.store(1, std::memory_order_relaxed);
+    int64_t buf[2] = {sig, -sig};  // sig < 2^63: -sig never overflows
+    MPI_Request req;
+    MPIJAX_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
+                                    dc->check, &req), info);
+    if (auto e = Wait(&req, info); e.failure()) return e;
+    dc->status.phase.store(2, std::memory_order_relaxed);
+    if (buf[0] != -buf[1]) return MismatchError(info, sig);
+  }
+  if (site != nullptr && bit != 0) site->checked.fetch_or(bit);
+  return ffi::Error::Success();
 }
 
 // Element type and reduction op for a (dtype, op) pair. Python checks the
@@ -278,13 +678,20 @@ struct StridedBytes {
   ~StridedBytes() { MPI_Type_free(&type); }
 };
 
-int CommRank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
-int CommSize(MPI_Comm c) { int s = 0; MPI_Comm_size(c, &s); return s; }
 
 #define MPIJAX_GET_COMM(var, comm_id, device)          \
   auto var##_or = GetComm(comm_id, device);            \
   if (var##_or.has_error()) return var##_or.error();   \
-  MPI_Comm var = var##_or.value();
+  DevComm* var##_dc = var##_or.value();                \
+  MPI_Comm var = var##_dc->comm;
+
+// After `info` is built: marks the call in the status table and compares
+// signatures across ranks when due.
+#define MPIJAX_ENTER(info_, var, site_id, signature)                   \
+  info_.dc = var##_dc;                                                \
+  info_.site = site_id;                                               \
+  CallScope scope_(var##_dc->status, site_id);                        \
+  if (auto e_ = CheckSignature(info_, signature); e_.failure()) return e_;
 
 // ---------------------------------------------------------------------------
 // Handlers.
@@ -293,10 +700,12 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
                          ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
-                         int64_t op) {
+                         int64_t op,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
   MPI_Datatype dt;
   MPI_Op mop;
   if (auto e = ReductionTypes(x.element_type(), op, &dt, &mop); e.failure())
@@ -321,10 +730,12 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
 ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
                          ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id) {
+    int64_t comm_id,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allgather", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
   size_t nb = x.size_bytes();
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
@@ -353,11 +764,13 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
                              ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
-                             int64_t op) {
+                             int64_t op,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm), rank = CommRank(comm);
   CallInfo info{"reduce_scatter", x.element_type(), x.dimensions(), size,
                 comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
   MPI_Datatype dt;
   MPI_Op mop;
   if (auto e = ReductionTypes(x.element_type(), op, &dt, &mop); e.failure())
@@ -394,11 +807,13 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
 ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id) {
+    int64_t comm_id,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"alltoall", x.element_type(), x.dimensions(), size, comm_id,
                 device};
+  MPIJAX_ENTER(info, comm, site, sig);
   size_t nb = x.size_bytes() / std::max(size, 1);  // bytes per block
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
@@ -433,11 +848,13 @@ ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
                      ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
-                     int64_t root) {
+                     int64_t root,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"bcast", x.element_type(), x.dimensions(), size, comm_id,
                 device};
+  MPIJAX_ENTER(info, comm, site, sig);
   if (root < 0 || root >= size) {
     return ffi::Error::InvalidArgument(info.Describe() + ": root " +
                                        std::to_string(root) + " out of range");
@@ -463,12 +880,14 @@ ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
-                      int64_t op, int64_t root) {
+                      int64_t op, int64_t root,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   bool is_root = CommRank(comm) == root;
   CallInfo info{"reduce", x.element_type(), x.dimensions(), size, comm_id,
                 device};
+  MPIJAX_ENTER(info, comm, site, sig);
   if (root < 0 || root >= size) {
     return ffi::Error::InvalidArgument(info.Describe() + ": root " +
                                        std::to_string(root) + " out of range");
@@ -501,11 +920,13 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
                         ffi::Span<const int64_t> srcs,
-                        ffi::Span<const int64_t> dsts) {
+                        ffi::Span<const int64_t> dsts,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm), rank = CommRank(comm);
   CallInfo info{"ppermute", x.element_type(), x.dimensions(), size, comm_id,
                 device};
+  MPIJAX_ENTER(info, comm, site, sig);
   if (srcs.size() != dsts.size()) {
     return ffi::Error::InvalidArgument(info.Describe() +
                                        ": srcs and dsts differ in length");
@@ -550,10 +971,12 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
 
 ffi::Error BarrierImpl(int64_t device, ffi::AnyBuffer /*token_in*/,
                        ffi::Result<ffi::AnyBuffer> /*token_out*/,
-                       int64_t comm_id) {
+                       int64_t comm_id,
+    int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"barrier", ffi::DataType::INVALID, {}, CommSize(comm), comm_id,
                 device};
+  MPIJAX_ENTER(info, comm, site, sig);
   MPI_Request req;
   MPIJAX_CHECK_MPI(MPI_Ibarrier(comm, &req), info);
   return Wait(&req, info);
@@ -569,7 +992,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("op"));
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -577,7 +1002,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
                                   .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm"));
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter, ReduceScatterImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -586,7 +1013,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter, ReduceScatterImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("op"));
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAlltoall, AlltoallImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -594,7 +1023,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAlltoall, AlltoallImpl,
                                   .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm"));
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBcast, BcastImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -603,7 +1034,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBcast, BcastImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("root"));
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduce, ReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -613,7 +1046,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduce, ReduceImpl,
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op")
-                                  .Attr<int64_t>("root"));
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPpermute, PpermuteImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -623,13 +1058,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPpermute, PpermuteImpl,
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<ffi::Span<const int64_t>>("srcs")
-                                  .Attr<ffi::Span<const int64_t>>("dsts"));
+                                  .Attr<ffi::Span<const int64_t>>("dsts")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm"));
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 
 // ---------------------------------------------------------------------------
 // Python module.
@@ -678,7 +1117,8 @@ NB_MODULE(_mpijax_ffi, m) {
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 
-  m.def("setup", [](int64_t max_chunk_bytes, double timeout_s) {
+  m.def("setup", [](int64_t max_chunk_bytes, double timeout_s,
+                    bool stall_abort, bool check_every) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
@@ -692,31 +1132,86 @@ NB_MODULE(_mpijax_ffi, m) {
     InitTypesOnce();
     g_max_chunk_bytes = max_chunk_bytes;
     g_timeout_s = timeout_s;
+    g_stall_abort = stall_abort;
+    g_check_every = check_every;
   }, nb::arg("max_chunk_bytes"), nb::arg("timeout_s"),
-  "Creates the float16/bfloat16 MPI ops and sets chunk size and timeout.");
+  nb::arg("stall_abort") = true, nb::arg("check_every") = false,
+  "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall "
+  "action and whether every call's signature is checked.");
 
-  m.def("register_comms", [](const std::vector<uintptr_t>& handles) {
-    std::vector<MPI_Comm> comms;
-    for (uintptr_t h : handles) {
-      MPI_Comm c = HandleToComm(h);
+  m.def("register_comms", [](const std::vector<uintptr_t>& handles,
+                             const std::vector<uintptr_t>& check_handles,
+                             int64_t key) {
+    if (handles.size() != check_handles.size()) {
+      throw nb::value_error("register_comms: one check communicator per "
+                            "communicator is needed");
+    }
+    CommEntry entry;
+    entry.key = key;
+    for (size_t i = 0; i < handles.size(); ++i) {
+      auto dev = std::make_unique<DevComm>();
+      dev->comm = HandleToComm(handles[i]);
+      dev->check = HandleToComm(check_handles[i]);
+      dev->key = key;
       // Errors become ffi::Error (a Python exception), never an abort.
-      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-      comms.push_back(c);
+      MPI_Comm_set_errhandler(dev->comm, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(dev->check, MPI_ERRORS_RETURN);
+      entry.devs.push_back(std::move(dev));
     }
     std::lock_guard<std::mutex> lock(g_comms_mu);
-    g_comms.push_back(std::move(comms));
+    g_comms.push_back(std::move(entry));
     return static_cast<int64_t>(g_comms.size() - 1);
-  }, nb::arg("handles"),
-  "Registers one communicator per local device index (mpi4py handles from "
-  "MPI._handleof); returns the id used as the ops' 'comm' attribute.");
+  }, nb::arg("handles"), nb::arg("check_handles"), nb::arg("key"),
+  "Registers one communicator (and one signature-check communicator) per "
+  "local device index (mpi4py handles from MPI._handleof); `key` is the id "
+  "all ranks of the communicator agreed on. Returns the id used as the ops' "
+  "'comm' attribute.");
 
   m.def("unregister_comms", [](int64_t comm_id) {
     std::lock_guard<std::mutex> lock(g_comms_mu);
     if (comm_id >= 0 && comm_id < static_cast<int64_t>(g_comms.size())) {
-      g_comms[comm_id].clear();  // later calls fail cleanly, never use freed comms
+      // Later calls fail cleanly, never use freed comms; the DevComms stay
+      // allocated so the responder thread never reads freed memory.
+      g_comms[comm_id].freed = true;
     }
   }, nb::arg("comm_id"),
   "Forgets the communicators of comm_id (before Python frees them).");
+
+  m.def("register_site", [](const std::string& text) {
+    std::lock_guard<std::mutex> lock(g_sites_mu);
+    g_sites.emplace_back();
+    g_sites.back().text = text;
+    return static_cast<int64_t>(g_sites.size() - 1);
+  }, nb::arg("text"),
+  "Registers a call site's description (e.g. 'allreduce(float32[4], sum) at "
+  "train.py:42'); returns its id, the ops' 'site' attribute.");
+
+  m.def("start_inspector", [](uintptr_t handle) {
+    std::lock_guard<std::mutex> lock(g_insp_mu);
+    if (g_responder != nullptr) return false;
+    int level = 0;
+    MPI_Query_thread(&level);
+    if (level < MPI_THREAD_MULTIPLE) return false;
+    MPI_Comm comm = HandleToComm(handle);
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    g_insp_comm = comm;
+    g_responder_stop = false;
+    g_responder = new std::thread(ResponderLoop, comm);
+    return true;
+  }, nb::arg("handle"),
+  "Starts the stall inspector's responder thread on a private communicator "
+  "spanning the job (needs MPI_THREAD_MULTIPLE); False if not started.");
+
+  m.def("stop_inspector", [] {
+    nb::gil_scoped_release release;
+    StopInspector();
+  }, "Stops and joins the responder thread (before its communicator is freed).");
+
+  m.def("status", [](int64_t key, int64_t device) {
+    return DescribeStatus(key, device);
+  }, nb::arg("key"), nb::arg("device"),
+  "This process's status line for (communicator key, device), as the stall "
+  "inspector sends it: '<calls> <phase> <text>'.");
 
   m.def("build_mpi_version", [] {
 #if defined(MPIJAX_BUILD_MPI_VERSION)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
+import os
 import threading
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -97,7 +100,8 @@ class _Entry:
 _registry_lock = threading.RLock()
 _registry: dict[int, _Entry] = {}
 _hook_installed = False
-_settings_pushed: tuple[int, float] | None = None
+_settings_pushed: tuple[int, float, bool, bool] | None = None
+_next_key = 0  # smallest communicator key not used by this process
 
 
 def _local_device_count() -> int:
@@ -110,7 +114,13 @@ def _local_device_count() -> int:
 def push_settings() -> None:
   """Sends max_chunk_bytes and timeout to C++ (again if they changed)."""
   global _settings_pushed
-  settings = (int(config.get("max_chunk_bytes")), float(config.get("timeout")))
+  action = str(config.get("stall_action")).strip().lower()
+  if action not in ("abort", "warn"):
+    raise ValueError(
+        f"MPIJAX_STALL_ACTION={action!r} is not valid: use 'abort' (report the "
+        "stall, then end the job) or 'warn' (report it and keep waiting).")
+  settings = (int(config.get("max_chunk_bytes")), float(config.get("timeout")),
+              action == "abort", bool(config.get("check")))
   if settings != _settings_pushed:
     _ffi.load().setup(*settings)
     _settings_pushed = settings
@@ -131,7 +141,7 @@ def _free_all() -> None:
 
 
 def _register(comm: Any) -> CommInfo:
-  global _hook_installed
+  global _hook_installed, _next_key
   from mpi4py import MPI
   ext = _ffi.load()
   push_settings()
@@ -141,11 +151,19 @@ def _register(comm: Any) -> CommInfo:
     if entry is None:
       # Collective over `comm`: ranks register communicators in program order
       # (first use), so clone ids line up across ranks.
-      clones = [comm.Clone() for _ in range(_local_device_count())]
+      n = _local_device_count()
+      clones = [comm.Clone() for _ in range(n)]
       for i, c in enumerate(clones):
         c.Set_name(f"mpijax-ops-{len(_registry)}-dev{i}")
-      cid = ext.register_comms([MPI._handleof(c) for c in clones])
-      entry = _Entry(CommInfo(cid, comm.Get_size(), comm.Get_rank()), comm, clones)
+      # Signature checks run on their own clones (see DevComm in the C++), and
+      # all ranks of `comm` agree on a key that names it in stall reports.
+      checks = [comm.Clone() for _ in range(n)]
+      key = comm.allreduce(_next_key, op=MPI.MAX)
+      _next_key = key + 1
+      cid = ext.register_comms([MPI._handleof(c) for c in clones],
+                               [MPI._handleof(c) for c in checks], key)
+      entry = _Entry(CommInfo(cid, comm.Get_size(), comm.Get_rank()), comm,
+                     clones + checks)
       _registry[key] = entry
       if not _hook_installed:
         from mpijax._src import runtime
@@ -230,6 +248,7 @@ def register_ffi_lowering(prim: Primitive, target: str,
   ``attrs(**params)`` gives the custom call's named attributes.
   """
   lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
+  kind = target.removeprefix("mpijax_")
 
   def rule(ctx, *args, **params):
     _ffi.load()  # registers the FFI targets before XLA compiles the call
@@ -240,11 +259,77 @@ def register_ffi_lowering(prim: Primitive, target: str,
       token = mlir.ir_constant(np.int32(0))
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, _TOKEN_AVAL])
-    outs = lower(token_ctx, *args, token, **attrs(**params))
+    site, sig = call_site(ctx, kind, params)
+    outs = lower(token_ctx, *args, token, **attrs(**params), site=i64(site),
+                 sig=i64(sig))
     chain[block] = outs[-1]
     return list(outs[:-1])
 
-  mlir.register_lowering(prim, rule, platform="cpu")
+  # cacheable=False: jax would otherwise lower identical equations once into a
+  # shared out-of-line function, without the equation's traceback (so no call
+  # site) and outside the caller's block (so outside its order-token chain).
+  mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
+
+
+# Call sites and signatures (issue 8). Each custom call carries a static
+# `sig` (a hash of what every rank must agree on: kind, shapes, dtypes, op,
+# root, permutation) and a `site`, the id of a description such as
+# "allreduce(float32[4], sum) at train.py:42" that C++ prints in stall and
+# mismatch reports. Sites are interned by (description, sig), so recompiling
+# the same program (on one rank but not another) reuses the site and its
+# "already checked" flag instead of triggering an unpaired check.
+_sites: dict[tuple[str, int], int] = {}
+
+
+def _package_dir(module: Any) -> str:
+  return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+# Frames in these directories are library code, not the user's call site.
+_LIB_DIRS = tuple(_package_dir(m) for m in (jax, np, jaxlib)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # mpijax/_src/
+_LIB_NAMES = (os.sep + "optax" + os.sep, os.sep + "contextlib.py", os.sep + "runpy.py")
+
+
+def _user_location(ctx) -> str:
+  """file:line of the first frame outside jax, numpy, optax and mpijax/_src."""
+  tb = getattr(ctx, "traceback", None)
+  for f in ([] if tb is None else tb.frames):
+    name = f.file_name
+    if name.startswith(_LIB_DIRS) or any(n in name for n in _LIB_NAMES):
+      continue
+    return f"{os.path.basename(name)}:{f.line_num}"
+  return "an unknown location"
+
+
+def _describe(kind: str, avals, params: dict[str, Any]) -> tuple[str, str]:
+  """(human text, canonical signature text) of one call."""
+  parts = [f"{a.dtype.name}[{','.join(map(str, a.shape))}]" for a in avals]
+  if "op" in params:
+    parts.append(str(params["op"]))
+  if "root" in params:
+    parts.append(f"root={params['root']}")
+  if "perm" in params:
+    perm = str(list(params["perm"]))
+    parts.append("perm=" + (perm if len(perm) <= 60 else perm[:57] + "..."))
+  human = f"{kind}({', '.join(parts)})"
+  canon = "|".join([kind] + parts[:len(avals)] +
+                   [f"{k}={params[k]!r}" for k in sorted(params) if k != "comm_id"])
+  return human, canon
+
+
+def call_site(ctx, kind: str, params: dict[str, Any]) -> tuple[int, int]:
+  """(site id, signature) for a custom call being lowered."""
+  human, canon = _describe(kind, ctx.avals_in, params)
+  # A stable hash (Python's hash() changes with PYTHONHASHSEED, per rank).
+  sig = int.from_bytes(hashlib.blake2b(canon.encode(), digest_size=8).digest(),
+                       "little") & ((1 << 63) - 1)
+  text = f"{human} at {_user_location(ctx)}"
+  site = _sites.get((text, sig))
+  if site is None:
+    site = _ffi.load().register_site(text)
+    _sites[(text, sig)] = site
+  return site, sig
 
 
 def i64(v: int) -> np.int64:
