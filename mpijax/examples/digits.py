@@ -95,7 +95,8 @@ def save_plot(history: dict, path: str) -> None:
   ax2.plot(epochs, history["train_accuracy"], label="train")
   ax2.plot(epochs, history["test_accuracy"], label="test")
   ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
-  ax2.set_ylim(min(0.9, min(history["test_accuracy"])), 1.0)
+  lowest = min(history["test_accuracy"] + history["train_accuracy"])
+  ax2.set_ylim(min(0.9, np.floor(lowest * 20) / 20), 1.0)
   ax2.legend()
   fig.suptitle(f"digits, {history['ranks']} ranks, global batch {history['global_batch_size']}")
   fig.tight_layout()
@@ -112,7 +113,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m mpijax.examples.digits", description=__doc__.split("\n")[0])
-  p.add_argument("--epochs", type=int, default=10, help="epochs to train (default 10)")
+  p.add_argument("--epochs", type=int, default=8, help="epochs to train (default 8)")
   p.add_argument("--batch-size", type=int, default=64,
                  help="GLOBAL batch size, divisible by the rank count (default 64)")
   p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine decay (default 2e-3)")

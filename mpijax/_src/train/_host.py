@@ -26,3 +26,18 @@ def rank_and_size(comm: Any | None = None) -> tuple[int, int]:
     rt = runtime.get()
     return rt.rank, rt.size
   return 0, 1
+
+
+def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:
+  """A barrier that sleeps while it waits instead of spinning.
+
+  Blocking MPI calls busy-poll. When ranks share cores (oversubscribed CPU
+  runs), a rank that finished compiling and spins in the first all-reduce
+  steals the CPU that a slower rank needs to finish compiling.
+  """
+  import time
+  if comm.Get_size() == 1:
+    return
+  req = comm.Ibarrier()
+  while not req.Test():
+    time.sleep(poll_seconds)

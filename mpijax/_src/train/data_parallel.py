@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import data as _data
 from mpijax._src.train import gradients as _grads
@@ -68,6 +69,7 @@ class DataParallel:
     self.comm = comm
     self._step = jax.jit(self._step_impl)
     self._eval = jax.jit(self._eval_impl)
+    self._compiled: dict[Any, Any] = {}  # input signature -> compiled step
 
   # -- state ------------------------------------------------------------------
 
@@ -130,7 +132,19 @@ class DataParallel:
     else:
       data = batch
       weight = np.ones(_data._leading_size(data), np.float32)
-    return self._step(state, data, weight)
+    args = (state, data, weight)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    signature = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                                 getattr(x, "sharding", None)) for x in leaves))
+    compiled = self._compiled.get(signature)
+    if compiled is None:
+      # Compile ahead of time, then wait for every rank without spinning, so
+      # ranks that compile faster do not busy-wait in the first all-reduce on
+      # cores the slower ranks need (oversubscribed CPU runs).
+      compiled = self._step.lower(*args).compile()
+      _host.idle_barrier(_host.get_comm(self.comm, "mpijax.train.DataParallel.step"))
+      self._compiled[signature] = compiled
+    return compiled(*args)
 
   # -- evaluation -------------------------------------------------------------
 
@@ -160,5 +174,8 @@ class DataParallel:
       sums, n = self._eval(state.params, batch.data, batch.mask)
       totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
       count = count + n
+    # Ranks finish at different times (the first call compiles): wait idly,
+    # not in a spinning all-reduce.
+    _host.idle_barrier(_host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate"))
     means = _metrics.mean_metrics({"sums": totals, "count": count}, comm=self.comm)
     return {k: v / means["count"] for k, v in means["sums"].items()}
