@@ -313,8 +313,12 @@ def _describe(kind: str, avals, params: dict[str, Any]) -> tuple[str, str]:
     perm = str(list(params["perm"]))
     parts.append("perm=" + (perm if len(perm) <= 60 else perm[:57] + "..."))
   human = f"{kind}({', '.join(parts)})"
+  # Not in the signature: the communicator's local id (ranks may number their
+  # communicators differently) and a ppermute's pairs (sendrecv binds the
+  # same primitive with the pairs each rank knows, legitimately per rank).
   canon = "|".join([kind] + parts[:len(avals)] +
-                   [f"{k}={params[k]!r}" for k in sorted(params) if k != "comm_id"])
+                   [f"{k}={params[k]!r}" for k in sorted(params)
+                    if k not in ("comm_id", "perm")])
   return human, canon
 
 

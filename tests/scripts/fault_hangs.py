@@ -1,0 +1,84 @@
+"""The three hangs of JAX's multi-process guide, each of which mpijax turns
+into an error on every rank within MPIJAX_TIMEOUT.
+
+usage: fault_hangs.py MODE [CKPT_DIR]
+  shapes            rank 1's batch has another shape -> mismatch error
+  last_batch        rank 3 has fewer batches and leaves the loop early -> the
+                    others' stall report names rank 3
+  last_batch_fixed  the same data through mpijax.train.shard_batches -> equal
+                    step counts, the run completes
+  set_order         every rank iterates a collection of differently shaped
+                    parameters in its own order (what iterating a `set` of
+                    names does under different hash seeds) -> mismatch error
+"""
+
+import os
+import random
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mpijax
+import mpijax.ops
+import mpijax.train as mt
+
+rt = mpijax.init()
+mode = sys.argv[1]
+
+
+@jax.jit
+def grad_sum(x):
+  return mpijax.ops.allreduce(jnp.sum(x, axis=0))
+
+
+
+def report_then_raise(fn):
+  """Runs fn; on error prints it on this rank, lets every rank do the same
+  (an mpi4py barrier), then re-raises (the abort hook ends the job)."""
+  try:
+    fn()
+  except Exception as e:
+    print(f"rank {rt.rank} raised: {str(e).splitlines()[0][:400]}", flush=True)
+    rt.comm.Barrier()
+    raise
+
+
+if mode == "shapes":
+  batch = jnp.ones((6 if rt.rank == 1 else 8, 4))  # rank 1's batch differs
+  report_then_raise(lambda: print(mpijax.ops.allreduce(batch * 1.0).shape))
+
+elif mode in ("last_batch", "last_batch_fixed"):
+  samples = 24 if rt.rank == 3 else 40  # rank 3 has less data
+  data = np.ones((samples, 4), np.float32) * (rt.rank + 1)
+  if mode == "last_batch":
+    batches = [data[i:i + 8] for i in range(0, samples, 8)]  # 3 vs 5 steps
+  else:
+    batches = [b.data for b in mt.shard_batches(data, 8 * rt.size, seed=0, epoch=0,
+                                                replicated=False)]
+  for b in batches:
+    g = grad_sum(jnp.asarray(b))
+  g.block_until_ready()
+  print(f"rank {rt.rank}: {len(batches)} steps done", flush=True)
+  # The end-of-epoch checkpoint is an mpi4py collective: a rank that left
+  # the loop early waits there, outside mpijax.
+  mt.save_checkpoint(os.path.join(sys.argv[2], "epoch.ckpt"), {"g": g},
+                     check_replicated=False)
+  print(f"rank {rt.rank}: epoch finished", flush=True)
+
+elif mode == "set_order":
+  params = {"kernel": jnp.ones((8, 4)), "bias": jnp.ones(4), "scale": jnp.ones(2),
+            "embed": jnp.ones((16,))}
+  order = sorted(params)
+  random.Random(rt.rank).shuffle(order)  # a per-rank iteration order
+  print(f"rank {rt.rank} order {order}", flush=True)
+
+  @jax.jit
+  def sync(p):
+    return {k: mpijax.ops.allreduce(p[k]) for k in order}  # dicts keep this order
+
+  report_then_raise(lambda: print(jax.tree.map(jnp.shape, sync(params))))
+
+else:
+  sys.exit(f"unknown mode {mode!r}")

@@ -1,0 +1,152 @@
+"""Fault injection (issue 8): no silent hang, no lost work.
+
+Each test starts its own small bounded job (4 ranks) with a script from
+tests/scripts/ and checks that the job ends non-zero within the timeout with
+a message that names the culprit, and that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests._launch import REPO, mpirun_command, run_mpi, tail
+
+SCRIPTS = REPO / "tests" / "scripts"
+STALL_TIMEOUT = 5  # MPIJAX_TIMEOUT for these jobs, seconds
+
+
+def _leftovers(marker: str) -> list[str]:
+  out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+  return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
+  full_env = {"MPIJAX_TIMEOUT": str(STALL_TIMEOUT), **(env or {})}
+  result, seconds = run_mpi(4, [sys.executable, str(SCRIPTS / script), *args],
+                            timeout=timeout, env=full_env)
+  assert not _leftovers(script), _leftovers(script)
+  return result.returncode, result.stdout, seconds
+
+
+# --- the three hangs of JAX's multi-process guide ----------------------------------
+
+
+def test_different_shapes_raise_a_mismatch_error_on_every_rank():
+  rc, out, seconds = _run("fault_hangs.py", "shapes")
+  assert rc != 0, tail(out)
+  for r in range(4):  # every rank got the error (each prints it before the abort)
+    assert re.search(rf"rank {r} raised: .*collective mismatch on communicator 0", out), tail(out)
+  assert ("ranks 0,2,3 run allreduce(float32[8,4], sum) at fault_hangs.py" in out
+          and "but rank 1 runs allreduce(float32[6,4], sum)" in out), tail(out)
+  assert seconds < 60, f"took {seconds:.0f}s"
+
+
+def test_last_batch_stall_names_the_rank_that_left():
+  rc, out, seconds = _run("fault_hangs.py", "last_batch", "/tmp")
+  assert rc != 0, tail(out)
+  assert "mpijax: stall: rank" in out, tail(out)
+  # The waiting ranks name rank 3 and what it did last (its 3rd and last call).
+  assert re.search(r"Not arrived: rank 3 \(idle since [\d.]+ s; last: allreduce\(float32\[4\], "
+                   r"sum\) at fault_hangs.py:\d+, call #3\)", out), tail(out)
+  assert "epoch finished" not in out, tail(out)
+  assert seconds < 60, f"took {seconds:.0f}s"
+
+
+def test_shard_batches_prevents_the_last_batch_hang(tmp_path):
+  rc, out, _ = _run("fault_hangs.py", "last_batch_fixed", str(tmp_path))
+  assert rc == 0, tail(out)
+  assert out.count("5 steps done") == 4 and out.count("epoch finished") == 4, tail(out)
+
+
+def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
+  rc, out, seconds = _run("fault_hangs.py", "set_order")
+  assert rc != 0, tail(out)
+  orders = set(re.findall(r"rank \d order (\[.*?\])", out))
+  assert len(orders) > 1, tail(out)  # the scenario really has different orders
+  for r in range(4):
+    assert re.search(rf"rank {r} raised: .*collective mismatch on communicator 0 \(call #1\)",
+                     out), tail(out)
+  assert seconds < 60, f"took {seconds:.0f}s"
+
+
+# --- a rank dies or raises ---------------------------------------------------------
+
+
+def _train(tmp, name, fault=""):
+  ckpt_dir = tmp / name
+  ckpt_dir.mkdir(exist_ok=True)
+  out_file = tmp / f"{name}.npy"
+  env = {"FAULT": fault} if fault else {}
+  rc, out, seconds = _run("fault_train.py", str(ckpt_dir), str(out_file), env=env)
+  return rc, out, seconds, ckpt_dir / "state.ckpt", out_file
+
+
+def test_sigkill_mid_training_ends_the_job_and_a_restart_resumes(tmp_path):
+  from mpijax._src.train.checkpoint import read_checkpoint
+
+  rc, out, _, _, ref_file = _train(tmp_path, "reference")
+  assert rc == 0 and ref_file.exists(), tail(out)
+
+  rc, out, _, ckpt, out_file = _train(tmp_path, "killed", fault="kill")
+  end = time.time()
+  assert rc != 0, tail(out)
+  killed_at = float(re.search(r"rank 2: SIGKILL at ([\d.]+)", out).group(1))
+  assert end - killed_at < 15, f"job ended {end - killed_at:.1f}s after the kill\n{tail(out)}"
+  assert re.search(r"process rank 2 with PID \d+ on node \S+ exited on\s+signal 9", out), tail(out)
+  assert not out_file.exists()
+  header, _, _, _ = read_checkpoint(ckpt)  # intact: magic, header, checksum
+  assert header["payload_bytes"] > 0
+
+  rc, out, _, _, out_file = _train(tmp_path, "killed")  # restart, same directory
+  assert rc == 0, tail(out)
+  assert "rank 0: resumed at step 10" in out, tail(out)
+  np.testing.assert_array_equal(np.load(out_file), np.load(ref_file))
+
+
+def test_rank_raising_inside_a_jitted_step_ends_the_job_with_its_traceback(tmp_path):
+  rc, out, _, _, _ = _train(tmp_path, "raise", fault="raise")
+  assert rc != 0, tail(out)
+  assert "[rank 1/4] mpijax: uncaught" in out, tail(out)
+  assert "deliberate failure inside the jitted step on rank 1" in out, tail(out)
+  assert "finished" not in out, tail(out)
+
+
+# --- SIGTERM to the launcher during a checkpoint write ------------------------------
+
+
+def test_sigterm_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+  from mpijax._src.train.checkpoint import read_checkpoint
+
+  path = tmp_path / "state.ckpt"
+  script = "fault_ckpt_sigterm.py"
+  env = dict(os.environ, MPIJAX_DEVICES_PER_PROCESS="1")
+  cmd = mpirun_command(4, 1, True, 120) + [sys.executable, str(SCRIPTS / script), str(path)]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=str(REPO), start_new_session=True)
+  lines = []
+  try:
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+      lines.append(line)
+      if "rank 0: saving version 3" in line or time.monotonic() > deadline:
+        break
+    time.sleep(0.3)  # rank 0 is inside save_checkpoint (packing or writing)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  text = "".join(lines) + (out or "")
+  assert any("saving version 3" in l for l in lines), tail(text)
+  assert proc.returncode != 0, tail(text)
+  header, _, payload, _ = read_checkpoint(path)  # a whole checkpoint, never a partial one
+  assert header["payload_bytes"] == payload.size > 0
+  assert not _leftovers(script), _leftovers(script)
