@@ -87,6 +87,10 @@ def _write_atomic(path: str, parts: list[bytes]) -> None:
         f.write(part)
       f.flush()
       os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    # mkstemp creates 0600; give the file the permissions open() would have.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
     _fsync_dir(directory)
   except BaseException:
