@@ -76,6 +76,16 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
+def test_stall_action_warn_reports_and_keeps_waiting():
+  rc, out, _ = _run("fault_hangs.py", "late",
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
+  assert rc == 0, tail(out)
+  assert re.search(r"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[3\], sum\) "
+                   r"at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: rank 3 "
+                   r"\(idle since", out), tail(out)
+  assert "MPIJAX_STALL_ACTION=warn" in out and out.count("[8. 8. 8.]") == 4, tail(out)
+
+
 # --- a rank dies or raises ---------------------------------------------------------
 
 

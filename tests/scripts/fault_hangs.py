@@ -7,6 +7,8 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     others' stall report names rank 3
   last_batch_fixed  the same data through mpijax.train.shard_batches -> equal
                     step counts, the run completes
+  late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
+                    and MPIJAX_TIMEOUT=3: the others warn, then finish)
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
@@ -79,6 +81,13 @@ elif mode == "set_order":
     return {k: mpijax.ops.allreduce(p[k]) for k in order}  # dicts keep this order
 
   report_then_raise(lambda: print(jax.tree.map(jnp.shape, sync(params))))
+
+elif mode == "late":
+  import time
+  grad_sum(jnp.ones((2, 3))).block_until_ready()
+  if rt.rank == 3:
+    time.sleep(8)
+  print(f"rank {rt.rank}: {grad_sum(jnp.ones((2, 3)))}", flush=True)
 
 else:
   sys.exit(f"unknown mode {mode!r}")

@@ -1,0 +1,102 @@
+"""Bad input and cross-rank checks give clear errors (issue 8), at any rank count."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpijax
+import mpijax.lax
+import mpijax.ops
+import mpijax.train as mt
+from mpijax._src import config
+from mpijax._src import ffi as _ffi
+from mpijax._src.ops import _base
+
+
+@pytest.fixture()
+def rt():
+  return mpijax.init()
+
+
+def test_shapes_differing_across_ranks_raise_on_every_rank(rt):
+  f = jax.jit(lambda x: mpijax.ops.allreduce(x))
+  x = jnp.ones(3 + (rt.rank % 2))  # odd ranks send 4 elements, even ranks 3
+  if rt.size == 1:
+    assert f(x).shape == (3,)
+    return
+  with pytest.raises(Exception, match=r"collective mismatch on communicator \d+ \(call #\d+\): "
+                     r"ranks? [\d,]+ runs? allreduce\(float32\[3\], sum\) at test_checks.py:\d+"
+                     r".* but ranks? [\d,]+ runs? allreduce\(float32\[4\], sum\).*same shapes and dtypes"):
+    f(x).block_until_ready()
+  # The job goes on: nothing is left half-done on any rank.
+  assert float(mpijax.ops.allreduce(jnp.ones(())).block_until_ready()) == rt.size
+
+
+def test_check_every_call_catches_a_divergence_after_the_first_run(rt):
+  a = jax.jit(lambda x: mpijax.ops.allreduce(x, op="max"))
+  b = jax.jit(lambda x: mpijax.ops.allreduce(x, op="min"))
+  x = jnp.ones(5)
+  a(x).block_until_ready()  # both programs pass their first-run check
+  b(x).block_until_ready()
+  if rt.size == 1:
+    return
+  config.update("check", True)
+  _base.push_settings()
+  try:
+    prog = a if rt.rank == 0 else b  # rank 0 runs max, the others min
+    with pytest.raises(Exception, match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
+                       r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)"):
+      prog(x).block_until_ready()
+  finally:
+    config.reset("check")
+    _base.push_settings()
+
+
+def test_status_table_records_calls(rt):
+  mpijax.ops.allreduce(jnp.ones(2)).block_until_ready()
+  ext = _ffi.load()
+  calls, phase, text = ext.status(0, 0).split(" ", 2)  # communicator key 0: the runtime's
+  assert int(calls) >= 1 and phase == "0", text
+  assert text.startswith("idle since") and "call #" in text, text
+
+
+def test_invalid_stall_action_is_refused(rt, monkeypatch):
+  monkeypatch.setenv("MPIJAX_STALL_ACTION", "explode")
+  with pytest.raises(ValueError, match=r"MPIJAX_STALL_ACTION='explode'.*'abort'.*'warn'"):
+    _base.push_settings()
+  monkeypatch.delenv("MPIJAX_STALL_ACTION")
+  _base.push_settings()
+
+
+def test_bad_arguments_name_the_value_and_the_fix(rt):
+  with pytest.raises(TypeError, match=r"dtype float8_e4m3fn.*supported dtypes.*astype"):
+    mpijax.ops.allreduce(jnp.ones(2, jnp.float8_e4m3fn))
+  with pytest.raises(ValueError, match="permutation"):
+    mpijax.ops.ppermute(jnp.ones(2), [(0, 0), (0, 0)] if rt.size == 1 else [(0, 1), (1, 1)])
+  with pytest.raises(ValueError, match=f"root.*{rt.size}"):
+    mpijax.ops.bcast(jnp.ones(2), root=rt.size)
+  with pytest.raises(NameError, match="axis_name"):
+    jax.jit(lambda x: mpijax.lax.psum(x, "nope"))(jnp.ones(2))
+
+
+def test_truncated_checkpoint_is_refused_never_half_loaded(rt, tmp_path_factory):
+  path = rt.comm.bcast(str(tmp_path_factory.mktemp("ck") / "s.ckpt") if rt.rank == 0 else None)
+  state = {"w": np.arange(1000, dtype=np.float32), "step": 3}
+  mt.save_checkpoint(path, state)
+  rt.comm.Barrier()
+  if rt.rank == 0:
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)  # a partial write
+  rt.comm.Barrier()
+  like = {"w": np.zeros(1000, np.float32), "step": 0}
+  with pytest.raises(mt.CheckpointError, match="corrupt or truncated.*refusing to load any of it"):
+    mt.restore_checkpoint(path, like)
+  assert not like["w"].any() and like["step"] == 0
+
+
+

@@ -1,0 +1,39 @@
+"""Soak (issue 8): 100,000 small collectives and 1,000 jitted steps in one job.
+
+Slow: runs only with MPIJAX_TEST_SLOW=1. Prints the figures (pytest -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from tests._launch import REPO, run_mpi, tail
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("MPIJAX_TEST_SLOW") != "1",
+                       reason="soak test: set MPIJAX_TEST_SLOW=1"),
+]
+
+
+def test_soak_memory_fds_and_speed_stay_flat():
+  result, seconds = run_mpi(4, [sys.executable, str(REPO / "tests" / "scripts" / "soak.py")],
+                            timeout=1800)
+  assert result.returncode == 0, tail(result.stdout)
+  rows = [json.loads(m) for m in re.findall(r"SOAK (\{.*\})", result.stdout)]
+  assert len(rows) == 4, tail(result.stdout)
+  print(f"\nsoak: 4 ranks, {seconds:.0f}s wall")
+  for r in sorted(rows, key=lambda r: r["rank"]):
+    print("  " + json.dumps(r))
+  for r in rows:
+    assert r["rss_end_mb"] - r["rss_start_mb"] < 50, r
+    assert r["fds_end"] <= r["fds_start"], r
+    # Medians over 10,000 calls; "within noise" on an oversubscribed machine:
+    # the last 10 % may not be more than 1.5x slower than the first (plus 20 us).
+    assert r["call_us_last10"] <= 1.5 * r["call_us_first10"] + 20, r
+    assert r["step_us_last10"] <= 1.5 * r["step_us_first10"] + 50, r

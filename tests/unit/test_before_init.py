@@ -1,0 +1,20 @@
+"""Collectives before mpijax.init() fail with the fix in the message (issue 8)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("call", [
+    "mpijax.ops.allreduce(jnp.ones(2))",
+    "jax.jit(lambda x: mpijax.ops.allgather(x))(jnp.ones(2))",
+])
+def test_collective_before_init_says_call_init(call):
+  code = f"import jax, jax.numpy as jnp, mpijax, mpijax.ops\n{call}\n"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode != 0
+  assert "needs the mpijax runtime: call mpijax.init() first" in proc.stderr, proc.stderr[-2000:]
