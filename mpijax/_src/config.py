@@ -85,6 +85,9 @@ _define("hierarchical_min_bytes", int, 64 * 1024,
 # --- training (layer 6) ------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")
+_define("fuse_leaf_bytes", int, 256 << 10,
+        "Gradient leaves of at least this many bytes are all-reduced on their "
+        "own, without the packing copy; smaller leaves share buckets.")
 
 
 def settings() -> list[Setting]:

@@ -1,0 +1,383 @@
+"""Data-parallel training step: fused gradient buckets vs per-leaf all-reduce vs peers (issue 6).
+
+A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
+``--layers`` dense layers of ``--width`` x ``--width``), one SGD step on
+``--batch`` samples per rank, on 1, 2 and 4 ranks. Rows:
+
+* full step, mpijax fused buckets (``mpijax.train.allreduce_gradients``)
+* full step, mpijax one all-reduce per leaf (``bucket_bytes=1``)
+* full step, mpi4jax one all-reduce per leaf (when importable)
+* full step, JAX's own data parallelism: ``jax.jit`` over a global mesh with
+  ``jax.distributed`` (XLA inserts the gradient all-reduce; gloo on CPU)
+* full step without any communication (the compute floor)
+* communication only: the gradient tree through ``fused_allreduce`` (fused and
+  per leaf) vs ONE raw mpi4py ``Allreduce`` of all gradient bytes (the floor)
+
+Run from a plain shell (it starts one ``mpirun`` per rank count and phase)::
+
+    python benchmarks/train_step.py                 # 1, 2, 4 ranks
+    python benchmarks/train_step.py --ranks 2 --quick
+
+Writes ``train_step.md``, ``train_step.json`` and ``train_step.png`` to
+``--out`` (default ``benchmarks/results``) and checks the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from _common import HarnessComm, Row, Timing  # noqa: E402
+
+SCRIPT = os.path.abspath(__file__)
+
+LABELS = {
+    "step_fused": "step: mpijax allreduce_gradients (default buckets)",
+    "step_packall": "step: mpijax, every leaf packed (fuse_leaf_bytes=bucket_bytes)",
+    "step_leaf": "step: mpijax one all-reduce per leaf",
+    "step_mpi4jax": "step: mpi4jax one all-reduce per leaf",
+    "step_gloo": "step: JAX data-parallel jit (jax.distributed, gloo)",
+    "step_local": "step: no communication (compute floor)",
+    "comm_fused": "comm only: mpijax fused_allreduce (default buckets)",
+    "comm_packall": "comm only: mpijax, every leaf packed (fuse_leaf_bytes=bucket_bytes)",
+    "comm_leaf": "comm only: mpijax per leaf",
+    "comm_raw": "comm only: ONE mpi4py Allreduce of all bytes (NumPy)",
+}
+
+
+class Skip(Exception):
+  pass
+
+
+# --- the model ------------------------------------------------------------------
+
+def init_params(layers: int, width: int):
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(0)
+  return [{"w": jnp.asarray(rng.standard_normal((width, width), np.float32) / np.sqrt(width)),
+           "b": jnp.zeros(width, jnp.float32)} for _ in range(layers)]
+
+
+def loss_fn(params, x, y):
+  import jax.numpy as jnp
+  h = x
+  for p in params:
+    h = jnp.tanh(h @ p["w"] + p["b"])
+  return jnp.mean((h - y) ** 2)
+
+
+def make_step(tx):
+  import jax
+  import optax
+
+  def step(params, opt_state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def _batch(args, rank: int):
+  import numpy as np
+  rng = np.random.default_rng(1 + rank)
+  return (rng.standard_normal((args.batch, args.width), np.float32),
+          rng.standard_normal((args.batch, args.width), np.float32))
+
+
+def _measure(hc: HarnessComm, key: str, build, args) -> Row:
+  """One row, one cell (this rank count); a failure becomes the cell's reason."""
+  row = Row(key, LABELS[key], "mpi")
+  try:
+    step = build()
+    row.cells[hc.size] = _common.time_step(step, hc, trials=args.trials,
+                                           trial_seconds=args.trial_seconds, warmup=2)
+  except Skip as e:
+    row.cells[hc.size] = str(e)
+  except Exception as e:  # report it in the table rather than lose the other rows
+    if hc.rank == 0:
+      traceback.print_exc()
+    row.cells[hc.size] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return row
+
+
+def _stepper(jitted, params, opt_state, x, y):
+  state = {"p": params, "s": opt_state}
+
+  def run():
+    state["p"], state["s"] = jitted(state["p"], state["s"], x, y)
+    state["s"] = state["s"]
+    import jax
+    jax.block_until_ready(state["p"])
+  return run
+
+
+# --- phase "mpi": every MPI row ----------------------------------------------------
+
+def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
+  import mpijax
+  mpijax.init()
+  import jax
+  import numpy as np
+  import optax
+  from mpijax import train
+  hc = HarnessComm()
+  params = init_params(args.layers, args.width)
+  leaves = jax.tree_util.tree_leaves(params)
+  n_params = sum(x.size for x in leaves)
+  x, y = _batch(args, hc.rank)
+  grads = jax.jit(jax.grad(loss_fn))(params, x, y)
+  sgd = optax.sgd(1e-4)
+  rows = []
+
+  def step_with(reduce_tx):
+    def build():
+      tx = optax.chain(reduce_tx, sgd) if reduce_tx is not None else sgd
+      jitted = jax.jit(make_step(tx))
+      return _stepper(jitted, params, tx.init(params), x, y)
+    return build
+
+  rows.append(_measure(hc, "step_fused", step_with(train.allreduce_gradients()), args))
+  big = int(mpijax.config.get("bucket_bytes"))
+  rows.append(_measure(hc, "step_packall", step_with(train.allreduce_gradients(fuse_leaf_bytes=big)), args))
+  rows.append(_measure(hc, "step_leaf", step_with(train.allreduce_gradients(bucket_bytes=1)), args))
+
+  def mpi4jax_build():
+    try:
+      import mpi4jax
+    except Exception as e:
+      raise Skip(f"mpi4jax not importable ({type(e).__name__}: {e})") from None
+    comm = hc.comm.Dup()
+
+    def update(g, state, params=None):
+      def one(leaf):
+        out = mpi4jax.allreduce(leaf, op=hc.MPI.SUM, comm=comm)
+        return (out[0] if isinstance(out, tuple) else out) / hc.size
+      return jax.tree_util.tree_map(one, g), state
+    return step_with(optax.GradientTransformation(lambda p: optax.EmptyState(), update))()
+  rows.append(_measure(hc, "step_mpi4jax", mpi4jax_build, args))
+  rows.append(_measure(hc, "step_local", step_with(None), args))
+
+  def comm_build(bucket_bytes, fuse_leaf_bytes=None):
+    def build():
+      f = jax.jit(lambda g: train.fused_allreduce(g, bucket_bytes=bucket_bytes,
+                                                  fuse_leaf_bytes=fuse_leaf_bytes))
+      out = f(grads)
+      want = train.mean_metrics(jax.tree_util.tree_map(np.asarray, grads))
+      np.testing.assert_allclose(np.asarray(out[0]["w"]), want[0]["w"], rtol=1e-4, atol=1e-6)
+      return lambda: jax.block_until_ready(f(grads))
+    return build
+  rows.append(_measure(hc, "comm_fused", comm_build(None), args))
+  rows.append(_measure(hc, "comm_packall", comm_build(None, big), args))
+  rows.append(_measure(hc, "comm_leaf", comm_build(1), args))
+
+  def raw_build():
+    comm = hc.comm.Dup()
+    send = np.concatenate([np.asarray(g).reshape(-1) for g in jax.tree_util.tree_leaves(grads)])
+    recv = np.empty_like(send)
+    return lambda: comm.Allreduce(send, recv, op=hc.MPI.SUM)
+  rows.append(_measure(hc, "comm_raw", raw_build, args))
+  meta = {"parameters": int(n_params), "leaves": len(leaves),
+          "gradient_bytes": int(n_params * 4), "batch_per_rank": args.batch,
+          "bucket_bytes_default": int(mpijax.config.get("bucket_bytes"))}
+  return rows, meta
+
+
+# --- phase "gloo": JAX's own data parallelism over jax.distributed --------------------
+
+def phase_gloo(args) -> tuple[list[Row], dict[str, Any]]:
+  import mpijax
+  err = None
+  try:
+    mpijax.init(jax_distributed=True)
+  except Exception as e:
+    err = f"mpijax.init(jax_distributed=True) failed: {type(e).__name__}: {e}"
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  hc = HarnessComm()
+
+  def build():
+    if err:
+      raise Skip(err)
+    devices = jax.devices()
+    if len(devices) != hc.size * len(jax.local_devices()):
+      raise Skip(f"jax.distributed sees {len(devices)} devices for {hc.size} processes")
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P("data"))
+    params = jax.device_put(init_params(args.layers, args.width), replicated)
+    tx = optax.sgd(1e-4)
+    opt_state = jax.device_put(tx.init(params), replicated)
+    x, y = _batch(args, hc.rank)
+
+    def global_batch(a):
+      shards = [jax.device_put(a, d) for d in jax.local_devices()]
+      return jax.make_array_from_single_device_arrays((len(devices) * a.shape[0],) + a.shape[1:],
+                                                      sharded, shards)
+    gx, gy = global_batch(x), global_batch(y)
+    # XLA sees a replicated parameter and a sharded batch and inserts the
+    # cross-process gradient all-reduce itself.
+    jitted = jax.jit(make_step(tx), in_shardings=(replicated, replicated, sharded, sharded),
+                     out_shardings=(replicated, replicated))
+    return _stepper(jitted, params, opt_state, gx, gy)
+
+  impl = jax.config.jax_cpu_collectives_implementation
+  row = _measure(hc, "step_gloo", build, args)
+  row.label = LABELS["step_gloo"].replace("gloo", impl or "gloo")
+  row.phase = "gloo"
+  return [row], {"cpu_collectives": impl}
+
+
+# --- orchestration and report ---------------------------------------------------------
+
+def _fmt_ms(v: float | None) -> str:
+  return "–" if v is None else (f"{v / 1000:.1f}" if v >= 10000 else f"{v / 1000:.2f}")
+
+
+def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str:
+  lines = [f"Model: {meta.get('parameters', 0):,} float32 parameters in {meta.get('leaves', '?')} leaves "
+           f"({meta.get('gradient_bytes', 0) / 2**20:.1f} MiB of gradients), {args.batch} samples per rank, "
+           f"SGD. Median ms per step (max over ranks).", "",
+           "| method | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in ranks) + " |",
+           "|---|" + "---:|" * len(ranks)]
+  for r in rows:
+    lines.append(f"| {r.label} | " + " | ".join(_fmt_ms(r.us(n)) for n in ranks) + " |")
+  notes = _common.skip_notes(rows)
+  if notes:
+    lines += ["", "Missing figures:"] + notes
+  lines += ["", "Targets (issue 6):"]
+  get = {r.key: r for r in rows}
+  for n in ranks:
+    if n == 1:
+      continue
+    def ratio(a, b):
+      va, vb = get[a].us(n) if a in get else None, get[b].us(n) if b in get else None
+      return None if va is None or vb is None else va / vb
+    checks = [("comm_fused", "comm_raw", "fused gradient communication <= 1.3x one raw Allreduce",
+               lambda q: q <= 1.3),
+              ("step_mpi4jax", "step_fused", "full step >= 3x faster than per-leaf mpi4jax",
+               lambda q: q >= 3.0),
+              ("step_gloo", "step_fused", "full step faster than JAX-gloo data parallel",
+               lambda q: q > 1.0),
+              ("step_leaf", "step_fused", "(info) mpijax per-leaf step / fused step", None)]
+    for a, b, text, ok in checks:
+      q = ratio(a, b)
+      if q is None:
+        lines.append(f"- {n} ranks: {text}: missing")
+      elif ok is None:
+        lines.append(f"- {n} ranks: {text}: {q:.2f}x")
+      else:
+        lines.append(f"- {n} ranks: {text}: {q:.2f}x -> {'PASS' if ok(q) else 'FAIL'}")
+  lines += ["", _common.load_note()]
+  return "\n".join(lines)
+
+
+def plot(rows: list[Row], ranks: list[int], path: str) -> str | None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except Exception as e:
+    return f"no plot: {e}"
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, r in enumerate(rows):
+    pts = [(n, r.us(n) / 1000) for n in ranks if r.us(n) is not None]
+    if pts:
+      xs, ys = zip(*pts)
+      ax.plot(xs, ys, marker="os^vD<>p"[i % 8], label=r.label,
+              linestyle="--" if r.key.startswith("comm") else "-")
+  ax.set_xticks(ranks)
+  ax.set_xlabel("ranks")
+  ax.set_ylabel("median ms per step / per all-reduce (max over ranks)")
+  ax.set_yscale("log")
+  ax.set_title("data-parallel step, ~10 M parameters in ~100 leaves")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return None
+
+
+def _phase_args(args) -> list[str]:
+  return ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+          "--trials", str(args.trials), "--trial-seconds", str(args.trial_seconds)]
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--ranks", default="1,2,4", help="rank counts (default 1,2,4)")
+  p.add_argument("--layers", type=int, default=50, help="dense layers: 2 leaves each (default 50)")
+  p.add_argument("--width", type=int, default=448, help="layer width (default 448: 10.05 M parameters)")
+  p.add_argument("--batch", type=int, default=8, help="samples per rank (default 8)")
+  p.add_argument("--trials", type=int, default=7)
+  p.add_argument("--trial-seconds", type=float, default=0.2)
+  p.add_argument("--quick", action="store_true", help="3 trials of one step each")
+  p.add_argument("--no-gloo", action="store_true")
+  p.add_argument("--out", default=_common.default_out_dir())
+  p.add_argument("--phase-timeout", type=float, default=900)
+  p.add_argument("--phase", help=argparse.SUPPRESS)
+  p.add_argument("--phase-out", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.quick:
+    args.trials, args.trial_seconds = 3, 0.0
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.phase:
+    rows, meta = (phase_mpi if args.phase == "mpi" else phase_gloo)(args)
+    if HarnessComm_rank() == 0:
+      _common.write_phase_output(args.phase_out, rows, meta)
+    return 0
+  ranks = [int(n) for n in args.ranks.split(",")]
+  rows: dict[str, Row] = {}
+  meta: dict[str, Any] = {"env": _common.environment_info(), "phases": {}}
+  for n in ranks:
+    for phase in ["mpi"] + ([] if args.no_gloo else ["gloo"]):
+      got = _common.run_phase(SCRIPT, n, phase, _phase_args(args), timeout=args.phase_timeout)
+      if isinstance(got, str):
+        keys = ["step_gloo"] if phase == "gloo" else [k for k in LABELS if k != "step_gloo"]
+        for k in keys:
+          rows.setdefault(k, Row(k, LABELS[k], phase)).cells[n] = got
+        continue
+      phase_rows, phase_meta = got
+      meta["phases"][f"{phase}@{n}"] = phase_meta
+      if phase == "mpi":
+        meta.update({k: v for k, v in phase_meta.items()})
+      for r in phase_rows:
+        rows.setdefault(r.key, Row(r.key, r.label, r.phase)).cells.update(r.cells)
+        rows[r.key].label = r.label
+  ordered = [rows[k] for k in LABELS if k in rows]
+  text = report(ordered, ranks, meta, args)
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "train_step.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, "train_step.json"), "w") as f:
+    json.dump({"rows": [r.to_json() for r in ordered], "ranks": ranks, "meta": meta,
+               "args": {k: v for k, v in vars(args).items() if not k.startswith("phase")}}, f, indent=1)
+  why = plot(ordered, ranks, os.path.join(args.out, "train_step.png"))
+  if why:
+    print(why)
+  print(f"wrote {args.out}/train_step.md, .json, .png")
+  return 0
+
+
+def HarnessComm_rank() -> int:
+  from mpi4py import MPI
+  return MPI.COMM_WORLD.Get_rank()
+
+
+if __name__ == "__main__":
+  sys.exit(main())
