@@ -1,10 +1,12 @@
 """Fused gradient all-reduce and gradient accumulation, as optax transformations.
 
 Gradients of a model arrive as many small leaves. One MPI all-reduce per leaf
-pays the per-message latency ~100 times per step; instead the leaves are
-packed, per dtype, into a few flat buckets of at most ``bucket_bytes`` and
-each bucket is all-reduced once (PyTorch DDP's buckets, Horovod's tensor
-fusion), then unpacked. Everything runs inside the caller's ``jax.jit``: the
+pays the per-message latency ~100 times per step; instead the small leaves
+are packed, per dtype, into a few flat buckets of at most ``bucket_bytes``
+and each bucket is all-reduced once (PyTorch DDP's buckets, Horovod's tensor
+fusion), then unpacked. Leaves of at least ``fuse_leaf_bytes`` (256 KiB) are
+already big enough to amortize the latency and travel alone: on CPU the
+packing copy of a big leaf costs about as much as its all-reduce. Everything runs inside the caller's ``jax.jit``: the
 packing is a few XLA concatenations and slices, and the MPI call is
 ``mpijax.ops.allreduce`` (an XLA FFI custom call, no host round trip).
 """
@@ -142,7 +144,8 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
   global gradient; every rank then applies identical updates and the
   replicated parameters stay equal. Inside the jitted step the gradient leaves
   are packed per dtype into flat buckets of at most ``bucket_bytes`` and each
-  bucket is summed over ranks with ONE ``mpijax.ops.allreduce``.
+  bucket is summed over ranks with ONE ``mpijax.ops.allreduce`` (leaves of at
+  least ``fuse_leaf_bytes`` form a bucket of their own, without a copy).
 
   Args:
     average: divide the sum by the number of ranks (the mean gradient, as if
