@@ -15,8 +15,9 @@ def register_comms(handles: list[int], check_handles: list[int], key: int) -> in
   local device index; ``key`` is the id all its ranks agreed on. Returns the
   id used as the ops' ``comm`` attribute."""
 
-def register_site(text: str) -> int:
-  """Registers a call site's description; returns its id (``site`` attribute)."""
+def register_site(text: str, slot: int) -> int:
+  """Registers a call site's description and check slot (one per (signature,
+  communicator)); returns its id (``site`` attribute)."""
 
 def start_inspector(handle: int) -> bool:
   """Starts the stall inspector's responder thread on a private communicator."""

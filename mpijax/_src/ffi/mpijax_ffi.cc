@@ -92,12 +92,18 @@ std::vector<CommEntry> g_comms;  // comm id -> one DevComm per local device
 
 // Call sites: id -> "allreduce(float32[4], sum) at train.py:42", registered
 // by Python at lowering time, and which local devices already checked them.
+// "Checked" flags belong to a check slot, i.e. to a (signature,
+// communicator) pair, not to the site text: whether a call is compared must
+// depend only on what every rank agrees on (the sequence of signatures), never
+// on per-rank compilation history (e.g. a program cached on one rank under
+// another call site).
 struct Site {
   std::string text;
-  std::atomic<uint64_t> checked{0};  // bit d: device d compared this site
+  std::atomic<uint64_t>* checked = nullptr;  // bit d: device d compared it
 };
 std::mutex g_sites_mu;
 std::deque<Site> g_sites;
+std::deque<std::atomic<uint64_t>> g_check_slots;  // stable addresses
 
 int CommRank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
 int CommSize(MPI_Comm c) { int s = 0; MPI_Comm_size(c, &s); return s; }
@@ -471,7 +477,11 @@ ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
           return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
         }
         ReportStall(info, std::chrono::duration<double>(now - start).count());
-        if (g_stall_abort.load()) MPI_Abort(MPI_COMM_WORLD, 1);
+        if (g_stall_abort.load()) {
+          // Give the launcher's output forwarding time to pass the report on.
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          MPI_Abort(MPI_COMM_WORLD, 1);
+        }
         deadline = Clock::now() + period;
       }
       // Oversubscribed ranks (more ranks than cores) need the CPU back.
@@ -592,7 +602,7 @@ ffi::Error CheckSignature(const CallInfo& info, int64_t sig) {
                      ? (uint64_t{1} << info.device) : 0;
   bool every = g_check_every.load(std::memory_order_relaxed);
   if (!every && site != nullptr && bit != 0 &&
-      (site->checked.load(std::memory_order_relaxed) & bit)) {
+      (site->checked->load(std::memory_order_relaxed) & bit)) {
     return ffi::Error::Success();
   }
   if (info.comm_size > 1) {
@@ -605,7 +615,7 @@ ffi::Error CheckSignature(const CallInfo& info, int64_t sig) {
     dc->status.phase.store(2, std::memory_order_relaxed);
     if (buf[0] != -buf[1]) return MismatchError(info, sig);
   }
-  if (site != nullptr && bit != 0) site->checked.fetch_or(bit);
+  if (site != nullptr && bit != 0) site->checked->fetch_or(bit);
   return ffi::Error::Success();
 }
 
@@ -1177,14 +1187,19 @@ NB_MODULE(_mpijax_ffi, m) {
   }, nb::arg("comm_id"),
   "Forgets the communicators of comm_id (before Python frees them).");
 
-  m.def("register_site", [](const std::string& text) {
+  m.def("register_site", [](const std::string& text, int64_t slot) {
+    if (slot < 0) throw nb::value_error("register_site: slot must be >= 0");
     std::lock_guard<std::mutex> lock(g_sites_mu);
+    while (static_cast<int64_t>(g_check_slots.size()) <= slot)
+      g_check_slots.emplace_back(0);
     g_sites.emplace_back();
     g_sites.back().text = text;
+    g_sites.back().checked = &g_check_slots[slot];
     return static_cast<int64_t>(g_sites.size() - 1);
-  }, nb::arg("text"),
+  }, nb::arg("text"), nb::arg("slot"),
   "Registers a call site's description (e.g. 'allreduce(float32[4], sum) at "
-  "train.py:42'); returns its id, the ops' 'site' attribute.");
+  "train.py:42') and its check slot (one per (signature, communicator)); "
+  "returns its id, the ops' 'site' attribute.");
 
   m.def("start_inspector", [](uintptr_t handle) {
     std::lock_guard<std::mutex> lock(g_insp_mu);

@@ -275,10 +275,11 @@ def register_ffi_lowering(prim: Primitive, target: str,
 # `sig` (a hash of what every rank must agree on: kind, shapes, dtypes, op,
 # root, permutation) and a `site`, the id of a description such as
 # "allreduce(float32[4], sum) at train.py:42" that C++ prints in stall and
-# mismatch reports. Sites are interned by (description, sig), so recompiling
+# mismatch reports. Sites are interned by (description, sig, comm), so recompiling
 # the same program (on one rank but not another) reuses the site and its
 # "already checked" flag instead of triggering an unpaired check.
-_sites: dict[tuple[str, int], int] = {}
+_sites: dict[tuple[str, int, int | None], int] = {}
+_check_slots: dict[tuple[int, int | None], int] = {}
 
 
 def _package_dir(module: Any) -> str:
@@ -329,10 +330,18 @@ def call_site(ctx, kind: str, params: dict[str, Any]) -> tuple[int, int]:
   sig = int.from_bytes(hashlib.blake2b(canon.encode(), digest_size=8).digest(),
                        "little") & ((1 << 63) - 1)
   text = f"{human} at {_user_location(ctx)}"
-  site = _sites.get((text, sig))
+  # The local communicator id is part of the site (not of the signature): a
+  # site's "checked" flag must not carry over from, e.g., a COMM_SELF call on
+  # one rank to a call on the world at the same line.
+  key = (text, sig, params.get("comm_id"))
+  site = _sites.get(key)
   if site is None:
-    site = _ffi.load().register_site(text)
-    _sites[(text, sig)] = site
+    # The "already compared" flag is per (signature, communicator): ranks
+    # agree on those, not on which call site compiled a program first (an
+    # eager op's cached program may come from another line on another rank).
+    slot = _check_slots.setdefault((sig, params.get("comm_id")), len(_check_slots))
+    site = _ffi.load().register_site(text, slot)
+    _sites[key] = site
   return site, sig
 
 
