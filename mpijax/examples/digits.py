@@ -174,7 +174,8 @@ def main(argv=None) -> int:
   state = dp.init(init_params(args.seed + rank), rng=jax.random.key(args.seed))
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
 
-  os.makedirs(args.out, exist_ok=True) if rank == 0 else None
+  if rank == 0:
+    os.makedirs(args.out, exist_ok=True)
   ckpt_path = os.path.join(args.out, "checkpoint.ckpt")
   history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": [],
              "epoch_seconds": [], "ranks": ranks, "global_batch_size": args.batch_size}
@@ -221,6 +222,9 @@ def main(argv=None) -> int:
     train.log(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {train_loss:.4f} acc {train_acc:.4f}  "
               f"test loss {test['loss']:.4f} acc {test['accuracy']:.4f}  "
               f"{n_epoch / seconds:,.0f} samples/s")
+    # Every epoch: a killed run resumes (--resume) from the last finished epoch.
+    train.save_checkpoint(ckpt_path, {"state": state, "epoch": epoch + 1},
+                          metadata={"history": history, "args": vars(args)})
 
   final = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch) \
       if start_epoch >= args.epochs else {"accuracy": history["test_accuracy"][-1],
@@ -235,12 +239,9 @@ def main(argv=None) -> int:
       "compile_and_first_step_seconds": (t_first_step - t_start) if t_first_step else None,
       "compression": args.compression,
   }
-  history_out = {k: v for k, v in history.items()}
-  train.save_checkpoint(ckpt_path, {"state": state, "epoch": args.epochs},
-                        metadata={"history": history_out, "summary": summary, "args": vars(args)})
   if rank == 0:
     _atomic_write_text(os.path.join(args.out, "metrics.json"),
-                       json.dumps({"summary": summary, "history": history_out}, indent=2))
+                       json.dumps({"summary": summary, "history": history}, indent=2))
     save_plot(history, os.path.join(args.out, "curves.png"))
   train.log(f"final test accuracy {final['accuracy']:.4f} ({final['accuracy'] * 100:.2f} %), "
             f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation), "
