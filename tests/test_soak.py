@@ -31,8 +31,8 @@ def test_soak_memory_fds_and_speed_stay_flat():
   for r in sorted(rows, key=lambda r: r["rank"]):
     print("  " + json.dumps(r))
   for r in rows:
-    assert r["rss_end_mb"] - r["rss_start_mb"] < 50, r
-    assert r["fds_end"] <= r["fds_start"], r
+    assert r["calls_rss_growth_mb"] + r["steps_rss_growth_mb"] < 50, r
+    assert r["calls_fd_growth"] <= 0 and r["steps_fd_growth"] <= 0, r
     # Medians over 10,000 calls; "within noise" on an oversubscribed machine:
     # the last 10 % may not be more than 1.5x slower than the first (plus 20 us).
     assert r["call_us_last10"] <= 1.5 * r["call_us_first10"] + 20, r

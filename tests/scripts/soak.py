@@ -50,6 +50,7 @@ for i in range(n_calls):
   x.block_until_ready()
   times[i] = time.perf_counter() - t
 k = n_calls // 10
+rss1, fd1 = rss_mb(), fds()  # after the collectives
 
 opt = optax.chain(mt.allreduce_gradients(), optax.adam(1e-3))
 params = {"w1": jnp.ones((32, 64)) * 0.01, "w2": jnp.ones((64, 1)) * 0.01}
@@ -65,6 +66,10 @@ def step(params, opt_state):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+for _ in range(10):  # warm up: compile the step, optimizer state buffers
+  params, opt_state, loss = step(params, opt_state)
+loss.block_until_ready()
+rss2, fd2 = rss_mb(), fds()
 step_times = np.empty(n_steps)
 for i in range(n_steps):
   t = time.perf_counter()
@@ -75,8 +80,10 @@ ks = max(n_steps // 10, 1)
 
 print("SOAK " + json.dumps({
     "rank": rt.rank, "collectives": n_calls, "steps": n_steps,
-    "rss_start_mb": round(rss0, 1), "rss_end_mb": round(rss_mb(), 1),
-    "fds_start": fd0, "fds_end": fds(),
+    # Growth over each loop, measured from after its warm-up.
+    "calls_rss_growth_mb": round(rss1 - rss0, 1), "calls_fd_growth": fd1 - fd0,
+    "steps_rss_growth_mb": round(rss_mb() - rss2, 1), "steps_fd_growth": fds() - fd2,
+    "rss_end_mb": round(rss_mb(), 1),
     "call_us_first10": round(1e6 * float(np.median(times[:k])), 1),
     "call_us_last10": round(1e6 * float(np.median(times[-k:])), 1),
     "step_us_first10": round(1e6 * float(np.median(step_times[:ks])), 1),
