@@ -158,7 +158,9 @@ def _register(comm: Any) -> CommInfo:
       # Signature checks run on their own clones (see DevComm in the C++), and
       # all ranks of `comm` agree on a key that names it in stall reports.
       checks = [comm.Clone() for _ in range(n)]
-      key = comm.allreduce(_next_key, op=MPI.MAX)
+      buf = np.array([_next_key], np.int64)  # a buffer, not a pickled object
+      comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+      key = int(buf[0])
       _next_key = key + 1
       cid = ext.register_comms([MPI._handleof(c) for c in clones],
                                [MPI._handleof(c) for c in checks], key)
