@@ -36,3 +36,14 @@ def test_exit_with_collectives_in_flight():
   assert result.returncode == 0, tail(result.stdout)
   assert result.stdout.count("dispatched") == 4, tail(result.stdout)
   assert not _no_leftovers("exit_inflight.py")
+
+
+def test_uneven_local_device_counts_are_refused_on_every_rank():
+  path = str(REPO / "tests" / "scripts" / "uneven_devices.py")
+  result, seconds = run_mpi(4, [sys.executable, path], timeout=120)
+  out = result.stdout
+  assert result.returncode != 0, tail(out)
+  assert "were not caught" not in out, tail(out)
+  # Every rank that reached the check names the odd rank and the fix.
+  assert "rank 1 has 2" in out and "MPIJAX_DEVICES_PER_PROCESS" in out, tail(out)
+  assert not _no_leftovers("uneven_devices.py")

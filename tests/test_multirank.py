@@ -23,6 +23,8 @@ def test_mpi_suite(ranks, devices):
   # pytest-mpi, when installed, would skip everything under a directory named "mpi"
   # unless --with-mpi is given; mpijax's suite does not use it.
   argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:pytest_mpi", "--color=no",
+          # fd 2 uncaptured: a stall report printed by the C++ side reaches the log.
+          "--capture=sys",
           "-W", "ignore::DeprecationWarning", "tests/mpi"]
   select = os.environ.get("MPIJAX_TEST_SELECT")  # e.g. "-k allreduce" for local work
   if select:

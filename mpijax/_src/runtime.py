@@ -342,7 +342,6 @@ def init(*, launcher: str | None = None,
                         coordinator_address=address, launcher=info.launcher)
     _runtime = Runtime(topology=topology, comm=private, local_devices=local_devices,
                        device_table=table, jax_distributed=bool(use_dist), _world_comm=base)
-    atexit.register(_drain_at_exit)
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
     if abort:
       failure.install()
@@ -352,6 +351,9 @@ def init(*, launcher: str | None = None,
     inspector.start(private)
     register_shutdown_hook(inspector.stop)
     # --- end issue 8
+    # Registered after the inspector's own exit hook, so it runs first (atexit is
+    # LIFO): a stall while draining is still reported.
+    atexit.register(_drain_at_exit)
     return _runtime
 
 

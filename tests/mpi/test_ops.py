@@ -332,6 +332,34 @@ def tiny_chunks():
   _base.push_settings()
 
 
+@pytest.fixture(params=["nonblocking", "blocking"])
+def wait_path(request):
+  """Small messages are polled nonblocking calls; large ones wait for every
+  rank in a polled barrier, then run MPI's blocking collective. Force each."""
+  from mpijax._src import config
+  from mpijax._src.ops import _base
+  config.update("blocking_min_bytes", 1 << 40 if request.param == "nonblocking" else 0)
+  _base.push_settings()
+  yield request.param
+  config.reset("blocking_min_bytes")
+  _base.push_settings()
+
+
+def test_both_wait_paths(wait_path):
+  shape = (N, 3000)  # 12 KB rows of float32
+  for dtype in ["float32", "bfloat16"]:
+    stack = all_inputs(shape, dtype)
+    x = rank_input(R, shape, dtype)
+    f = jax.jit(lambda v: (ops.allreduce(v), ops.allgather(v), ops.reduce_scatter(v),
+                           ops.alltoall(v), ops.bcast(v, N - 1)))
+    s, g, rs, a2a, b = f(x)
+    assert_close(s, np_reduce(stack, "sum", dtype), dtype)
+    assert_close(g, stack, dtype)
+    assert_close(rs, np_reduce(stack, "sum", dtype)[R], dtype)
+    assert_close(a2a, stack[:, R], dtype)
+    assert_close(b, stack[N - 1], dtype)
+
+
 def test_chunked_messages(tiny_chunks):
   shape = (N, 7)  # 28 B rows of float32, 56 B of complex64: several partial chunks
   for dtype in ["float32", "complex64", "bfloat16", "int8"]:

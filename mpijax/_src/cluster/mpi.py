@@ -18,6 +18,8 @@ import functools
 import importlib.util
 import sys
 
+import numpy as np
+
 from mpijax._src.cluster import base
 
 
@@ -52,7 +54,10 @@ def _world() -> tuple[int, int, int, int, int, int]:
       leaders.Free()
     else:
       node_index = node_count = None
-    node_index, node_count = node.bcast((node_index, node_count), root=0)
+    # A buffer broadcast: nothing received from another rank is unpickled.
+    pair = np.array([node_index or 0, node_count or 0], dtype=np.int64)
+    node.Bcast([pair, MPI.INT64_T], root=0)
+    node_index, node_count = int(pair[0]), int(pair[1])
   finally:
     node.Free()
   return world.rank, world.size, local_rank, local_size, node_index, node_count

@@ -6,7 +6,7 @@ def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
 def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
-          check_every: bool = False) -> None:
+          check_every: bool = False, blocking_min_bytes: int = 65536) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
   action and whether every call's signature is compared across ranks."""
 

@@ -112,7 +112,7 @@ def _local_device_count() -> int:
 
 
 def push_settings() -> None:
-  """Sends max_chunk_bytes and timeout to C++ (again if they changed)."""
+  """Sends the transport settings to C++ (again if they changed)."""
   global _settings_pushed
   action = str(config.get("stall_action")).strip().lower()
   if action not in ("abort", "warn"):
@@ -120,7 +120,8 @@ def push_settings() -> None:
         f"MPIJAX_STALL_ACTION={action!r} is not valid: use 'abort' (report the "
         "stall, then end the job) or 'warn' (report it and keep waiting).")
   settings = (int(config.get("max_chunk_bytes")), float(config.get("timeout")),
-              action == "abort", bool(config.get("check")))
+              action == "abort", bool(config.get("check")),
+              int(config.get("blocking_min_bytes")))
   if settings != _settings_pushed:
     _ffi.load().setup(*settings)
     _settings_pushed = settings
@@ -243,13 +244,32 @@ def _chain_for(ctx) -> dict[Any, Any]:
   return hit[1]
 
 
+def _is_donated(value) -> bool:
+  """Whether ``value`` is a donated parameter of the function being lowered."""
+  try:
+    if not isinstance(value, ir.BlockArgument):
+      return False
+    func = value.owner.owner
+    attrs = ir.DictAttr(ir.ArrayAttr(func.attributes["arg_attrs"])[value.arg_number])
+    return "tf.aliasing_output" in attrs or "jax.buffer_donor" in attrs
+  except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+    return False
+
+
 def register_ffi_lowering(prim: Primitive, target: str,
-                          attrs: Callable[..., dict[str, Any]]) -> None:
+                          attrs: Callable[..., dict[str, Any]],
+                          in_place_capable: bool = False) -> None:
   """CPU lowering of ``prim`` to FFI target ``target``, with an order token.
 
-  ``attrs(**params)`` gives the custom call's named attributes.
+  ``attrs(**params)`` gives the custom call's named attributes. With
+  ``in_place_capable``, a donated operand is declared aliased to the result,
+  so XLA hands the handler one buffer and MPI runs in place (no copy, no
+  fresh output). Without donation no alias is declared: XLA would otherwise
+  copy the operand first.
   """
   lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
+  lower_in_place = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                        operand_output_aliases={0: 0})
   kind = target.removeprefix("mpijax_")
 
   def rule(ctx, *args, **params):
@@ -262,8 +282,8 @@ def register_ffi_lowering(prim: Primitive, target: str,
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, _TOKEN_AVAL])
     site, sig = call_site(ctx, kind, params)
-    outs = lower(token_ctx, *args, token, **attrs(**params), site=i64(site),
-                 sig=i64(sig))
+    low = lower_in_place if in_place_capable and _is_donated(args[0]) else lower
+    outs = low(token_ctx, *args, token, **attrs(**params), site=i64(site), sig=i64(sig))
     chain[block] = outs[-1]
     return list(outs[:-1])
 

@@ -95,7 +95,7 @@ def _transpose(ct, x, *, comm_id, op):
 
 
 allreduce_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(allreduce_p, "mpijax_allreduce", _attrs)
+_base.register_ffi_lowering(allreduce_p, "mpijax_allreduce", _attrs, in_place_capable=True)
 batching.primitive_batchers[allreduce_p] = _batch
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose

@@ -112,7 +112,7 @@ def _reduce_transpose(ct, x, *, comm_id, op, root):
 
 
 bcast_p.def_abstract_eval(_same)
-_base.register_ffi_lowering(bcast_p, "mpijax_bcast", _bcast_attrs)
+_base.register_ffi_lowering(bcast_p, "mpijax_bcast", _bcast_attrs, in_place_capable=True)
 batching.primitive_batchers[bcast_p] = _elementwise_batcher(bcast_p)
 ad.deflinear2(bcast_p, _bcast_transpose)
 
