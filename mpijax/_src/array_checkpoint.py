@@ -39,9 +39,9 @@ from mpijax._src.global_array import device_indices
 from mpijax._src.global_array import process_index_of
 from mpijax._src.train import _codec
 # The training checkpoint's atomic file write, directory fsync and error type.
-from mpijax._src.train.checkpoint import CheckpointError
-from mpijax._src.train.checkpoint import _fsync_dir
-from mpijax._src.train.checkpoint import _write_atomic
+from mpijax._src.fileio import CheckpointError
+from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src.fileio import write_atomic as _write_atomic
 
 FORMAT = "mpijax-array-checkpoint"
 VERSION = 1

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -30,6 +29,9 @@ import numpy as np
 
 from mpijax._src import mpi_util
 from mpijax._src import runtime
+from mpijax._src.fileio import CheckpointError as CheckpointError
+from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src.train import _codec
 from mpijax._src.train import broadcast as _bcast
 
@@ -37,10 +39,6 @@ MAGIC = b"MPIJAXCK"
 VERSION = 1
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _DIGEST = 32
-
-
-class CheckpointError(ValueError):
-  """A checkpoint file is missing, truncated, corrupt or does not fit the target tree."""
 
 
 def _comm_or_none(comm: Any | None) -> Any | None:
@@ -62,43 +60,6 @@ def _encode(specs: list[_codec.LeafSpec], payload: np.ndarray, metadata: dict[st
   for part in (prefix, header, payload.data):
     h.update(part)
   return [prefix, header, payload.tobytes(), h.digest()]
-
-
-def _fsync_dir(directory: str) -> None:
-  try:
-    fd = os.open(directory, os.O_RDONLY)
-  except OSError:
-    return  # some filesystems do not allow opening directories; the rename is still atomic
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
-  finally:
-    os.close(fd)
-
-
-def _write_atomic(path: str, parts: list[bytes]) -> None:
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=directory)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      for part in parts:
-        f.write(part)
-      f.flush()
-      os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    # mkstemp creates 0600; give the file the permissions open() would have.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
-    _fsync_dir(directory)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except OSError:
-      pass
-    raise
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], list[_codec.LeafSpec], np.ndarray, str]:
