@@ -8,7 +8,8 @@ the runtime's communicator; a collective that waits longer than
 has not arrived and what each last did, then aborts the job (or, with
 ``MPIJAX_STALL_ACTION=warn``, keeps waiting).
 
-:func:`start` is called by ``mpijax.init()``; :func:`stop` by
+:func:`prepare` is called by ``mpijax.init()``, :func:`ensure_started` by the
+first communicator registration of the transport; :func:`stop` by
 ``mpijax.shutdown()`` and at interpreter exit, before MPI is finalized, so the
 thread never polls a finalized MPI.
 """
@@ -20,32 +21,44 @@ import threading
 from typing import Any
 
 _lock = threading.Lock()
-_comm: Any = None
+_comm: Any = None  # the responder's private communicator, cloned by init()
+_started = False
 _atexit_registered = False
 
 
-def start(comm: Any) -> bool:
-  """Starts the responder on a clone of ``comm`` (collective over ``comm``).
+def prepare(comm: Any) -> None:
+  """Clones ``comm`` for the responder (collective: called by ``mpijax.init()``).
+
+  The thread itself starts with the first mpijax collective (:func:`ensure_started`),
+  so the runtime works without the C++ transport (e.g. under another MPI than
+  the one the extension was built for) until a collective needs it.
+  """
+  global _comm
+  with _lock:
+    if _comm is None:
+      _comm = comm.Clone()
+      _comm.Set_name("mpijax-inspector")
+
+
+def ensure_started() -> bool:
+  """Starts the responder thread once (local; at the first registered communicator).
 
   Returns:
-    True if the responder runs (it needs MPI_THREAD_MULTIPLE).
+    True if the responder runs (it needs MPI_THREAD_MULTIPLE and init()).
   """
-  global _comm, _atexit_registered
-  from mpi4py import MPI
-
-  from mpijax._src import ffi as _ffi
-  from mpijax._src.ops import _base
+  global _started, _atexit_registered
   with _lock:
-    if _comm is not None:
-      return True
+    if _started or _comm is None:
+      return _started
+    from mpi4py import MPI
+
+    from mpijax._src import ffi as _ffi
+    from mpijax._src.ops import _base
     ext = _ffi.load()
     _base.push_settings()
-    clone = comm.Clone()  # collective: every rank clones, even if it cannot start
-    clone.Set_name("mpijax-inspector")
-    if not ext.start_inspector(MPI._handleof(clone)):
-      clone.Free()
+    if not ext.start_inspector(MPI._handleof(_comm)):
       return False
-    _comm = clone
+    _started = True
     if not _atexit_registered:
       # atexit runs last-registered first: this runs before mpi4py's finalize.
       atexit.register(_stop_at_exit)
@@ -55,25 +68,30 @@ def start(comm: Any) -> bool:
 
 def stop() -> None:
   """Stops and joins the responder thread, then frees its communicator."""
-  global _comm
+  global _comm, _started
   with _lock:
     if _comm is None:
       return
-    from mpijax._src import ffi as _ffi
     from mpijax._src import mpi_util
-    _ffi.load().stop_inspector()
+    if _started:
+      from mpijax._src import ffi as _ffi
+      _ffi.load().stop_inspector()
+      _started = False
     if not mpi_util.import_mpi().Is_finalized():
       _comm.Free()
     _comm = None
 
 
 def _stop_at_exit() -> None:
-  global _comm
+  global _started
+  # Work still in flight may stall: drain it while the responder can report.
+  from mpijax._src import runtime
+  runtime._drain_at_exit()
   with _lock:
-    if _comm is None:
+    if not _started:
       return
     from mpijax._src import ffi as _ffi
-    # Not freeing the communicator: MPI_Finalize does, and Comm_free is
-    # collective in spirit; joining the thread is what matters here.
+    # Not freeing the communicator: MPI_Finalize does; joining the thread is
+    # what matters here.
     _ffi.load().stop_inspector()
-    _comm = None
+    _started = False

@@ -345,14 +345,12 @@ def init(*, launcher: str | None = None,
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
     if abort:
       failure.install()
-    # --- issue 8 (stall inspector): a responder thread answers other ranks'
-    # "what are you doing?" queries; stopped at shutdown() and at exit.
+    # The stall inspector's responder answers other ranks' "what are you
+    # doing?" queries; its communicator is cloned here (collective), its thread
+    # starts with the first collective and stops at shutdown() and at exit.
     from mpijax._src import inspector
-    inspector.start(private)
+    inspector.prepare(private)
     register_shutdown_hook(inspector.stop)
-    # --- end issue 8
-    # Registered after the inspector's own exit hook, so it runs first (atexit is
-    # LIFO): a stall while draining is still reported.
     atexit.register(_drain_at_exit)
     return _runtime
 
@@ -392,7 +390,9 @@ def _drain_at_exit() -> None:
   With asynchronous dispatch a jitted call can still be running (inside an
   MPI collective) when the script ends; mpi4py's MPI_Finalize at exit would
   then race with it. atexit runs this before mpi4py's own hook (registered
-  earlier, run later), and every rank drains the same work.
+  earlier, run later), and every rank drains the same work. The inspector's
+  exit hook calls it too, before stopping its responder; a second call finds
+  nothing left to wait for.
   """
   if _runtime is None:
     return

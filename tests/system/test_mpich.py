@@ -34,21 +34,24 @@ def _venv() -> Path:
   return py
 
 
-def test_init_under_mpich_mpiexec():
+def test_init_under_mpich_mpiexec(tmp_path):
   py = _venv()
-  code = ("import mpijax; rt = mpijax.init(); t = rt.topology; "
-          "print('TOPO', t.rank, t.size, t.local_rank, t.local_size, t.node_count, t.launcher, "
-          "t.coordinator_address, flush=True)")
+  # Each rank writes its own file: Hydra merges the ranks' stdout without tags.
+  code = ("import mpijax, os, sys; rt = mpijax.init(); t = rt.topology; "
+          "open(os.path.join(sys.argv[1], f'rank{t.rank}'), 'w').write(' '.join(map(str, ["
+          "t.rank, t.size, t.local_rank, t.local_size, t.node_count, t.launcher, "
+          "t.coordinator_address])))")
   env = dict(os.environ, PYTHONPATH=str(REPO))
   for var in list(env):  # our own mpirun's variables must not leak into Hydra's job
     if var.startswith(("OMPI_", "PMIX_", "PRTE_")):
       del env[var]
-  r = subprocess.run(["timeout", "120", str(VENV / "bin" / "mpiexec"), "-n", "4", str(py), "-c", code],
-                     capture_output=True, text=True, env=env, cwd=str(REPO), timeout=180)
+  r = subprocess.run(["timeout", "120", str(VENV / "bin" / "mpiexec"), "-n", "4", str(py), "-c", code,
+                      str(tmp_path)], capture_output=True, text=True, env=env, cwd=str(REPO),
+                     timeout=180)
   assert r.returncode == 0, tail(r.stdout + r.stderr)
-  rows = sorted(line.split()[1:] for line in r.stdout.splitlines() if line.startswith("TOPO"))
-  assert [int(row[0]) for row in rows] == [0, 1, 2, 3]
-  for row in rows:
-    assert row[1] == "4" and row[3] == "4" and row[4] == "1" and row[5] == "mpich", row
+  rows = [(tmp_path / f"rank{i}").read_text().split() for i in range(4)]
+  for i, row in enumerate(rows):
+    assert row[0] == str(i) and row[1] == "4" and row[3] == "4" and row[4] == "1", row
+    assert row[5] == "mpich", row
   assert sorted(int(row[2]) for row in rows) == [0, 1, 2, 3]
   assert len({row[6] for row in rows}) == 1  # one coordinator, the same everywhere

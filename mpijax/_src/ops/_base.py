@@ -144,8 +144,10 @@ def _free_all() -> None:
 def _register(comm: Any) -> CommInfo:
   global _hook_installed, _next_key
   from mpi4py import MPI
+  from mpijax._src import inspector
   ext = _ffi.load()
   push_settings()
+  inspector.ensure_started()  # local: the responder's communicator exists since init()
   key = MPI._handleof(comm)
   with _registry_lock:
     entry = _registry.get(key)
