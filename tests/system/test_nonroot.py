@@ -33,7 +33,11 @@ def _ancestors(path: Path) -> list[Path]:
 @pytest.fixture
 def nobody_env():
   changed = []
-  for d in {*_ancestors(Path(sys.prefix)), *_ancestors(Path(sys.executable).parent), *_ancestors(REPO)}:
+  # A venv's python is a link to the base interpreter (e.g. under /root/.pyenv).
+  dirs = {*_ancestors(Path(sys.prefix)), *_ancestors(Path(sys.base_prefix)),
+          *_ancestors(Path(sys.executable).parent),
+          *_ancestors(Path(sys.executable).resolve().parent), *_ancestors(REPO)}
+  for d in sorted(dirs):
     mode = d.stat().st_mode
     if not mode & stat.S_IXOTH:
       os.chmod(d, mode | stat.S_IXOTH)
