@@ -6,6 +6,11 @@ whose named axis spans every device of every rank.
 """
 
 from mpijax._src import config as config
+from mpijax._src import heap as _heap
+
+# Before MPI and JAX start their threads: see mpijax/_src/heap.py.
+_heap.configure()
+
 from mpijax._src.array_checkpoint import load as load
 from mpijax._src.array_checkpoint import save as save
 from mpijax._src.global_array import GlobalArray as GlobalArray

@@ -60,6 +60,11 @@ _define("coordinator_port", _parse_optional_int, None,
 _define("coordinator_host", str, "",
         "Address the coordinator binds and advertises. Unset: rank 0's "
         "address on the interface that routes to the other ranks.")
+_define("heap_cache_bytes", int, 1 << 30,
+        "Freed host memory below this size stays in the process heap for reuse "
+        "(glibc: one malloc arena, mmap and trim thresholds at this value), so "
+        "XLA's output buffers are not page-faulted afresh on every call. Set "
+        "when mpijax is imported; 0 keeps glibc's defaults.")
 _define("abort_on_exception", _parse_bool, True,
         "init() installs a hook that aborts the whole job when any rank "
         "has an uncaught exception.")

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Sequence
 
+from mpijax._src import heap
+
 PROG = "mpijax-run"
 # Seconds between forwarding SIGTERM/SIGINT to the launcher and SIGKILL of
 # everything left: long enough for mpirun to tear down remote daemons.
@@ -323,6 +325,8 @@ def _forwarded_env(env: dict[str, str], opts: Options) -> list[tuple[str, str | 
   for name in sorted(env):
     if name.startswith("MPIJAX_") and not (name == DEVICES_ENV and opts.devices_per_process is not None):
       pairs.append((name, None))
+  # glibc reads these at process start, before any thread has its own arena.
+  pairs.extend(heap.launcher_env(env))
   return pairs
 
 

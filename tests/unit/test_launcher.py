@@ -22,6 +22,12 @@ OMPI4 = MPIInfo("openmpi", (4, 1), "Open MPI v4.1.6, package: ...", "/p/lib/libm
 MPICH = MPIInfo("mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date: ...", "/p/lib/libmpi.so.12")
 
 
+# The glibc heap variables every launch exports (mpijax/_src/heap.py).
+HEAP = [("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "1073741824"),
+        ("MALLOC_TRIM_THRESHOLD_", "1073741824")]
+X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
+
+
 def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
   return Situation(env=env or {"PATH": "/usr/bin"}, euid=euid, local_slots=slots, mpi=mpi,
                    mpirun=mpirun, mpirun_flavor=mpi.flavor if mpi else None)
@@ -137,7 +143,19 @@ def test_wrap_program(argv, expected):
 def test_openmpi5_as_root_oversubscribed():
   got = cmd(["-n", "4", "--", "python", "x.py"], sit(euid=0, slots=2))
   assert got == ["/p/bin/mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
-                 "--bind-to", "none", "--output", "tag", "python", "-m", "mpijax.run", "x.py"]
+                 "--bind-to", "none", "--output", "tag", *X_HEAP, "python", "-m", "mpijax.run", "x.py"]
+
+
+def test_heap_variables_yield_to_the_user():
+  # The user's own MALLOC_* setting, or MPIJAX_HEAP_CACHE_BYTES=0, exports none of ours.
+  mine = cmd(["-n", "2", "--", "python", "x.py"], sit(env={"PATH": "/usr/bin", "MALLOC_ARENA_MAX": "4"}))
+  assert not any(a.startswith("MALLOC_") for a in mine)
+  off = cmd(["-n", "2", "--", "python", "x.py"],
+            sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "0"}))
+  assert not any(a.startswith("MALLOC_") for a in off)
+  small = cmd(["-n", "2", "--", "python", "x.py"],
+              sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "65536"}))
+  assert "MALLOC_MMAP_THRESHOLD_=65536" in small
 
 
 def test_openmpi_not_root_within_slots_has_neither_flag():
@@ -177,7 +195,9 @@ def test_hydra_command():
   got = cmd(["-n", "4", "--devices-per-process", "2", "--hosts", "a:2,b:2", "--", "python", "x.py"],
             sit(mpi=MPICH, euid=0, slots=1, mpirun="/p/bin/mpiexec"))
   assert got == ["/p/bin/mpiexec", "-n", "4", "-hosts", "a:2,b:2", "-bind-to", "none", "-prepend-rank",
-                 "-genv", "MPIJAX_DEVICES_PER_PROCESS", "2", "python", "-m", "mpijax.run", "x.py"]
+                 "-genv", "MPIJAX_DEVICES_PER_PROCESS", "2",
+                 *[a for name, value in HEAP for a in ("-genv", name, value)],
+                 "python", "-m", "mpijax.run", "x.py"]
 
 
 def test_srun_inside_allocation(monkeypatch, tmp_path):
@@ -187,7 +207,8 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
   env = {"PATH": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}
   got = cmd(["-n", "4", "--devices-per-process", "2", "--", "python", "x.py"], sit(env=env))
   assert got == ["srun", "-n", "4", "--cpu-bind=none", "--label", "--kill-on-bad-exit=1",
-                 "--mpi=pmix", "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2",
+                 "--mpi=pmix",
+                 "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2," + ",".join(f"{n}={v}" for n, v in HEAP),
                  "python", "-m", "mpijax.run", "x.py"]
   # -n defaults to the allocation's task count; more than that needs --overcommit.
   assert cmd(["--", "hostname"], sit(env=env))[:3] == ["srun", "-n", "4"]
