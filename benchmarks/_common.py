@@ -172,6 +172,48 @@ def time_step(step: Callable[[], Any], hc: HarnessComm, *, trials: int,
                 trials=trials, per_op_divisor=per_op_divisor, best_us=best)
 
 
+def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: HarnessComm, *,
+                     trials: int, trial_seconds: float = 0.005, warmup: int = 3,
+                     max_iters: int = 20000) -> dict[str, Timing]:
+  """Times several methods in round robin: trial t of every method, then trial t + 1.
+
+  ``steps`` maps a key to ``(step, per_op_divisor)``. The CI VM's speed drifts
+  by up to 3x for seconds at a time (the raw MPI baseline included); timing
+  one method's trials back to back puts each method in a different period,
+  while interleaving gives every method a trial in each period, so the
+  medians compare methods under the same conditions.
+  """
+  iters: dict[str, int] = {}
+  for key, (step, _) in steps.items():
+    for _ in range(warmup):
+      step()
+    hc.barrier()
+    probe = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      step()
+      probe.append(time.perf_counter() - t0)
+    est = max(min(probe), 1e-7)
+    iters[key] = int(hc.max(int(min(max_iters, max(1, math.ceil(trial_seconds / est))))))
+  per_step: dict[str, list[float]] = {key: [] for key in steps}
+  for _ in range(trials):
+    for key, (step, _) in steps.items():
+      n = iters[key]
+      hc.barrier()
+      t0 = time.perf_counter()
+      for _ in range(n):
+        step()
+      per_step[key].append((time.perf_counter() - t0) / n)
+  out: dict[str, Timing] = {}
+  for key, (_, per) in steps.items():
+    mine = statistics.median(per_step[key]) * 1e6 / per
+    gathered = hc.comm.allgather(mine)
+    best = hc.max(min(per_step[key]) * 1e6 / per)
+    out[key] = Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters[key],
+                      trials=trials, per_op_divisor=per, best_us=best)
+  return out
+
+
 # --- rows and results -------------------------------------------------------------
 
 @dataclasses.dataclass

@@ -172,46 +172,60 @@ def _mpi4jax_fn(hc: HarnessComm):
 
 # --- phases -------------------------------------------------------------------
 
-def _measure(hc: HarnessComm, key: str, label: str, phase: str, build_factory,
-             sizes: list[int], args) -> Row:
-  """Builds and times one row at every size; every rank agrees on skips."""
-  row = Row(key, label, phase)
-  factory_error = None
-  try:
-    build = build_factory()
-  except Skip as e:
-    factory_error = str(e)
-  except Exception as e:
-    factory_error = f"{type(e).__name__}: {e}"
-  errors = hc.comm.allgather(_one_line(factory_error))
-  if any(errors):
-    reason = next(e for e in errors if e)
-    row.cells = {s: reason for s in sizes}
-    _log(hc, f"{label}: skipped: {reason}")
-    return row
-  for s in sizes:
-    err, step, per = None, None, 1
+def _measure(hc: HarnessComm, specs: list[tuple[str, str, str, Any]], sizes: list[int],
+             args) -> list[Row]:
+  """Builds and times rows ``(key, label, phase, factory)`` at every size.
+
+  At each size the rows' trials are interleaved (``_common.time_interleaved``)
+  so that every method sees the same machine; every rank agrees on skips.
+  """
+  rows: list[Row] = []
+  builds: dict[str, Any] = {}
+  for key, label, phase, build_factory in specs:
+    row = Row(key, label, phase)
+    rows.append(row)
+    factory_error = None
     try:
-      step, per = build(s)
+      builds[key] = build_factory()
     except Skip as e:
-      err = str(e)
+      factory_error = str(e)
     except Exception as e:
-      err = f"{type(e).__name__}: {e}"
-      if args.verbose:
-        traceback.print_exc()
-    errs = hc.comm.allgather(_one_line(err))
-    if any(errs):
-      row.cells[s] = next(e for e in errs if e)
-      _log(hc, f"{label} @ {_common.fmt_size(s)}: skipped: {row.cells[s]}")
-      continue
+      factory_error = f"{type(e).__name__}: {e}"
+    errors = hc.comm.allgather(_one_line(factory_error))
+    if any(errors):
+      reason = next(e for e in errors if e)
+      row.cells = {s: reason for s in sizes}
+      builds.pop(key, None)
+      _log(hc, f"{label}: skipped: {reason}")
+  for s in sizes:
+    steps: dict[str, tuple[Any, int]] = {}
+    for row in rows:
+      if row.key not in builds:
+        continue
+      err, built = None, None
+      try:
+        built = builds[row.key](s)
+      except Skip as e:
+        err = str(e)
+      except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+        if args.verbose:
+          traceback.print_exc()
+      errs = hc.comm.allgather(_one_line(err))
+      if any(errs):
+        row.cells[s] = next(e for e in errs if e)
+        _log(hc, f"{row.label} @ {_common.fmt_size(s)}: skipped: {row.cells[s]}")
+        continue
+      steps[row.key] = built
     trials = args.trials or (5 if args.quick else _common.default_trials(s))
-    t = _common.time_step(step, hc, trials=trials, trial_seconds=args.trial_seconds,
-                          per_op_divisor=per)
-    row.cells[s] = t
-    _log(hc, f"{label} @ {_common.fmt_size(s)}: {t.median_us:.2f} us "
-             f"(ranks {', '.join(f'{v:.2f}' for v in t.rank_medians_us)}; {t.iters} x {t.trials})")
-    del step
-  return row
+    timings = _common.time_interleaved(steps, hc, trials=trials, trial_seconds=args.trial_seconds)
+    for row in rows:
+      if row.key in timings:
+        t = row.cells[s] = timings[row.key]
+        _log(hc, f"{row.label} @ {_common.fmt_size(s)}: {t.median_us:.2f} us "
+                 f"(ranks {', '.join(f'{v:.2f}' for v in t.rank_medians_us)}; {t.iters} x {t.trials})")
+    del steps, timings
+  return rows
 
 
 def _one_line(reason: str | None, limit: int = 300) -> str | None:
@@ -242,12 +256,12 @@ def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str
   hc = HarnessComm()
   if init_error:
     _log(hc, f"mpijax.init() failed: {init_error}")
-  rows = []
+  specs = []
   tag = f" [{suffix}]" if suffix else ""
   kt = f"@{suffix}" if suffix else ""
 
   def add(key, factory):
-    rows.append(_measure(hc, key + kt, LABELS[key] + tag, "main" + kt, factory, sizes, args))
+    specs.append((key + kt, LABELS[key] + tag, "main" + kt, factory))
 
   if not only_mpijax:
     add("raw_oop", lambda: _raw(hc, in_place=False))
@@ -268,7 +282,7 @@ def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str
     add("mpi4jax_1", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce"))
     add("mpi4jax_10", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce",
                                                 chained=CHAIN))
-  return rows
+  return _measure(hc, specs, sizes, args)
 
 
 def start_jax_distributed() -> tuple[HarnessComm, str | None]:
@@ -334,7 +348,7 @@ def phase_gloo(args, sizes: list[int]) -> list[Row]:
     if err:
       raise Skip(err)
     return gloo_factory(hc)
-  return [_measure(hc, "gloo_psum", label, "gloo", factory, sizes, args)]
+  return _measure(hc, [("gloo_psum", label, "gloo", factory)], sizes, args)
 
 
 # --- orchestration ---------------------------------------------------------------

@@ -90,7 +90,7 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
       if err:
         raise ar.Skip(err)
       return ar.gloo_factory(hc)
-    return [ar._measure(hc, phase, ROWS[phase][0], phase, gloo, sizes, args)]
+    return ar._measure(hc, [(phase, ROWS[phase][0], phase, gloo)], sizes, args)
 
   init_error = ar._init_mpijax()
   hc = HarnessComm()
@@ -103,13 +103,13 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
     return wrapped
 
   if phase == "hier":
-    return [ar._measure(hc, "hier", ROWS["hier"][0], phase, needs_mpijax(lambda: _hier_factory(hc)),
-                        sizes, args)]
+    return ar._measure(hc, [("hier", ROWS["hier"][0], phase, needs_mpijax(lambda: _hier_factory(hc)))],
+                       sizes, args)
   if phase == "flat":
     flat = needs_mpijax(lambda: ar._jitted_allreduce(hc, ar._mpijax_fn(), "mpijax allreduce"))
-    return [ar._measure(hc, "flat", ROWS["flat"][0], phase, flat, sizes, args),
-            ar._measure(hc, "raw4", ROWS["raw4"][0], phase, lambda: ar._raw(hc, in_place=False),
-                        sizes, args)]
+    return ar._measure(hc, [("flat", ROWS["flat"][0], phase, flat),
+                            ("raw4", ROWS["raw4"][0], phase, lambda: ar._raw(hc, in_place=False))],
+                       sizes, args)
   raise SystemExit(f"unknown --phase {phase!r}; known: {sorted(PHASES)}")
 
 

@@ -91,20 +91,35 @@ def _batch(args, rank: int):
           rng.standard_normal((args.batch, args.width), np.float32))
 
 
-def _measure(hc: HarnessComm, key: str, build, args) -> Row:
-  """One row, one cell (this rank count); a failure becomes the cell's reason."""
-  row = Row(key, LABELS[key], "mpi")
-  try:
-    step = build()
-    row.cells[hc.size] = _common.time_step(step, hc, trials=args.trials,
-                                           trial_seconds=args.trial_seconds, warmup=2)
-  except Skip as e:
-    row.cells[hc.size] = str(e)
-  except Exception as e:  # report it in the table rather than lose the other rows
-    if hc.rank == 0:
-      traceback.print_exc()
-    row.cells[hc.size] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-  return row
+def _measure(hc: HarnessComm, specs: list[tuple[str, Any]], args) -> list[Row]:
+  """Builds every ``(key, build)`` row, then times them interleaved (same machine state).
+
+  A row that fails to build gets the reason in its cell instead of a figure.
+  """
+  rows: list[Row] = []
+  steps: dict[str, tuple[Any, int]] = {}
+  for key, build in specs:
+    row = Row(key, LABELS[key], "mpi")
+    rows.append(row)
+    reason = None
+    try:
+      steps[key] = (build(), 1)
+    except Skip as e:
+      reason = str(e)
+    except Exception as e:  # report it in the table rather than lose the other rows
+      if hc.rank == 0:
+        traceback.print_exc()
+      reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    reasons = hc.comm.allgather(reason)
+    if any(reasons):
+      row.cells[hc.size] = next(r for r in reasons if r)
+      steps.pop(key, None)
+  timings = _common.time_interleaved(steps, hc, trials=args.trials,
+                                     trial_seconds=args.trial_seconds, warmup=2)
+  for row in rows:
+    if row.key in timings:
+      row.cells[hc.size] = timings[row.key]
+  return rows
 
 
 def _stepper(jitted, params, opt_state, x, y):
@@ -134,7 +149,7 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
   x, y = _batch(args, hc.rank)
   grads = jax.jit(jax.grad(loss_fn))(params, x, y)
   sgd = optax.sgd(1e-4)
-  rows = []
+  specs: list[tuple[str, Any]] = []
 
   def step_with(reduce_tx):
     def build():
@@ -143,10 +158,10 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
       return _stepper(jitted, params, tx.init(params), x, y)
     return build
 
-  rows.append(_measure(hc, "step_fused", step_with(train.allreduce_gradients()), args))
+  specs.append(("step_fused", step_with(train.allreduce_gradients())))
   big = int(mpijax.config.get("bucket_bytes"))
-  rows.append(_measure(hc, "step_packall", step_with(train.allreduce_gradients(fuse_leaf_bytes=big)), args))
-  rows.append(_measure(hc, "step_leaf", step_with(train.allreduce_gradients(bucket_bytes=1)), args))
+  specs.append(("step_packall", step_with(train.allreduce_gradients(fuse_leaf_bytes=big))))
+  specs.append(("step_leaf", step_with(train.allreduce_gradients(bucket_bytes=1))))
 
   def mpi4jax_build():
     try:
@@ -161,8 +176,8 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
         return (out[0] if isinstance(out, tuple) else out) / hc.size
       return jax.tree_util.tree_map(one, g), state
     return step_with(optax.GradientTransformation(lambda p: optax.EmptyState(), update))()
-  rows.append(_measure(hc, "step_mpi4jax", mpi4jax_build, args))
-  rows.append(_measure(hc, "step_local", step_with(None), args))
+  specs.append(("step_mpi4jax", mpi4jax_build))
+  specs.append(("step_local", step_with(None)))
 
   def comm_build(bucket_bytes, fuse_leaf_bytes=None):
     def build():
@@ -173,16 +188,17 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
       np.testing.assert_allclose(np.asarray(out[0]["w"]), want[0]["w"], rtol=1e-4, atol=1e-6)
       return lambda: jax.block_until_ready(f(grads))
     return build
-  rows.append(_measure(hc, "comm_fused", comm_build(None), args))
-  rows.append(_measure(hc, "comm_packall", comm_build(None, big), args))
-  rows.append(_measure(hc, "comm_leaf", comm_build(1), args))
+  specs.append(("comm_fused", comm_build(None)))
+  specs.append(("comm_packall", comm_build(None, big)))
+  specs.append(("comm_leaf", comm_build(1)))
 
   def raw_build():
     comm = hc.comm.Dup()
     send = np.concatenate([np.asarray(g).reshape(-1) for g in jax.tree_util.tree_leaves(grads)])
     recv = np.empty_like(send)
     return lambda: comm.Allreduce(send, recv, op=hc.MPI.SUM)
-  rows.append(_measure(hc, "comm_raw", raw_build, args))
+  specs.append(("comm_raw", raw_build))
+  rows = _measure(hc, specs, args)
   meta = {"parameters": int(n_params), "leaves": len(leaves),
           "gradient_bytes": int(n_params * 4), "batch_per_rank": args.batch,
           "bucket_bytes_default": int(mpijax.config.get("bucket_bytes"))}
@@ -231,7 +247,7 @@ def phase_gloo(args) -> tuple[list[Row], dict[str, Any]]:
     return _stepper(jitted, params, opt_state, gx, gy)
 
   impl = jax.config.jax_cpu_collectives_implementation
-  row = _measure(hc, "step_gloo", build, args)
+  row, = _measure(hc, [("step_gloo", build)], args)
   row.label = LABELS["step_gloo"].replace("gloo", impl or "gloo")
   row.phase = "gloo"
   return [row], {"cpu_collectives": impl}

@@ -134,7 +134,8 @@ def test_one_allreduce_per_bucket_not_per_leaf(rt):
   grads["int"] = jnp.full(3, rt.rank, jnp.int32)
   tx = train.allreduce_gradients(bucket_bytes=200)  # 5 float leaves (200 bytes) per bucket
   jaxpr = jax.make_jaxpr(lambda g: tx.update(g, tx.init(g))[0])(grads).jaxpr
-  assert _count_allreduces(jaxpr) == 3 + 1  # ceil(12 / 5) float32 buckets + one int32 bucket
+  # ceil(12 / 5) float32 buckets + one int32 bucket; one rank sends nothing.
+  assert _count_allreduces(jaxpr) == (3 + 1 if rt.size > 1 else 0)
   out = jax.jit(lambda g: tx.update(g, tx.init(g))[0])(grads)
   mean_rank = (rt.size - 1) / 2
   for i in range(12):
@@ -159,7 +160,11 @@ def test_compression_restores_dtype_and_is_close(rt, compression, rtol):
   np.testing.assert_allclose(out["b"], exact["b"], rtol=rtol, atol=100 * rtol)
   jaxpr = jax.make_jaxpr(lambda g: tx.update(g, tx.init(g))[0])(grads).jaxpr
   wire = jnp.bfloat16 if compression == "bf16" else jnp.float16
-  assert any("allreduce" in e.primitive.name and e.invars[0].aval.dtype == wire for e in jaxpr.eqns)
+  sent = [e.invars[0].aval.dtype for e in jaxpr.eqns if "allreduce" in e.primitive.name]
+  if rt.size > 1:
+    assert sent and all(d == wire for d in sent)
+  else:
+    assert sent == []  # one rank: nothing travels, so nothing is rounded
 
 
 def test_mean_metrics_eager_and_jitted(rt):

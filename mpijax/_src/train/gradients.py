@@ -102,6 +102,9 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
 
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   leaves = [jnp.asarray(x) for x in leaves]
+  if nranks == 1 and local_axis_name is None:
+    # A single rank's sum and mean are the tree itself: nothing to pack or send.
+    return jax.tree_util.tree_unflatten(treedef, leaves)
   out = list(leaves)
   plan = plan_buckets([(x.shape, x.dtype) for x in leaves], bucket_bytes, fuse_leaf_bytes)
   for bucket in plan:
