@@ -5,6 +5,7 @@ A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 ``--batch`` samples per rank, on 1, 2 and 4 ranks. Rows:
 
 * full step, mpijax fused buckets (``mpijax.train.allreduce_gradients``)
+* full step, mpijax fused with ``compression='bf16'`` (half the bytes)
 * full step, mpijax one all-reduce per leaf (``bucket_bytes=1``)
 * full step, mpi4jax one all-reduce per leaf (when importable)
 * full step, JAX's own data parallelism: ``jax.jit`` over a global mesh with
@@ -39,6 +40,7 @@ SCRIPT = os.path.abspath(__file__)
 
 LABELS = {
     "step_fused": "step: mpijax allreduce_gradients (default buckets)",
+    "step_bf16": "step: mpijax allreduce_gradients(compression='bf16')",
     "step_packall": "step: mpijax, every leaf packed (fuse_leaf_bytes=bucket_bytes)",
     "step_leaf": "step: mpijax one all-reduce per leaf",
     "step_mpi4jax": "step: mpi4jax one all-reduce per leaf",
@@ -160,6 +162,7 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
 
   specs.append(("step_fused", step_with(train.allreduce_gradients())))
   big = int(mpijax.config.get("bucket_bytes"))
+  specs.append(("step_bf16", step_with(train.allreduce_gradients(compression="bf16"))))
   specs.append(("step_packall", step_with(train.allreduce_gradients(fuse_leaf_bytes=big))))
   specs.append(("step_leaf", step_with(train.allreduce_gradients(bucket_bytes=1))))
 
@@ -284,7 +287,9 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
                lambda q: q >= 3.0),
               ("step_gloo", "step_fused", "full step faster than JAX-gloo data parallel",
                lambda q: q > 1.0),
-              ("step_leaf", "step_fused", "(info) mpijax per-leaf step / fused step", None)]
+              ("step_leaf", "step_fused", "(info) mpijax per-leaf step / fused step", None),
+              ("step_mpi4jax", "step_bf16", "(info) per-leaf mpi4jax step / mpijax bf16 step", None),
+              ("step_fused", "step_local", "(info) fused step / step without communication", None)]
     for a, b, text, ok in checks:
       q = ratio(a, b)
       if q is None:

@@ -107,6 +107,15 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     return jax.tree_util.tree_unflatten(treedef, leaves)
   out = list(leaves)
   plan = plan_buckets([(x.shape, x.dtype) for x in leaves], bucket_bytes, fuse_leaf_bytes)
+  if not plan:
+    return jax.tree_util.tree_unflatten(treedef, out)
+  # Three phases: pack every bucket, all-reduce them one after another, then
+  # unpack and average. Left alone, XLA:CPU runs bucket k's packing or
+  # averaging on another thread while bucket k+1 is inside MPI; on busy cores
+  # that steals the CPU MPI needs to progress, on every rank (2-3x slower
+  # communication measured with 2 ranks on 2 cores). The barriers keep the
+  # phases apart.
+  sends, wires = [], []
   for bucket in plan:
     dtype = leaves[bucket[0]].dtype
     flat = jnp.concatenate([leaves[i].reshape(-1) for i in bucket]) if len(bucket) > 1 \
@@ -120,12 +129,19 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       flat = jax.lax.pmean(flat, local_axis_name) if average and inexact \
           else jax.lax.psum(flat, local_axis_name)
     wire = _wire_dtype(dtype, compression)
-    prescale = average and inexact and wire != dtype
-    if prescale:
+    if average and inexact and wire != dtype:
       # Divide before the cast so half-precision sums cannot overflow.
       flat = flat / nranks
-    summed = ops.allreduce(flat.astype(wire), "sum", comm=comm).astype(dtype)
-    if average and inexact and not prescale:
+    sends.append(flat.astype(wire))
+    wires.append(wire)
+  sends = jax.lax.optimization_barrier(sends)
+  summed_all = jax.lax.optimization_barrier(
+      [ops.allreduce(x, "sum", comm=comm) for x in sends])
+  for bucket, wire, summed in zip(plan, wires, summed_all):
+    dtype = leaves[bucket[0]].dtype
+    inexact = jnp.issubdtype(dtype, jnp.inexact)
+    summed = summed.astype(dtype)
+    if average and inexact and wire == dtype:
       summed = summed / jnp.asarray(nranks, dtype)
     elif average and not inexact:
       summed = summed // nranks  # integer leaves: floor of the mean, dtype kept
