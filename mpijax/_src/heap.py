@@ -26,7 +26,6 @@ Other C libraries (musl, macOS) are left alone.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from mpijax._src import config
