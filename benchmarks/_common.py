@@ -8,6 +8,7 @@ What every benchmark here does the same way:
   agreed across ranks (the max), because every rank must issue the same
   number of collectives. A rank's figure is the median over trials of the
   time per step; the reported figure is the max over ranks of those medians.
+  The rows of one job run their trials in round robin (:func:`time_interleaved`).
 * **Phases.** Some rows cannot share a process with the others: JAX's gloo
   ``psum`` needs ``jax.distributed``, a setting such as ``MPIJAX_TIMEOUT=0``
   is read at start-up, and a hierarchical run needs a different device count.
@@ -142,36 +143,6 @@ class Timing:
     return dataclasses.asdict(self)
 
 
-def time_step(step: Callable[[], Any], hc: HarnessComm, *, trials: int,
-              trial_seconds: float = 0.005, warmup: int = 3, max_iters: int = 20000,
-              per_op_divisor: int = 1) -> Timing:
-  """Times ``step()`` (which must block on its result); see the module docstring."""
-  for _ in range(warmup):
-    step()
-  # Calibrate: a few timed steps, the fastest decides (less noisy than the mean).
-  hc.barrier()
-  probe = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    step()
-    probe.append(time.perf_counter() - t0)
-  est = max(min(probe), 1e-7)
-  iters = int(min(max_iters, max(1, math.ceil(trial_seconds / est))))
-  iters = int(hc.max(iters))
-  per_step = []
-  for _ in range(trials):
-    hc.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      step()
-    per_step.append((time.perf_counter() - t0) / iters)
-  mine = statistics.median(per_step) * 1e6 / per_op_divisor
-  gathered = hc.comm.allgather(mine)
-  best = hc.max(min(per_step) * 1e6 / per_op_divisor)
-  return Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters,
-                trials=trials, per_op_divisor=per_op_divisor, best_us=best)
-
-
 def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: HarnessComm, *,
                      trials: int, trial_seconds: float = 0.005, warmup: int = 3,
                      max_iters: int = 20000) -> dict[str, Timing]:
@@ -187,6 +158,7 @@ def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: Harnes
   for key, (step, _) in steps.items():
     for _ in range(warmup):
       step()
+    # Calibrate: a few timed steps, the fastest decides (less noisy than the mean).
     hc.barrier()
     probe = []
     for _ in range(3):
