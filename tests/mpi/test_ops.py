@@ -120,6 +120,49 @@ def ops_for(dtype):
   return ("sum", "prod", "min", "max", "and", "or", "xor")
 
 
+@pytest.mark.parametrize("dtype,mode", dtype_modes(["float32", "float64", "bfloat16",
+                                                   "complex64", "float16"]))
+def test_allreduce_mean(dtype, mode):
+  x = rank_input(R, (2, 3), dtype)
+  got = run(mode, lambda v: ops.allreduce(v, "mean"), x)
+  stack = all_inputs((2, 3), dtype)
+  if dtype in ("float16", "bfloat16"):
+    want = stack.astype(np.float32).sum(0) / N
+  else:
+    want = (stack.sum(0) / N).astype(dtype)  # N is a power of two here: exact
+  assert_close(got, want, dtype)
+  with pytest.raises(TypeError, match="op='mean' needs a floating.*int32"):
+    ops.allreduce(np.ones(3, np.int32), "mean")
+
+
+def test_allreduce_mean_grad():
+  # mean is linear; its transpose is the mean of the cotangents.
+  w = rank_input(R, (4,))
+  x = jnp.asarray(rank_input(R, (4,)))
+  g = jax.jit(jax.grad(lambda v: jnp.sum(w * ops.allreduce(v, "mean"))))(x)
+  np.testing.assert_allclose(g, all_inputs((4,)).sum(0) / N, rtol=1e-6)
+
+
+def test_in_place_on_intermediates_keeps_other_uses():
+  # An intermediate operand is declared aliased to the result (MPI in place).
+  # XLA must still copy it where the intermediate is used again.
+  x = jnp.asarray(rank_input(R, (3, 4)))
+  f = jax.jit(lambda v: ops.allreduce(v * 2))
+  assert "output_operand_alias" in f.lower(x).as_text()
+  np.testing.assert_array_equal(f(x), 2 * all_inputs((3, 4)).sum(0))
+
+  def reused(v):
+    y = v * 2
+    return ops.allreduce(y), y, ops.allreduce(ops.allreduce(y) + 1)
+  s, y, s2 = jax.jit(reused)(x)
+  total = 2 * all_inputs((3, 4)).sum(0)
+  np.testing.assert_array_equal(s, total)
+  np.testing.assert_array_equal(y, 2 * rank_input(R, (3, 4)))
+  np.testing.assert_array_equal(s2, N * (total + 1))
+  # A non-donated parameter is not aliased (that would always cost a copy).
+  assert "output_operand_alias" not in jax.jit(ops.allreduce).lower(x).as_text()
+
+
 def test_allreduce_scalar_and_empty():
   assert float(ops.allreduce(1.0)) == N
   assert ops.allreduce(jnp.zeros((0, 3))).shape == (0, 3)
@@ -366,6 +409,10 @@ def test_chunked_messages(tiny_chunks):
     stack = all_inputs(shape, dtype)
     x = rank_input(R, shape, dtype)
     assert_close(ops.allreduce(x), np_reduce(stack, "sum", dtype), dtype)
+    if dtype != "int8":  # the mean divides chunk by chunk
+      assert_close(ops.allreduce(x, "mean"),
+                   (np_reduce(stack, "sum", dtype) / N).astype(np_reduce(stack, "sum", dtype).dtype),
+                   dtype)
     assert_close(ops.allgather(x), stack, dtype)
     assert_close(ops.reduce_scatter(x), np_reduce(stack, "sum", dtype)[R], dtype)
     assert_close(ops.alltoall(x), stack[:, R], dtype)

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -745,11 +746,64 @@ struct StridedBytes {
 // ---------------------------------------------------------------------------
 // Handlers.
 
+// Divides `count` elements at `p` by `divisor` in place, as XLA's `x / n`
+// does (float16/bfloat16 through float). Run right after a chunk's MPI call,
+// while the chunk is still in cache: a separate XLA pass would read and write
+// the whole buffer again.
+template <typename T>
+void DivideAll(T* p, size_t count, T d) {
+  // x * (1/d) rounds exactly like x / d when d is a power of two (1/d is then
+  // exact), and a multiply is several times cheaper than a divide.
+  if (std::ilogb(d) >= 0 && std::scalbn(T(1), std::ilogb(d)) == d) {
+    T r = T(1) / d;
+    for (size_t i = 0; i < count; ++i) p[i] *= r;
+  } else {
+    for (size_t i = 0; i < count; ++i) p[i] /= d;
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void DivideHalf(uint16_t* p, size_t count, float d) {
+  for (size_t i = 0; i < count; ++i) p[i] = FromF(ToF(p[i]) / d);
+}
+
+ffi::Error DivideInPlace(ffi::DataType t, void* p, size_t count,
+                         int64_t divisor) {
+  switch (t) {
+    case ffi::DataType::F32:
+      DivideAll(static_cast<float*>(p), count, static_cast<float>(divisor));
+      break;
+    case ffi::DataType::F64:
+      DivideAll(static_cast<double*>(p), count, static_cast<double>(divisor));
+      break;
+    case ffi::DataType::C64:  // (a + bi) / d, component-wise
+      DivideAll(static_cast<float*>(p), 2 * count, static_cast<float>(divisor));
+      break;
+    case ffi::DataType::C128:
+      DivideAll(static_cast<double*>(p), 2 * count,
+                static_cast<double>(divisor));
+      break;
+    case ffi::DataType::F16:
+      DivideHalf<F16ToFloat, FloatToF16>(static_cast<uint16_t*>(p), count,
+                                         static_cast<float>(divisor));
+      break;
+    case ffi::DataType::BF16:
+      DivideHalf<Bf16ToFloat, FloatToBf16>(static_cast<uint16_t*>(p), count,
+                                           static_cast<float>(divisor));
+      break;
+    default:
+      return ffi::Error::InvalidArgument(
+          std::string("mpijax: a mean needs a floating dtype, got ") +
+          DtypeName(t));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
                          ffi::AnyBuffer /*token_in*/,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
     int64_t comm_id,
-                         int64_t op,
+                         int64_t op, int64_t divisor,
     int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
@@ -771,6 +825,12 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
         info, comm, count * es,
         MPI_Allreduce(send, dst + off * es, count, dt, mop, comm),
         MPI_Iallreduce(send, dst + off * es, count, dt, mop, comm, &req_));
+    if (divisor != 1) {
+      if (auto e = DivideInPlace(x.element_type(), dst + off * es, count,
+                                 divisor);
+          e.failure())
+        return e;
+    }
   }
   return ffi::Error::Success();
 }
@@ -1043,6 +1103,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op")
+                                  .Attr<int64_t>("divisor")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,

@@ -258,16 +258,29 @@ def _is_donated(value) -> bool:
     return False
 
 
+def _reusable(value) -> bool:
+  """Whether XLA may hand ``value``'s buffer to the result (an in-place call).
+
+  True for a donated parameter and for an intermediate (a value some op in
+  this function computed, such as a gradient inside a training step). XLA's
+  copy insertion still copies the operand first where that would be wrong
+  (the intermediate is used again later, or is a constant), so the alias is
+  always safe; where it is free, MPI runs in place and writes no fresh
+  buffer. A non-donated parameter is not aliased: that would always cost a
+  copy, more than an out-of-place call.
+  """
+  return not isinstance(value, ir.BlockArgument) or _is_donated(value)
+
+
 def register_ffi_lowering(prim: Primitive, target: str,
                           attrs: Callable[..., dict[str, Any]],
                           in_place_capable: bool = False) -> None:
   """CPU lowering of ``prim`` to FFI target ``target``, with an order token.
 
   ``attrs(**params)`` gives the custom call's named attributes. With
-  ``in_place_capable``, a donated operand is declared aliased to the result,
-  so XLA hands the handler one buffer and MPI runs in place (no copy, no
-  fresh output). Without donation no alias is declared: XLA would otherwise
-  copy the operand first.
+  ``in_place_capable``, a donated or intermediate operand is declared aliased
+  to the result (:func:`_reusable`), so XLA hands the handler one buffer and
+  MPI runs in place (no copy, no fresh output).
   """
   lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
   lower_in_place = jax.ffi.ffi_lowering(target, has_side_effect=True,
@@ -284,7 +297,7 @@ def register_ffi_lowering(prim: Primitive, target: str,
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, _TOKEN_AVAL])
     site, sig = call_site(ctx, kind, params)
-    low = lower_in_place if in_place_capable and _is_donated(args[0]) else lower
+    low = lower_in_place if in_place_capable and _reusable(args[0]) else lower
     outs = low(token_ctx, *args, token, **attrs(**params), site=i64(site), sig=i64(sig))
     chain[block] = outs[-1]
     return list(outs[:-1])
@@ -331,7 +344,8 @@ def _describe(kind: str, avals, params: dict[str, Any]) -> tuple[str, str]:
   """(human text, canonical signature text) of one call."""
   parts = [f"{a.dtype.name}[{','.join(map(str, a.shape))}]" for a in avals]
   if "op" in params:
-    parts.append(str(params["op"]))
+    # An allreduce with a divisor is the public op "mean".
+    parts.append("mean" if params.get("divisor", 1) != 1 else str(params["op"]))
   if "root" in params:
     parts.append(f"root={params['root']}")
   if "perm" in params:

@@ -25,8 +25,10 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
 
   Args:
     x: array (or scalar) of a supported dtype; same shape on every rank.
-    op: "sum", "prod", "min", "max" (numbers) or "and", "or", "xor"
-      (bitwise, integers and bool).
+    op: "sum", "prod", "min", "max" (numbers), "and", "or", "xor"
+      (bitwise, integers and bool), or "mean" (floating and complex dtypes:
+      the sum divided by the number of ranks, in the same call, so the
+      division costs no extra pass over the buffer).
     comm: an mpi4py communicator (default: the runtime's); mpijax works on a
       private clone of it.
 
@@ -37,37 +39,54 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
     >>> total = mpijax.ops.allreduce(jnp.ones(3))  # doctest: +SKIP
   """
   x = jnp.asarray(x)
+  if op not in _base.REDUCE_OPS + ("mean",):
+    raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
+                     f"{_base.REDUCE_OPS + ('mean',)}.")
+  divisor = 1
+  if op == "mean":
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      raise TypeError(f"mpijax.ops.allreduce: op='mean' needs a floating or complex "
+                      f"dtype, got {x.dtype.name}; use op='sum' and divide, or cast "
+                      f"x to a float first")
+    op = "sum"
+    divisor = None  # the communicator's size, known once it is resolved
   _base.check_reduce_op("mpijax.ops.allreduce", op, x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.allreduce")
-  return allreduce_p.bind(x, comm_id=info.id, op=op)
+  if divisor is None:
+    divisor = info.size
+  return allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor)
 
 
-def _abstract_eval(x, *, comm_id, op):
+# ``divisor``: the handler divides the reduced buffer by it (1: no division).
+# Only with op "sum" ("mean" of the public function).
+
+def _abstract_eval(x, *, comm_id, op, divisor):
   return x
 
 
-def _attrs(*, comm_id, op):
-  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]))
+def _attrs(*, comm_id, op, divisor):
+  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]),
+              divisor=_base.i64(divisor))
 
 
-def _batch(args, dims, *, comm_id, op):
+def _batch(args, dims, *, comm_id, op, divisor):
   (x,), (d,) = args, dims
-  return allreduce_p.bind(x, comm_id=comm_id, op=op), d
+  return allreduce_p.bind(x, comm_id=comm_id, op=op, divisor=divisor), d
 
 
-def _jvp(primals, tangents, *, comm_id, op):
+def _jvp(primals, tangents, *, comm_id, op, divisor):
   (x,), (t,) = primals, tangents
-  out = allreduce_p.bind(x, comm_id=comm_id, op=op)
+  out = allreduce_p.bind(x, comm_id=comm_id, op=op, divisor=divisor)
   if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
     return out, ad.Zero.from_primal_value(out)
-  if op == "sum":
-    return out, allreduce_p.bind(t, comm_id=comm_id, op="sum")
+  if op == "sum":  # linear, the mean too
+    return out, allreduce_p.bind(t, comm_id=comm_id, op="sum", divisor=divisor)
   if op in ("min", "max"):
     # Like jnp.max: the tangent of the ranks holding the extreme, averaged
     # over ties.
     hit = (x == out).astype(x.dtype)
-    count = allreduce_p.bind(hit, comm_id=comm_id, op="sum")
-    return out, allreduce_p.bind(t * hit, comm_id=comm_id, op="sum") / count
+    count = allreduce_p.bind(hit, comm_id=comm_id, op="sum", divisor=1)
+    return out, allreduce_p.bind(t * hit, comm_id=comm_id, op="sum", divisor=1) / count
   if op == "prod":
     # d(prod_r x_r) = sum_r t_r * prod_{s != r} x_s, without dividing by x.
     from mpijax._src.ops.allgather import allgather_p
@@ -75,7 +94,7 @@ def _jvp(primals, tangents, *, comm_id, op):
     gathered = allgather_p.bind(x, comm_id=comm_id, size=size)
     mine = (jnp.arange(size) == rank).reshape((-1,) + (1,) * x.ndim)
     others = jnp.prod(jnp.where(mine, jnp.ones_like(gathered), gathered), axis=0)
-    return out, allreduce_p.bind(t * others, comm_id=comm_id, op="sum")
+    return out, allreduce_p.bind(t * others, comm_id=comm_id, op="sum", divisor=1)
   raise TypeError(f"mpijax.ops.allreduce op={op!r} is not differentiable.")
 
 
@@ -85,13 +104,14 @@ def _size_rank(comm_id: int) -> tuple[int, int]:
   return info.size, info.rank
 
 
-def _transpose(ct, x, *, comm_id, op):
+def _transpose(ct, x, *, comm_id, op, divisor):
   if op != "sum":
     raise TypeError(f"mpijax.ops.allreduce(op={op!r}) is not linear; only "
-                    "op='sum' can be transposed.")
+                    "op='sum' and op='mean' can be transposed.")
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
-  return (allreduce_p.bind(ct, comm_id=comm_id, op="sum"),)
+  # The mean's transpose is the mean of the cotangents (sum / size).
+  return (allreduce_p.bind(ct, comm_id=comm_id, op="sum", divisor=divisor),)
 
 
 allreduce_p.def_abstract_eval(_abstract_eval)
