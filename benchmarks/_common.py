@@ -226,6 +226,9 @@ def environment_info() -> dict[str, Any]:
       "cpus": os.cpu_count(),
       # Other jobs on the machine inflate every figure; keep the evidence.
       "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+      "glibc_env": {k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX",
+                                                  "MALLOC_MMAP_THRESHOLD_",
+                                                  "MALLOC_TRIM_THRESHOLD_")},
   }
   for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax"):
     try:
@@ -245,8 +248,17 @@ def environment_info() -> dict[str, Any]:
 
 # --- phases in separate mpirun jobs -------------------------------------------------
 
+def glibc_env() -> dict[str, str]:
+  """The glibc variables ``mpijax-run`` would export to its ranks (heap reuse,
+  huge pages; the user's own settings win). Every phase gets them, every row
+  alike, so the figures are what an ``mpijax-run`` user gets."""
+  from mpijax._src import heap
+  return dict(heap.launcher_env(dict(os.environ)))
+
+
 def launcher_free_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+  env.update(glibc_env())
   env.update(overrides or {})
   return env
 
@@ -388,4 +400,6 @@ def load_note() -> str:
   one, five, _ = os.getloadavg()
   cpus = os.cpu_count() or 1
   warn = " (busy machine: figures are inflated and noisy)" if one > cpus else ""
-  return f"Load average {one:.1f} / {five:.1f} (1 / 5 min) on {cpus} CPUs at the end of the run{warn}."
+  glibc = " ".join(f"{k}={v}" for k, v in glibc_env().items())
+  return (f"Load average {one:.1f} / {five:.1f} (1 / 5 min) on {cpus} CPUs at the end of the run{warn}."
+          + (f" Every phase ran with mpijax-run's glibc settings: `{glibc}`." if glibc else ""))

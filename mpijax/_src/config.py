@@ -65,6 +65,12 @@ _define("heap_cache_bytes", int, 1 << 30,
         "(glibc: one malloc arena, mmap and trim thresholds at this value), so "
         "XLA's output buffers are not page-faulted afresh on every call. Set "
         "when mpijax is imported; 0 keeps glibc's defaults.")
+_define("huge_pages", _parse_bool, True,
+        "mpijax-run asks glibc to back the heap with transparent huge pages "
+        "(it exports GLIBC_TUNABLES=glibc.malloc.hugetlb=1, added to the user's "
+        "GLIBC_TUNABLES unless that already sets it): fewer TLB misses when MPI "
+        "and XLA stream through large buffers. Needs THP 'madvise' or 'always' in "
+        "/sys/kernel/mm/transparent_hugepage/enabled. Read by the launcher only.")
 _define("abort_on_exception", _parse_bool, True,
         "init() installs a hook that aborts the whole job when any rank "
         "has an uncaught exception.")
@@ -120,6 +126,11 @@ def get(name: str) -> Any:
   except ValueError as e:
     raise ValueError(
         f"{setting.env_var}={raw!r} is not valid: {e}. {setting.doc}") from None
+
+
+def parse(name: str, text: str) -> Any:
+  """Reads ``text`` as setting ``name`` would read its variable (ValueError if invalid)."""
+  return _SETTINGS[name].parse(text)
 
 
 def update(name: str, value: Any) -> None:

@@ -9,6 +9,8 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     step counts, the run completes
   late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=3: the others warn, then finish)
+  late_large        the same with 256 KiB messages, which run as blocking MPI
+                    calls guarded by the watchdog thread
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
@@ -82,12 +84,13 @@ elif mode == "set_order":
 
   report_then_raise(lambda: print(jax.tree.map(jnp.shape, sync(params))))
 
-elif mode == "late":
+elif mode in ("late", "late_large"):
   import time
-  grad_sum(jnp.ones((2, 3))).block_until_ready()
+  shape = (2, 3) if mode == "late" else (2, 65536)  # the large one: 256 KiB
+  grad_sum(jnp.ones(shape)).block_until_ready()
   if rt.rank == 3:
     time.sleep(8)
-  print(f"rank {rt.rank}: {grad_sum(jnp.ones((2, 3)))}", flush=True)
+  print(f"rank {rt.rank}: {np.asarray(grad_sum(jnp.ones(shape)))[:3]}", flush=True)
 
 else:
   sys.exit(f"unknown mode {mode!r}")

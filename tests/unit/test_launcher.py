@@ -24,7 +24,7 @@ MPICH = MPIInfo("mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date:
 
 # The glibc heap variables every launch exports (mpijax/_src/heap.py).
 HEAP = [("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "1073741824"),
-        ("MALLOC_TRIM_THRESHOLD_", "1073741824")]
+        ("MALLOC_TRIM_THRESHOLD_", "1073741824"), ("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")]
 X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
 
 
@@ -156,6 +156,19 @@ def test_heap_variables_yield_to_the_user():
   small = cmd(["-n", "2", "--", "python", "x.py"],
               sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "65536"}))
   assert "MALLOC_MMAP_THRESHOLD_=65536" in small
+
+
+def test_huge_pages_added_to_the_users_tunables():
+  base = {"PATH": "/usr/bin"}
+  both = cmd(["-n", "2", "--", "python", "x.py"],
+             sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}))
+  assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1" in both
+  theirs = cmd(["-n", "2", "--", "python", "x.py"],
+               sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}))
+  assert not any(a.startswith("GLIBC_TUNABLES") for a in theirs)
+  off = cmd(["-n", "2", "--", "python", "x.py"], sit(env={**base, "MPIJAX_HUGE_PAGES": "0"}))
+  assert not any(a.startswith("GLIBC_TUNABLES") for a in off)
+  assert "MALLOC_ARENA_MAX=1" in off  # the heap cache is a separate switch
 
 
 def test_openmpi_not_root_within_slots_has_neither_flag():

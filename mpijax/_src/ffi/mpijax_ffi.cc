@@ -72,6 +72,8 @@ struct Status {
   std::atomic<int64_t> site{-1};     // site id of the current / last call
   std::atomic<int64_t> since_ns{0};  // entered (in a call) or left (idle)
   std::atomic<int> phase{0};         // 0 idle, 1 mismatch check, 2 collective
+  // Nonzero while in a blocking MPI call the watchdog guards: when it entered.
+  std::atomic<int64_t> blocking_since_ns{0};
 };
 
 // One local device's private communicators: `comm` carries the collectives,
@@ -244,6 +246,8 @@ std::mutex g_insp_mu;                  // start / stop
 std::atomic<MPI_Comm> g_insp_comm{MPI_COMM_NULL};
 std::thread* g_responder = nullptr;    // joined by StopInspector
 std::atomic<bool> g_responder_stop{false};
+std::thread* g_watchdog = nullptr;     // joined by StopInspector
+std::atomic<bool> g_watchdog_running{false};
 std::atomic<int64_t> g_query_seq{0};
 
 std::string Seconds(double s) {
@@ -328,8 +332,14 @@ void ResponderLoop(MPI_Comm comm) {
 
 void StopInspector() {
   std::lock_guard<std::mutex> lock(g_insp_mu);
+  g_responder_stop = true;
+  g_watchdog_running = false;  // from now on large calls check arrival first
+  if (g_watchdog != nullptr) {
+    g_watchdog->join();
+    delete g_watchdog;
+    g_watchdog = nullptr;
+  }
   if (g_responder != nullptr) {
-    g_responder_stop = true;
     g_responder->join();
     delete g_responder;
     g_responder = nullptr;
@@ -452,6 +462,78 @@ void ReportStall(const CallInfo& info, double waited) {
   std::fflush(stderr);
 }
 
+// The watchdog thread guards blocking MPI calls (large messages): a thread
+// inside one cannot poll its own deadline, so this thread looks at every
+// (communicator, device) status a few times per second and, once a blocking
+// call has run past MPIJAX_TIMEOUT, reports the stall like WaitAll does (the
+// responder threads of the other ranks answer) and aborts the job, or with
+// MPIJAX_STALL_ACTION=warn reports again every timeout. It replaces an
+// MPI_Ibarrier round trip before every large call.
+void WatchdogLoop() {
+  struct Seen {
+    int64_t since;    // the blocking call being watched
+    int64_t next_ns;  // when to report (again)
+  };
+  std::vector<std::pair<DevComm*, Seen>> seen;
+  while (!g_responder_stop.load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    double timeout = g_timeout_s.load(std::memory_order_relaxed);
+    if (timeout <= 0) continue;
+    int64_t period = static_cast<int64_t>(timeout * 1e9);
+    int64_t now = NowNs();
+    struct Due {
+      DevComm* dc;
+      int64_t device;
+      int64_t since;
+    };
+    std::vector<Due> due;
+    {
+      std::lock_guard<std::mutex> lock(g_comms_mu);
+      for (auto& e : g_comms) {
+        for (size_t d = 0; d < e.devs.size(); ++d) {
+          DevComm* dc = e.devs[d].get();
+          int64_t since =
+              dc->status.blocking_since_ns.load(std::memory_order_relaxed);
+          if (since != 0 && now - since > period)
+            due.push_back({dc, static_cast<int64_t>(d), since});
+        }
+      }
+    }
+    for (const Due& u : due) {
+      auto it = std::find_if(seen.begin(), seen.end(),
+                             [&](const auto& p) { return p.first == u.dc; });
+      if (it == seen.end()) {
+        seen.push_back({u.dc, {0, 0}});
+        it = seen.end() - 1;
+      }
+      if (it->second.since != u.since) it->second = {u.since, u.since + period};
+      if (now < it->second.next_ns) continue;
+      it->second.next_ns += period;
+      CallInfo info{"collective", ffi::DataType::INVALID,
+                    ffi::Span<const int64_t>(nullptr, 0), CommSize(u.dc->comm),
+                    u.dc->key, u.device};
+      info.dc = u.dc;
+      info.site = u.dc->status.site.load(std::memory_order_relaxed);
+      ReportStall(info, (now - u.since) * 1e-9);
+      if (g_stall_abort.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+    }
+  }
+}
+
+// Marks a (communicator, device) as inside a blocking call for the watchdog.
+struct BlockingMark {
+  DevComm* dc;
+  explicit BlockingMark(DevComm* d) : dc(d) {
+    if (dc) dc->status.blocking_since_ns.store(NowNs(), std::memory_order_relaxed);
+  }
+  ~BlockingMark() {
+    if (dc) dc->status.blocking_since_ns.store(0, std::memory_order_relaxed);
+  }
+};
+
 // The one place every operation waits. timeout <= 0 waits forever in
 // MPI_Waitall; otherwise polls, and past the deadline the stall inspector
 // reports which ranks have not arrived, then aborts the job (or, with
@@ -500,12 +582,15 @@ ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
   return WaitAll(1, req, info);
 }
 
-// Whether a collective of `bytes` runs blocking. Without a timeout nothing
-// needs polling; with one, large buffers first wait in a polled MPI_Ibarrier
-// (the stall inspector covers the wait), after which the blocking call can
-// only be held up by a rank that dies, which the launcher handles.
+// Whether a collective of `bytes` runs blocking (MPI's blocking algorithms
+// are faster for large messages). Without a timeout nothing needs polling.
+// With one, small messages are polled nonblocking calls; a large one runs
+// blocking under the watchdog (`*watched`), or, when the inspector is not
+// running, after a polled MPI_Ibarrier, after which only a rank that dies
+// (which the launcher handles) can hold it up.
 ffi::Error ChooseBlocking(MPI_Comm comm, size_t bytes, const CallInfo& info,
-                          bool* blocking) {
+                          bool* blocking, bool* watched) {
+  *watched = false;
   if (g_timeout_s.load(std::memory_order_relaxed) <= 0) {
     *blocking = true;
     return ffi::Error::Success();
@@ -513,6 +598,10 @@ ffi::Error ChooseBlocking(MPI_Comm comm, size_t bytes, const CallInfo& info,
   *blocking = static_cast<int64_t>(bytes) >=
               g_blocking_min_bytes.load(std::memory_order_relaxed);
   if (!*blocking) return ffi::Error::Success();
+  if (info.dc != nullptr && g_watchdog_running.load()) {
+    *watched = true;
+    return ffi::Error::Success();
+  }
   MPI_Request req;
   MPIJAX_CHECK_MPI(MPI_Ibarrier(comm, &req), info);
   return Wait(&req, info);
@@ -521,11 +610,12 @@ ffi::Error ChooseBlocking(MPI_Comm comm, size_t bytes, const CallInfo& info,
 // Runs BLOCKING_CALL or NONBLOCKING_CALL (which posts `req_`) and waits.
 #define MPIJAX_COLLECTIVE(info, comm, bytes, BLOCKING_CALL, NONBLOCKING_CALL) \
   do {                                                                       \
-    bool blocking_ = false;                                                  \
-    if (auto e_ = ChooseBlocking(comm, bytes, info, &blocking_);             \
+    bool blocking_ = false, watched_ = false;                                \
+    if (auto e_ = ChooseBlocking(comm, bytes, info, &blocking_, &watched_);  \
         e_.failure())                                                        \
       return e_;                                                             \
     if (blocking_) {                                                         \
+      BlockingMark mark_(watched_ ? info.dc : nullptr);                      \
       MPIJAX_CHECK_MPI(BLOCKING_CALL, info);                                 \
     } else {                                                                 \
       MPI_Request req_;                                                      \
@@ -1316,10 +1406,13 @@ NB_MODULE(_mpijax_ffi, m) {
     g_insp_comm = comm;
     g_responder_stop = false;
     g_responder = new std::thread(ResponderLoop, comm);
+    g_watchdog = new std::thread(WatchdogLoop);
+    g_watchdog_running = true;
     return true;
   }, nb::arg("handle"),
-  "Starts the stall inspector's responder thread on a private communicator "
-  "spanning the job (needs MPI_THREAD_MULTIPLE); False if not started.");
+  "Starts the stall inspector's responder and watchdog threads on a private "
+  "communicator spanning the job (needs MPI_THREAD_MULTIPLE); False if not "
+  "started.");
 
   m.def("stop_inspector", [] {
     nb::gil_scoped_release release;
