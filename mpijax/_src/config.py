@@ -90,9 +90,10 @@ _define("check", _parse_bool, False,
 _define("max_chunk_bytes", int, 1 << 30,
         "Largest single MPI message; bigger buffers are sent in chunks.")
 _define("blocking_min_bytes", int, 64 * 1024,
-        "From this message size on, a collective waits (bounded by the stall "
-        "inspector) until every rank arrived, then runs MPI's faster blocking "
-        "algorithm; smaller ones are polled nonblocking calls.")
+        "From this message size on, a collective runs MPI's faster blocking "
+        "algorithm, guarded against stalls by the watchdog thread (or, without "
+        "the stall inspector, after a polled MPI_Ibarrier); smaller ones are "
+        "polled nonblocking calls.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step.")
