@@ -381,6 +381,12 @@ def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str, *,
   ax.set_xlabel(xlabel)
   ax.set_ylabel("median time per operation (µs, max over ranks)")
   ax.set_title(title)
+  return save_plot(fig, ax, path)
+
+
+def save_plot(fig, ax, path: str) -> None:
+  """The common finish of every benchmark plot: grid, legend, PNG at ``path``."""
+  import matplotlib.pyplot as plt
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=7)
   fig.tight_layout()

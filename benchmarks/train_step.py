@@ -352,12 +352,7 @@ def plot(rows: list[Row], ranks: list[int], path: str) -> str | None:
   ax.set_ylabel("median ms per step / per all-reduce (max over ranks)")
   ax.set_yscale("log")
   ax.set_title("data-parallel step, ~10 M parameters in ~100 leaves")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return None
+  return _common.save_plot(fig, ax, path)
 
 
 def _phase_args(args) -> list[str]:

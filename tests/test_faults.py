@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests._launch import REPO, mpirun_command, run_mpi, tail
 
@@ -76,26 +77,20 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
-def test_stall_action_warn_reports_and_keeps_waiting():
-  rc, out, _ = _run("fault_hangs.py", "late",
+@pytest.mark.parametrize("mode,shape", [
+    ("late", "3"),
+    # 256 KiB messages run as blocking MPI calls (no arrival check first):
+    # the watchdog thread reports the stall, and the job still finishes.
+    ("late_large", "65536"),
+])
+def test_stall_action_warn_reports_and_keeps_waiting(mode, shape):
+  rc, out, _ = _run("fault_hangs.py", mode,
                     env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
   assert rc == 0, tail(out)
-  assert re.search(r"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[3\], sum\) "
-                   r"at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: rank 3 "
-                   r"\(idle since", out), tail(out)
-  assert "MPIJAX_STALL_ACTION=warn" in out and out.count("[8. 8. 8.]") == 4, tail(out)
-
-
-def test_stall_in_a_large_blocking_call_is_reported_by_the_watchdog():
-  # 256 KiB messages run as blocking MPI calls (no arrival check first); the
-  # watchdog thread reports the stall and the job still finishes.
-  rc, out, _ = _run("fault_hangs.py", "late_large",
-                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
-  assert rc == 0, tail(out)
-  assert re.search(r"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[65536\], "
+  assert re.search(rf"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[{shape}\], "
                    r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: "
                    r"rank 3 \(idle since", out), tail(out)
-  assert out.count("[8. 8. 8.]") == 4, tail(out)
+  assert "MPIJAX_STALL_ACTION=warn" in out and out.count("[8. 8. 8.]") == 4, tail(out)
 
 
 # --- a rank dies or raises ---------------------------------------------------------
