@@ -329,6 +329,17 @@ def test_jvp_vjp_linear_ops():
     np.testing.assert_allclose(f_tt(t)[0], fn(t), rtol=1e-6)
 
 
+def test_only_sum_reductions_differentiate():
+  # reduce / reduce_scatter are linear only for op="sum": other ops name the fix.
+  x = jnp.asarray(rank_input(R, (N, 2)))
+  for name, fn in [("reduce_scatter", lambda v: ops.reduce_scatter(v, "max")),
+                   ("reduce", lambda v: ops.reduce(v, "max", root=0))]:
+    with pytest.raises(TypeError, match=rf"mpijax.ops.{name}\(op='max'\) is not differentiable; only op='sum'"):
+      jax.jvp(fn, (x,), (x,))
+    with pytest.raises(TypeError, match=rf"mpijax.ops.{name}\(op='max'\) is not linear"):
+      jax.linear_transpose(fn, x)(fn(x))
+
+
 def test_grad_min_max_prod():
   x = jnp.asarray(rank_input(R, (5,)), jnp.float32)
   stack = all_inputs((5,)).astype(np.float32)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 from jax._src.lib.mlir import ir
 
 from mpijax._src import config
@@ -381,6 +381,36 @@ def call_site(ctx, kind: str, params: dict[str, Any]) -> tuple[int, int]:
     site = _ffi.load().register_site(text, slot)
     _sites[key] = site
   return site, sig
+
+
+def def_sum_linear_ad(prim: Primitive, public_name: str,
+                      transpose_sum: Callable[..., Any]) -> None:
+  """JVP and transpose rules of a reduction collective that is linear for op="sum".
+
+  The tangent of a sum is the same collective applied to the tangents;
+  integer and bool results get zero tangents; other ops are not
+  differentiable. ``transpose_sum(ct, **params)`` gives the operand's
+  cotangent of an op="sum" call.
+  """
+  def jvp(primals, tangents, **params):
+    (x,), (t,) = primals, tangents
+    out = prim.bind(x, **params)
+    if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
+      return out, ad.Zero.from_primal_value(out)
+    if params["op"] != "sum":
+      raise TypeError(f"{public_name}(op={params['op']!r}) is not differentiable; "
+                      "only op='sum' is.")
+    return out, prim.bind(t, **params)
+
+  def transpose(ct, x, **params):
+    if params["op"] != "sum":
+      raise TypeError(f"{public_name}(op={params['op']!r}) is not linear; only op='sum' is.")
+    if type(ct) is ad.Zero:
+      return (ad.Zero(x.aval),)
+    return (transpose_sum(ct, **params),)
+
+  ad.primitive_jvps[prim] = jvp
+  ad.primitive_transposes[prim] = transpose
 
 
 def i64(v: int) -> np.int64:

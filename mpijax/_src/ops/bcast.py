@@ -91,24 +91,9 @@ def _bcast_transpose(ct, x, *, comm_id, root):
   return (reduce_p.bind(ct, comm_id=comm_id, op="sum", root=root),)
 
 
-def _reduce_jvp(primals, tangents, *, comm_id, op, root):
-  (x,), (t,) = primals, tangents
-  out = reduce_p.bind(x, comm_id=comm_id, op=op, root=root)
-  if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
-    return out, ad.Zero.from_primal_value(out)
-  if op != "sum":
-    raise TypeError(f"mpijax.ops.reduce(op={op!r}) is not differentiable; "
-                    "only op='sum' is.")
-  return out, reduce_p.bind(t, comm_id=comm_id, op="sum", root=root)
-
-
-def _reduce_transpose(ct, x, *, comm_id, op, root):
-  if op != "sum":
-    raise TypeError(f"mpijax.ops.reduce(op={op!r}) is not linear.")
-  if type(ct) is ad.Zero:
-    return (ad.Zero(x.aval),)
+def _reduce_transpose_sum(ct, *, comm_id, op, root):
   # Only root's cotangent matters (the others' outputs are constant zeros).
-  return (bcast_p.bind(ct, comm_id=comm_id, root=root),)
+  return bcast_p.bind(ct, comm_id=comm_id, root=root)
 
 
 bcast_p.def_abstract_eval(_same)
@@ -119,5 +104,4 @@ ad.deflinear2(bcast_p, _bcast_transpose)
 reduce_p.def_abstract_eval(_same)
 _base.register_ffi_lowering(reduce_p, "mpijax_reduce", _reduce_attrs)
 batching.primitive_batchers[reduce_p] = _elementwise_batcher(reduce_p)
-ad.primitive_jvps[reduce_p] = _reduce_jvp
-ad.primitive_transposes[reduce_p] = _reduce_transpose
+_base.def_sum_linear_ad(reduce_p, "mpijax.ops.reduce", _reduce_transpose_sum)

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad, batching
+from jax.interpreters import batching
 
 from mpijax._src.ops import _base
 
@@ -55,28 +55,12 @@ def _batch(args, dims, *, comm_id, op, size):
   return out, 0
 
 
-def _jvp(primals, tangents, *, comm_id, op, size):
-  (x,), (t,) = primals, tangents
-  out = reduce_scatter_p.bind(x, comm_id=comm_id, op=op, size=size)
-  if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
-    return out, ad.Zero.from_primal_value(out)
-  if op != "sum":
-    raise TypeError(f"mpijax.ops.reduce_scatter(op={op!r}) is not "
-                    "differentiable; only op='sum' is.")
-  return out, reduce_scatter_p.bind(t, comm_id=comm_id, op="sum", size=size)
-
-
-def _transpose(ct, x, *, comm_id, op, size):
+def _transpose_sum(ct, *, comm_id, op, size):
   from mpijax._src.ops.allgather import allgather_p
-  if op != "sum":
-    raise TypeError(f"mpijax.ops.reduce_scatter(op={op!r}) is not linear.")
-  if type(ct) is ad.Zero:
-    return (ad.Zero(x.aval),)
-  return (allgather_p.bind(ct, comm_id=comm_id, size=size),)
+  return allgather_p.bind(ct, comm_id=comm_id, size=size)
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
 _base.register_ffi_lowering(reduce_scatter_p, "mpijax_reduce_scatter", _attrs)
 batching.primitive_batchers[reduce_scatter_p] = _batch
-ad.primitive_jvps[reduce_scatter_p] = _jvp
-ad.primitive_transposes[reduce_scatter_p] = _transpose
+_base.def_sum_linear_ad(reduce_scatter_p, "mpijax.ops.reduce_scatter", _transpose_sum)
