@@ -163,6 +163,45 @@ def test_in_place_on_intermediates_keeps_other_uses():
   assert "output_operand_alias" not in jax.jit(ops.allreduce).lower(x).as_text()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_many_mixed_dtypes_in_one_call(mode):
+  # The buckets of mpijax.train's fused all-reduce: any dtypes and shapes,
+  # one custom call (one FFI target in the HLO), each result exact.
+  from mpijax._src.ops.allreduce import allreduce_many
+  dtypes = ["float32", "bfloat16", "int32", "complex64", "float32"]
+  shapes = [(2, 3), (7,), (4,), (3,), ()]
+  xs = [rank_input(R, sh, dt) for sh, dt in zip(shapes, dtypes)]
+  got = run(mode, lambda v: allreduce_many(v), xs)
+  for g, sh, dt in zip(got, shapes, dtypes):
+    assert_close(g, np_reduce(all_inputs(sh, dt), "sum", dt), dt)
+  text = jax.jit(lambda v: allreduce_many([a * 2 for a in v])).lower(xs).as_text()
+  assert text.count("@mpijax_allreduce_many") == 1, text
+  assert "output_operand_alias" in text  # intermediates are reduced in place
+  got = jax.jit(lambda a, b: allreduce_many([a, b], "max"))(xs[0], xs[2])
+  assert_close(got[0], np_reduce(all_inputs((2, 3)), "max", "float32"), "float32")
+  assert_close(got[1], np_reduce(all_inputs((4,), "int32"), "max", "int32"), "int32")
+
+
+def test_allreduce_many_grad_vmap_and_errors():
+  from mpijax._src.ops.allreduce import allreduce_many
+  x = jnp.asarray(rank_input(R, (3,)))
+  k = jnp.arange(3, dtype=jnp.int32) + R
+  # d/dx of sum_r sum(w * allreduce(x)) is sum_r w (the psum convention); the
+  # integer operand gets no tangent and does not block the float one.
+  w = rank_input(R, (3,))
+  g = jax.jit(jax.grad(lambda v: jnp.sum(w * allreduce_many([v, k])[0])))(x)
+  np.testing.assert_allclose(g, all_inputs((3,)).sum(0))
+  batched = jax.vmap(lambda v: allreduce_many([v, 2 * v]), in_axes=1, out_axes=1)(
+      jnp.stack([x, x + 1], axis=1))
+  np.testing.assert_allclose(batched[1][:, 1], 2 * (all_inputs((3,)) + 1).sum(0))
+  with pytest.raises(ValueError, match="empty list"):
+    allreduce_many([])
+  with pytest.raises(TypeError, match="op='xor' for dtype float32"):
+    allreduce_many([x], "xor")
+  with pytest.raises(TypeError, match=r"allreduce_many\(op='max'\) is not differentiable"):
+    jax.jvp(lambda v: allreduce_many([v], "max"), (x,), (x,))
+
+
 def test_allreduce_scalar_and_empty():
   assert float(ops.allreduce(1.0)) == N
   assert ops.allreduce(jnp.zeros((0, 3))).shape == (0, 3)

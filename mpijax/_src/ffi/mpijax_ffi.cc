@@ -890,23 +890,15 @@ ffi::Error DivideInPlace(ffi::DataType t, void* p, size_t count,
   return ffi::Error::Success();
 }
 
-ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
-                         ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                         int64_t op, int64_t divisor,
-    int64_t site, int64_t sig) {
-  MPIJAX_GET_COMM(comm, comm_id, device);
-  CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
-                comm_id, device};
-  MPIJAX_ENTER(info, comm, site, sig);
+// One buffer's all-reduce, chunked, each chunk blocking or polled by size;
+// with a divisor (op "mean") each chunk is divided right after its MPI call.
+ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
+                           ffi::DataType type, size_t n, const char* src,
+                           char* dst, int64_t op, int64_t divisor) {
   MPI_Datatype dt;
   MPI_Op mop;
-  if (auto e = ReductionTypes(x.element_type(), op, &dt, &mop); e.failure())
-    return e;
-  size_t n = x.element_count(), es = ffi::ByteWidth(x.element_type());
-  char* src = static_cast<char*>(x.untyped_data());
-  char* dst = static_cast<char*>(out->untyped_data());
+  if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
+  size_t es = ffi::ByteWidth(type);
   bool in_place = src == dst;  // the output aliases the (donated) input
   size_t chunk = ChunkElems(es);
   for (size_t off = 0; off < n; off += chunk) {
@@ -917,11 +909,69 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
         MPI_Allreduce(send, dst + off * es, count, dt, mop, comm),
         MPI_Iallreduce(send, dst + off * es, count, dt, mop, comm, &req_));
     if (divisor != 1) {
-      if (auto e = DivideInPlace(x.element_type(), dst + off * es, count,
-                                 divisor);
+      if (auto e = DivideInPlace(type, dst + off * es, count, divisor);
           e.failure())
         return e;
     }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
+                         ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
+                         int64_t op, int64_t divisor,
+    int64_t site, int64_t sig) {
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
+                comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  return AllreduceBuffer(info, comm, x.element_type(), x.element_count(),
+                         static_cast<const char*>(x.untyped_data()),
+                         static_cast<char*>(out->untyped_data()), op, divisor);
+}
+
+// Several buffers (the buckets of a gradient tree) reduced in one call, one
+// after another as `allreduce` would; the last operand and result are the
+// order token. One custom call instead of one per bucket: one signature
+// check on the first run, no per-bucket thunk, and XLA cannot interleave a
+// bucket's packing with another's MPI call. (Posting every bucket as an
+// MPI_Iallreduce and awaiting them together was measured slower inside a
+// training step: 90 vs 76 ms with 4 ranks on 2 cores, 42 vs 34 ms with 2.)
+ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets, int64_t comm_id,
+                             int64_t op, int64_t site, int64_t sig) {
+  if (args.size() < 2 || rets.size() != args.size()) {
+    return ffi::Error::InvalidArgument(
+        "mpijax: allreduce_many needs buffers plus an order token, with one "
+        "result per operand; got " + std::to_string(args.size()) +
+        " operands and " + std::to_string(rets.size()) + " results");
+  }
+  size_t nbuf = args.size() - 1;
+  std::vector<ffi::AnyBuffer> xs;
+  std::vector<ffi::AnyBuffer> outs;
+  for (size_t i = 0; i < nbuf; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return out.error();
+    xs.push_back(*x);
+    outs.push_back(**out);
+  }
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  CallInfo info{"allreduce", xs[0].element_type(), xs[0].dimensions(),
+                CommSize(comm), comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  for (size_t i = 0; i < nbuf; ++i) {
+    info.dtype = xs[i].element_type();
+    info.dims = xs[i].dimensions();
+    if (auto e = AllreduceBuffer(
+            info, comm, xs[i].element_type(), xs[i].element_count(),
+            static_cast<const char*>(xs[i].untyped_data()),
+            static_cast<char*>(outs[i].untyped_data()), op, 1);
+        e.failure())
+      return e;
   }
   return ffi::Error::Success();
 }
@@ -1197,6 +1247,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                                   .Attr<int64_t>("divisor")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduceMany, AllreduceManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()  // buffers, order token
+                                  .RemainingRets()  // results, order token
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -1309,6 +1368,7 @@ NB_MODULE(_mpijax_ffi, m) {
   m.def("registrations", [] {
     nb::dict d;
     d["mpijax_allreduce"] = Capsule(kAllreduce);
+    d["mpijax_allreduce_many"] = Capsule(kAllreduceMany);
     d["mpijax_allgather"] = Capsule(kAllgather);
     d["mpijax_reduce_scatter"] = Capsule(kReduceScatter);
     d["mpijax_alltoall"] = Capsule(kAlltoall);

@@ -278,13 +278,21 @@ def register_ffi_lowering(prim: Primitive, target: str,
   """CPU lowering of ``prim`` to FFI target ``target``, with an order token.
 
   ``attrs(**params)`` gives the custom call's named attributes. With
-  ``in_place_capable``, a donated or intermediate operand is declared aliased
-  to the result (:func:`_reusable`), so XLA hands the handler one buffer and
-  MPI runs in place (no copy, no fresh output).
+  ``in_place_capable`` (result i has operand i's shape and dtype), each
+  donated or intermediate operand is declared aliased to its result
+  (:func:`_reusable`), so XLA hands the handler one buffer and MPI runs in
+  place (no copy, no fresh output).
   """
-  lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
-  lower_in_place = jax.ffi.ffi_lowering(target, has_side_effect=True,
-                                        operand_output_aliases={0: 0})
+  lowerings: dict[tuple[int, ...], Callable] = {}
+
+  def lowering(aliased: tuple[int, ...]) -> Callable:
+    low = lowerings.get(aliased)
+    if low is None:
+      low = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                 operand_output_aliases={i: i for i in aliased} or None)
+      lowerings[aliased] = low
+    return low
+
   kind = target.removeprefix("mpijax_")
 
   def rule(ctx, *args, **params):
@@ -297,8 +305,9 @@ def register_ffi_lowering(prim: Primitive, target: str,
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, _TOKEN_AVAL])
     site, sig = call_site(ctx, kind, params)
-    low = lower_in_place if in_place_capable and _reusable(args[0]) else lower
-    outs = low(token_ctx, *args, token, **attrs(**params), site=i64(site), sig=i64(sig))
+    aliased = tuple(i for i, a in enumerate(args) if _reusable(a)) if in_place_capable else ()
+    outs = lowering(aliased)(token_ctx, *args, token, **attrs(**params), site=i64(site),
+                             sig=i64(sig))
     chain[block] = outs[-1]
     return list(outs[:-1])
 
@@ -351,7 +360,9 @@ def _describe(kind: str, avals, params: dict[str, Any]) -> tuple[str, str]:
   if "perm" in params:
     perm = str(list(params["perm"]))
     parts.append("perm=" + (perm if len(perm) <= 60 else perm[:57] + "..."))
-  human = f"{kind}({', '.join(parts)})"
+  shown = parts if len(avals) <= 3 else \
+      parts[:2] + [f"... {len(avals)} arrays"] + parts[len(avals):]
+  human = f"{kind}({', '.join(shown)})"
   # Not in the signature: the communicator's local id (ranks may number their
   # communicators differently) and a ppermute's pairs (sendrecv binds the
   # same primitive with the pairs each rank knows, legitimately per rank).
@@ -383,6 +394,11 @@ def call_site(ctx, kind: str, params: dict[str, Any]) -> tuple[int, int]:
   return site, sig
 
 
+def zero_tangent(value) -> ad.Zero:
+  """The symbolic zero tangent of ``value`` (float0 for integer and bool values)."""
+  return ad.Zero(jax.typeof(value).to_tangent_aval())
+
+
 def def_sum_linear_ad(prim: Primitive, public_name: str,
                       transpose_sum: Callable[..., Any]) -> None:
   """JVP and transpose rules of a reduction collective that is linear for op="sum".
@@ -396,7 +412,7 @@ def def_sum_linear_ad(prim: Primitive, public_name: str,
     (x,), (t,) = primals, tangents
     out = prim.bind(x, **params)
     if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
-      return out, ad.Zero.from_primal_value(out)
+      return out, zero_tangent(out)
     if params["op"] != "sum":
       raise TypeError(f"{public_name}(op={params['op']!r}) is not differentiable; "
                       "only op='sum' is.")

@@ -6,9 +6,10 @@ are packed, per dtype, into a few flat buckets of at most ``bucket_bytes``
 and each bucket is all-reduced once (PyTorch DDP's buckets, Horovod's tensor
 fusion), then unpacked. Leaves of at least ``fuse_leaf_bytes`` (256 KiB) are
 already big enough to amortize the latency and travel alone: on CPU the
-packing copy of a big leaf costs about as much as its all-reduce. Everything runs inside the caller's ``jax.jit``: the
-packing is a few XLA concatenations and slices, and the MPI call is
-``mpijax.ops.allreduce`` (an XLA FFI custom call, no host round trip).
+packing copy of a big leaf costs about as much as its all-reduce.
+Everything runs inside the caller's ``jax.jit``: the packing is a few XLA
+concatenations and slices, and every bucket's MPI all-reduce is made by one
+XLA FFI custom call for the whole tree (no host round trip).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
   Returns:
     A tree like ``tree`` holding the cross-rank sum or mean, same dtypes.
   """
-  from mpijax import ops  # the transport (layer 3); imported late to keep layers loosely coupled
+  # The transport (layer 3); imported late to keep layers loosely coupled.
+  from mpijax._src.ops.allreduce import allreduce_many
 
   if compression is not None and compression not in _COMPRESSION:
     raise ValueError(f"compression={compression!r} is not supported; use None, 'bf16' or 'fp16'")
@@ -109,12 +111,11 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
   plan = plan_buckets([(x.shape, x.dtype) for x in leaves], bucket_bytes, fuse_leaf_bytes)
   if not plan:
     return jax.tree_util.tree_unflatten(treedef, out)
-  # Three phases: pack every bucket, all-reduce them one after another, then
-  # unpack and average. Left alone, XLA:CPU runs bucket k's packing or
-  # averaging on another thread while bucket k+1 is inside MPI; on busy cores
-  # that steals the CPU MPI needs to progress, on every rank (2-3x slower
-  # communication measured with 2 ranks on 2 cores). The barriers keep the
-  # phases apart.
+  # Three phases: pack every bucket, all-reduce them all in ONE custom call,
+  # then unpack and average. One call keeps the phases apart: XLA:CPU would
+  # otherwise run bucket k's packing or averaging on another thread while
+  # bucket k+1 is inside MPI, stealing the CPU MPI needs to progress (2-3x
+  # slower communication measured with 2 ranks on 2 cores).
   sends, wires = [], []
   for bucket in plan:
     dtype = leaves[bucket[0]].dtype
@@ -137,13 +138,11 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       flat = flat / nranks
     sends.append(flat.astype(wire))
     wires.append(wire)
-  sends = jax.lax.optimization_barrier(sends)
   # The mean is the sum then an XLA division, not the transport's op="mean":
   # XLA fuses the division into whatever consumes the gradient (the
   # optimizer's update), where it costs nothing, while the transport would
   # make one more pass over every bucket (measured: +3 ms per 40 MB step).
-  summed_all = jax.lax.optimization_barrier(
-      [ops.allreduce(x, "sum", comm=comm) for x in sends])
+  summed_all = allreduce_many(sends, "sum", comm=comm)
   for bucket, wire, summed in zip(plan, wires, summed_all):
     dtype = leaves[bucket[0]].dtype
     inexact = jnp.issubdtype(dtype, jnp.inexact)
@@ -173,8 +172,9 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
   global gradient; every rank then applies identical updates and the
   replicated parameters stay equal. Inside the jitted step the gradient leaves
   are packed per dtype into flat buckets of at most ``bucket_bytes`` and each
-  bucket is summed over ranks with ONE ``mpijax.ops.allreduce`` (leaves of at
-  least ``fuse_leaf_bytes`` form a bucket of their own, without a copy).
+  bucket is summed over ranks with ONE MPI all-reduce, all buckets in one
+  XLA custom call (leaves of at least ``fuse_leaf_bytes`` form a bucket of
+  their own, without a copy).
 
   Args:
     average: divide the sum by the number of ranks (the mean gradient, as if
