@@ -125,6 +125,7 @@ ad.primitive_transposes[allreduce_p] = _transpose
 
 allreduce_many_p = _base.make_primitive("mpijax_allreduce_many", multiple_results=True)
 
+
 def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   """Reduces every array of ``xs`` over all ranks, in ONE custom call.
 
