@@ -218,6 +218,7 @@ class Row:
 
 
 def environment_info() -> dict[str, Any]:
+  from mpijax._src import heap
   info: dict[str, Any] = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "host": socket.gethostname(),
@@ -226,9 +227,7 @@ def environment_info() -> dict[str, Any]:
       "cpus": os.cpu_count(),
       # Other jobs on the machine inflate every figure; keep the evidence.
       "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-      "glibc_env": {k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX",
-                                                  "MALLOC_MMAP_THRESHOLD_",
-                                                  "MALLOC_TRIM_THRESHOLD_")},
+      "glibc_env": {k: os.environ.get(k) for k in ("GLIBC_TUNABLES",) + heap.MALLOC_ENV_NAMES},
   }
   for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax"):
     try:

@@ -133,7 +133,6 @@ def _stepper(jitted, params, opt_state, x, y):
 
   def run():
     state["p"], state["s"] = jitted(state["p"], state["s"], x, y)
-    state["s"] = state["s"]
     import jax
     jax.block_until_ready(state["p"])
   return run
@@ -215,16 +214,18 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
   specs.append(("comm_packall", comm_build(None, big)))
   specs.append(("comm_leaf", comm_build(1)))
 
+  # Every gradient byte in one NumPy buffer (each raw row gets its own copy).
+  flat_grads = np.concatenate([np.asarray(g).reshape(-1) for g in jax.tree_util.tree_leaves(grads)])
+
   def raw_build():
     comm = hc.comm.Dup()
-    send = np.concatenate([np.asarray(g).reshape(-1) for g in jax.tree_util.tree_leaves(grads)])
-    recv = np.empty_like(send)
+    send, recv = flat_grads.copy(), np.empty_like(flat_grads)
     return lambda: comm.Allreduce(send, recv, op=hc.MPI.SUM)
   specs.append(("comm_raw", raw_build))
 
   def raw_inplace_build():
     comm = hc.comm.Dup()
-    buf = np.concatenate([np.asarray(g).reshape(-1) for g in jax.tree_util.tree_leaves(grads)])
+    buf = flat_grads.copy()
     return lambda: comm.Allreduce(hc.MPI.IN_PLACE, buf, op=hc.MPI.SUM)
   specs.append(("comm_raw_inplace", raw_inplace_build))
   rows = _measure(hc, specs, args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 def _parse_bool(text: str) -> bool:
@@ -111,15 +111,19 @@ def settings() -> list[Setting]:
   return list(_SETTINGS.values())
 
 
-def get(name: str) -> Any:
-  """The value of setting ``name``: an override, else the environment, else the default."""
+def get(name: str, env: Mapping[str, str] | None = None) -> Any:
+  """The value of setting ``name``: an override, else the environment, else the default.
+
+  ``env`` replaces ``os.environ``: the launcher reads the settings its ranks
+  will see.
+  """
   try:
     setting = _SETTINGS[name]
   except KeyError:
     raise KeyError(f"mpijax has no setting {name!r}; known: {sorted(_SETTINGS)}") from None
   if name in _OVERRIDES:
     return _OVERRIDES[name]
-  raw = os.environ.get(setting.env_var)
+  raw = (os.environ if env is None else env).get(setting.env_var)
   if raw is None:
     return setting.default
   try:
@@ -127,11 +131,6 @@ def get(name: str) -> Any:
   except ValueError as e:
     raise ValueError(
         f"{setting.env_var}={raw!r} is not valid: {e}. {setting.doc}") from None
-
-
-def parse(name: str, text: str) -> Any:
-  """Reads ``text`` as setting ``name`` would read its variable (ValueError if invalid)."""
-  return _SETTINGS[name].parse(text)
 
 
 def update(name: str, value: Any) -> None:

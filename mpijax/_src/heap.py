@@ -37,13 +37,17 @@ import os
 
 from mpijax._src import config
 
-# glibc's <malloc.h> parameter numbers.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
+# The environment variable glibc reads at process start for each setting, and
+# the <malloc.h> parameter number mallopt() takes for it later.
+_MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+MALLOC_ENV_NAMES = tuple(_MALLOPT)
 
-# The environment variables glibc reads at process start for the same settings.
-_ENV_NAMES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+def _wanted(limit: int) -> dict[str, int]:
+  """The settings for a heap cache of ``limit`` bytes: one arena, no mmap or
+  trim below ``limit``."""
+  return {"MALLOC_ARENA_MAX": 1, "MALLOC_MMAP_THRESHOLD_": limit,
+          "MALLOC_TRIM_THRESHOLD_": limit}
 
 _applied: dict[str, int] | None = None
 
@@ -59,8 +63,8 @@ def _glibc() -> ctypes.CDLL | None:
     return None
 
 
-def _cache_bytes() -> int:
-  value = int(config.get("heap_cache_bytes"))
+def _cache_bytes(env: dict[str, str] | None = None) -> int:
+  value = int(config.get("heap_cache_bytes", env))
   if value < 0:
     raise ValueError(f"MPIJAX_HEAP_CACHE_BYTES={value} is negative; give a byte count "
                      "(e.g. 1073741824) or 0 to keep the C library's defaults.")
@@ -81,13 +85,10 @@ def configure() -> dict[str, int]:
   limit = _cache_bytes()
   libc = _glibc() if limit > 0 else None
   if libc is not None:
-    wanted = (("MALLOC_ARENA_MAX", _M_ARENA_MAX, 1),
-              ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, limit),
-              ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, limit))
-    for env_name, param, value in wanted:
+    for env_name, value in _wanted(limit).items():
       if env_name in os.environ:
         continue
-      if libc.mallopt(param, value) == 1:
+      if libc.mallopt(_MALLOPT[env_name], value) == 1:
         applied[env_name] = value
   _applied = applied
   return applied
@@ -110,9 +111,8 @@ def _tunables_env(env: dict[str, str]) -> list[tuple[str, str]]:
   Empty with ``MPIJAX_HUGE_PAGES=0`` or when the user's ``GLIBC_TUNABLES``
   already says what to do with huge pages.
   """
-  raw = env.get("MPIJAX_HUGE_PAGES")
   try:
-    on = config.get("huge_pages") if raw is None else config.parse("huge_pages", raw)
+    on = config.get("huge_pages", env)
   except ValueError:
     return []  # the ranks report the bad value when they import mpijax
   existing = env.get("GLIBC_TUNABLES", "")
@@ -124,15 +124,12 @@ def _tunables_env(env: dict[str, str]) -> list[tuple[str, str]]:
 def _malloc_env(env: dict[str, str]) -> list[tuple[str, str]]:
   """The ``MALLOC_*`` variables: empty when the user set any of them, or
   turned the cache off with ``MPIJAX_HEAP_CACHE_BYTES=0``."""
-  if any(name in env for name in _ENV_NAMES):
+  if any(name in env for name in MALLOC_ENV_NAMES):
     return []
-  raw = env.get("MPIJAX_HEAP_CACHE_BYTES")
   try:
-    limit = config.get("heap_cache_bytes") if raw is None else int(raw)
+    limit = _cache_bytes(env)
   except ValueError:
     return []  # the ranks report the bad value when they import mpijax
-  limit = min(limit, 2**31 - 1)
-  if limit <= 0:
+  if limit == 0:
     return []
-  return [("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", str(limit)),
-          ("MALLOC_TRIM_THRESHOLD_", str(limit))]
+  return [(name, str(value)) for name, value in _wanted(limit).items()]

@@ -347,8 +347,9 @@ void StopInspector() {
   g_insp_comm = MPI_COMM_NULL;
 }
 
-// Asks every other rank of the stalled op's communicator for its status and
-// prints the report on stderr.
+// Asks every other rank of the stalled op's communicator for its status,
+// prints the report on stderr, then ends the job (MPIJAX_STALL_ACTION=abort)
+// or returns so the caller keeps waiting (warn).
 void ReportStall(const CallInfo& info, double waited) {
   DevComm* dc = info.dc;
   MPI_Comm insp = g_insp_comm.load();
@@ -460,6 +461,11 @@ void ReportStall(const CallInfo& info, double waited) {
   std::string text = s.str();
   std::fwrite(text.data(), 1, text.size(), stderr);
   std::fflush(stderr);
+  if (g_stall_abort.load()) {
+    // Give the launcher's output forwarding time to pass the report on.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
 }
 
 // The watchdog thread guards blocking MPI calls (large messages): a thread
@@ -515,10 +521,6 @@ void WatchdogLoop() {
       info.dc = u.dc;
       info.site = u.dc->status.site.load(std::memory_order_relaxed);
       ReportStall(info, (now - u.since) * 1e-9);
-      if (g_stall_abort.load()) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      }
     }
   }
 }
@@ -565,11 +567,6 @@ ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
           return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
         }
         ReportStall(info, std::chrono::duration<double>(now - start).count());
-        if (g_stall_abort.load()) {
-          // Give the launcher's output forwarding time to pass the report on.
-          std::this_thread::sleep_for(std::chrono::milliseconds(500));
-          MPI_Abort(MPI_COMM_WORLD, 1);
-        }
         deadline = Clock::now() + period;
       }
       // Oversubscribed ranks (more ranks than cores) need the CPU back.
@@ -893,8 +890,12 @@ ffi::Error DivideInPlace(ffi::DataType t, void* p, size_t count,
 // One buffer's all-reduce, chunked, each chunk blocking or polled by size;
 // with a divisor (op "mean") each chunk is divided right after its MPI call.
 ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
-                           ffi::DataType type, size_t n, const char* src,
-                           char* dst, int64_t op, int64_t divisor) {
+                           ffi::AnyBuffer x, ffi::AnyBuffer out, int64_t op,
+                           int64_t divisor) {
+  ffi::DataType type = x.element_type();
+  size_t n = x.element_count();
+  const char* src = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out.untyped_data());
   MPI_Datatype dt;
   MPI_Op mop;
   if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
@@ -927,9 +928,7 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
   CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
   MPIJAX_ENTER(info, comm, site, sig);
-  return AllreduceBuffer(info, comm, x.element_type(), x.element_count(),
-                         static_cast<const char*>(x.untyped_data()),
-                         static_cast<char*>(out->untyped_data()), op, divisor);
+  return AllreduceBuffer(info, comm, x, *out, op, divisor);
 }
 
 // Several buffers (the buckets of a gradient tree) reduced in one call, one
@@ -948,29 +947,20 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
         "result per operand; got " + std::to_string(args.size()) +
         " operands and " + std::to_string(rets.size()) + " results");
   }
-  size_t nbuf = args.size() - 1;
-  std::vector<ffi::AnyBuffer> xs;
-  std::vector<ffi::AnyBuffer> outs;
-  for (size_t i = 0; i < nbuf; ++i) {
+  auto first = args.get<ffi::AnyBuffer>(0);
+  if (first.has_error()) return first.error();
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  CallInfo info{"allreduce", first->element_type(), first->dimensions(),
+                CommSize(comm), comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
     auto x = args.get<ffi::AnyBuffer>(i);
     if (x.has_error()) return x.error();
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (out.has_error()) return out.error();
-    xs.push_back(*x);
-    outs.push_back(**out);
-  }
-  MPIJAX_GET_COMM(comm, comm_id, device);
-  CallInfo info{"allreduce", xs[0].element_type(), xs[0].dimensions(),
-                CommSize(comm), comm_id, device};
-  MPIJAX_ENTER(info, comm, site, sig);
-  for (size_t i = 0; i < nbuf; ++i) {
-    info.dtype = xs[i].element_type();
-    info.dims = xs[i].dimensions();
-    if (auto e = AllreduceBuffer(
-            info, comm, xs[i].element_type(), xs[i].element_count(),
-            static_cast<const char*>(xs[i].untyped_data()),
-            static_cast<char*>(outs[i].untyped_data()), op, 1);
-        e.failure())
+    info.dtype = x->element_type();
+    info.dims = x->dimensions();
+    if (auto e = AllreduceBuffer(info, comm, *x, **out, op, 1); e.failure())
       return e;
   }
   return ffi::Error::Success();
