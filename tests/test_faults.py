@@ -77,15 +77,18 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
-@pytest.mark.parametrize("mode,shape", [
-    ("late", "3"),
-    # 256 KiB messages run as blocking MPI calls (no arrival check first):
-    # the watchdog thread reports the stall, and the job still finishes.
-    ("late_large", "65536"),
+@pytest.mark.parametrize("mode,shape,ring", [
+    ("late", "3", "0"),
+    # 512 KiB messages run blocking (no arrival check first), as mpijax's
+    # ring or as MPI_Allreduce: the watchdog thread reports the stall, and
+    # the job still finishes.
+    ("late_large", "65536", "1"),
+    ("late_large", "65536", "0"),
 ])
-def test_stall_action_warn_reports_and_keeps_waiting(mode, shape):
+def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, ring):
   rc, out, _ = _run("fault_hangs.py", mode,
-                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3",
+                         "MPIJAX_RING_MIN_BYTES": ring})
   assert rc == 0, tail(out)
   assert re.search(rf"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[{shape}\], "
                    r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: "

@@ -94,6 +94,11 @@ _define("blocking_min_bytes", int, 64 * 1024,
         "algorithm, guarded against stalls by the watchdog thread (or, without "
         "the stall inspector, after a polled MPI_Ibarrier); smaller ones are "
         "polled nonblocking calls.")
+_define("ring_min_bytes", int, 128 * 1024,
+        "From this many bytes per rank (message size / ranks) on, an all-reduce "
+        "runs mpijax's ring (reduce-scatter then allgather by neighbour "
+        "exchange, no copy of the input) instead of MPI_Allreduce. 0 turns "
+        "the ring off. Must be the same on every rank.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step.")

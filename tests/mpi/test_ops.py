@@ -453,6 +453,62 @@ def test_both_wait_paths(wait_path):
     assert_close(b, stack[N - 1], dtype)
 
 
+@pytest.fixture(params=["ring", "mpi"])
+def allreduce_path(request):
+  """All-reduces of >= ring_min_bytes per rank run mpijax's ring; smaller ones
+  MPI_Allreduce. Force each, down to one byte per rank."""
+  from mpijax._src import config
+  from mpijax._src.ops import _base
+  config.update("ring_min_bytes", 1 if request.param == "ring" else 0)
+  _base.push_settings()
+  yield request.param
+  config.reset("ring_min_bytes")
+  _base.push_settings()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ring_and_mpi_allreduce(allreduce_path, chunked):
+  from mpijax._src import config
+  from mpijax._src.ops import _base
+  from mpijax._src.ops.allreduce import allreduce_many
+  if chunked:  # the ring runs on each 24-byte chunk: blocks of 0 to 2 elements
+    config.update("max_chunk_bytes", 24)
+    _base.push_settings()
+  try:
+    # Sizes that do not split evenly into N blocks, and fewer elements than ranks.
+    for n, dtype, op in [(1001, "float32", "sum"), (7, "bfloat16", "sum"),
+                         (3, "int32", "max"), (999, "float32", "mean"),
+                         (30, "complex64", "sum"), (1, "float32", "sum")]:
+      stack = all_inputs((n,), dtype)
+      want = (np_reduce(stack, "sum", dtype) / N).astype(stack.dtype) if op == "mean" \
+          else np_reduce(stack, op, dtype)
+      x = rank_input(R, (n,), dtype)
+      got = [ops.allreduce(x, op),  # out of place
+             jax.jit(lambda v: ops.allreduce(v * 1, op))(x),  # in place, an intermediate
+             jax.jit(lambda v: ops.allreduce(v, op), donate_argnums=0)(jnp.asarray(x))]
+      if op != "mean":
+        got.append(allreduce_many([x, x], op)[1])
+      for g in got:
+        assert_close(g, want, dtype)
+        # Every rank gets the same bits (each ring block is reduced by one rank).
+        mine = np.asarray(g).tobytes()
+        assert all(b == mine for b in RT.comm.allgather(mine))
+  finally:
+    if chunked:
+      config.reset("max_chunk_bytes")
+      _base.push_settings()
+
+
+def test_ring_in_place_runs_in_segments():
+  # In place, the ring receives into an 8 MiB scratch: a 40 MiB intermediate
+  # is reduced in several segments (default ring_min_bytes: the ring runs).
+  n = 10 * (1 << 20) + 3
+  x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
+  got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
+  want = 2 * (N * (np.arange(n, dtype=np.float32) % 1000) + N * (N - 1) / 2)
+  np.testing.assert_array_equal(got, want)
+
+
 def test_chunked_messages(tiny_chunks):
   shape = (N, 7)  # 28 B rows of float32, 56 B of complex64: several partial chunks
   for dtype in ["float32", "complex64", "bfloat16", "int8"]:

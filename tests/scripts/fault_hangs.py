@@ -9,8 +9,8 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     step counts, the run completes
   late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=3: the others warn, then finish)
-  late_large        the same with 256 KiB messages, which run as blocking MPI
-                    calls guarded by the watchdog thread
+  late_large        the same with 512 KiB messages, which run blocking (the
+                    ring or MPI_Allreduce) guarded by the watchdog thread
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
@@ -86,7 +86,7 @@ elif mode == "set_order":
 
 elif mode in ("late", "late_large"):
   import time
-  shape = (2, 3) if mode == "late" else (2, 65536)  # the large one: 256 KiB
+  shape = (2, 3) if mode == "late" else (2, 65536)  # the large one: 512 KiB
   grad_sum(jnp.ones(shape)).block_until_ready()
   if rt.rank == 3:
     time.sleep(8)

@@ -6,9 +6,11 @@ def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
 def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
-          check_every: bool = False, blocking_min_bytes: int = 65536) -> None:
+          check_every: bool = False, blocking_min_bytes: int = 65536,
+          ring_min_bytes: int = 131072) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
-  action and whether every call's signature is compared across ranks."""
+  action, whether every call's signature is compared across ranks, and the
+  sizes from which collectives block and all-reduces run the ring."""
 
 def register_comms(handles: list[int], check_handles: list[int], key: int) -> int:
   """Registers one communicator (and one signature-check communicator) per
