@@ -99,6 +99,10 @@ _define("ring_min_bytes", int, 128 * 1024,
         "runs mpijax's ring (reduce-scatter then allgather by neighbour "
         "exchange, no copy of the input) instead of MPI_Allreduce. 0 turns "
         "the ring off. Must be the same on every rank.")
+_define("ring_in_place_min_bytes", int, 4 << 20,
+        "The same threshold for an all-reduce in place (a donated or "
+        "intermediate operand), where the ring saves no input copy and MPI's "
+        "algorithm is as fast up to a few MiB. 0 turns it off.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step.")

@@ -459,10 +459,12 @@ def allreduce_path(request):
   MPI_Allreduce. Force each, down to one byte per rank."""
   from mpijax._src import config
   from mpijax._src.ops import _base
-  config.update("ring_min_bytes", 1 if request.param == "ring" else 0)
+  for name in ("ring_min_bytes", "ring_in_place_min_bytes"):
+    config.update(name, 1 if request.param == "ring" else 0)
   _base.push_settings()
   yield request.param
   config.reset("ring_min_bytes")
+  config.reset("ring_in_place_min_bytes")
   _base.push_settings()
 
 
@@ -488,6 +490,9 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
              jax.jit(lambda v: ops.allreduce(v, op), donate_argnums=0)(jnp.asarray(x))]
       if op != "mean":
         got.append(allreduce_many([x, x], op)[1])
+        # One ring over an out-of-place parameter and an in-place intermediate.
+        both = jax.jit(lambda v: allreduce_many([v, v * 1], op))(x)
+        got += list(both)
       for g in got:
         assert_close(g, want, dtype)
         # Every rank gets the same bits (each ring block is reduced by one rank).
@@ -501,7 +506,7 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
 
 def test_ring_in_place_runs_in_segments():
   # In place, the ring receives into an 8 MiB scratch: a 40 MiB intermediate
-  # is reduced in several segments (default ring_min_bytes: the ring runs).
+  # is reduced in several segments (the default thresholds: the ring runs).
   n = 10 * (1 << 20) + 3
   x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
   got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))

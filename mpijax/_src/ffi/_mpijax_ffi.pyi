@@ -7,7 +7,8 @@ def registrations() -> dict[str, Any]:
 
 def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
           check_every: bool = False, blocking_min_bytes: int = 65536,
-          ring_min_bytes: int = 131072) -> None:
+          ring_min_bytes: int = 131072,
+          ring_in_place_min_bytes: int = 4194304) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
   action, whether every call's signature is compared across ranks, and the
   sizes from which collectives block and all-reduces run the ring."""

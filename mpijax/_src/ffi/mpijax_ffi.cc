@@ -54,8 +54,11 @@ std::atomic<double> g_timeout_s{0.0};
 // nonblocking (libnbc) ones a polled wait needs.
 std::atomic<int64_t> g_blocking_min_bytes{int64_t{64} << 10};
 // From this many bytes per rank (a message's size over the communicator's)
-// an all-reduce runs mpijax's own ring (RingAllreduce); <= 0: never.
+// an all-reduce runs mpijax's own ring (RingAllreduce); <= 0: never. In
+// place the ring saves no input copy, and MPI's own algorithm (fewer steps)
+// is as fast up to a few MiB, hence a second, larger threshold.
 std::atomic<int64_t> g_ring_min_bytes{int64_t{128} << 10};
+std::atomic<int64_t> g_ring_in_place_min_bytes{int64_t{4} << 20};
 std::atomic<bool> g_stall_abort{true};   // MPIJAX_STALL_ACTION=abort
 std::atomic<bool> g_check_every{false};  // MPIJAX_CHECK=1
 
@@ -1036,7 +1039,8 @@ ffi::Error RingAllreduce(const CallInfo& info, MPI_Comm comm,
 }
 
 // Runs the ring over all of `spans` (one dtype) when each rank's share is at
-// least ring_min_bytes and the call may block (under the watchdog), in
+// least ring_min_bytes (ring_in_place_min_bytes if any buffer is reduced in
+// place) and the call may block (under the watchdog), in
 // segments that keep every block within one MPI count and, in place, within
 // the scratch. *ran says whether it did; if not, the caller uses MPI.
 ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
@@ -1045,7 +1049,9 @@ ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
   *ran = false;
   size_t p = static_cast<size_t>(info.comm_size), es = spans.elem_bytes();
   size_t n = spans.size(), bytes = n * es;
-  int64_t ring_min = g_ring_min_bytes.load(std::memory_order_relaxed);
+  int64_t ring_min = (spans.any_in_place() ? g_ring_in_place_min_bytes
+                                            : g_ring_min_bytes)
+                         .load(std::memory_order_relaxed);
   if (p < 2 || ring_min <= 0 || bytes / p < static_cast<size_t>(ring_min)) {
     return ffi::Error::Success();
   }
@@ -1589,7 +1595,8 @@ NB_MODULE(_mpijax_ffi, m) {
 
   m.def("setup", [](int64_t max_chunk_bytes, double timeout_s,
                     bool stall_abort, bool check_every,
-                    int64_t blocking_min_bytes, int64_t ring_min_bytes) {
+                    int64_t blocking_min_bytes, int64_t ring_min_bytes,
+                    int64_t ring_in_place_min_bytes) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
@@ -1607,10 +1614,12 @@ NB_MODULE(_mpijax_ffi, m) {
     g_check_every = check_every;
     g_blocking_min_bytes = blocking_min_bytes;
     g_ring_min_bytes = ring_min_bytes;
+    g_ring_in_place_min_bytes = ring_in_place_min_bytes;
   }, nb::arg("max_chunk_bytes"), nb::arg("timeout_s"),
   nb::arg("stall_abort") = true, nb::arg("check_every") = false,
   nb::arg("blocking_min_bytes") = int64_t{64} << 10,
   nb::arg("ring_min_bytes") = int64_t{128} << 10,
+  nb::arg("ring_in_place_min_bytes") = int64_t{4} << 20,
   "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall "
   "action, whether every call's signature is checked, and the sizes from "
   "which collectives block and all-reduces run the ring.");
