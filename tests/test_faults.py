@@ -79,9 +79,9 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
 
 @pytest.mark.parametrize("mode,shape,ring", [
     ("late", "3", "0"),
-    # 512 KiB messages run blocking (no arrival check first), as mpijax's
-    # ring or as MPI_Allreduce: the watchdog thread reports the stall, and
-    # the job still finishes.
+    # 512 KiB messages: mpijax's ring (polled waits report the stall) or a
+    # blocking MPI_Allreduce without an arrival check first (the watchdog
+    # thread reports it); either way the job still finishes.
     ("late_large", "65536", "1"),
     ("late_large", "65536", "0"),
 ])

@@ -90,6 +90,9 @@ struct DevComm {
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm check = MPI_COMM_NULL;
   int64_t key = -1;  // the communicator's id, agreed by all its ranks
+  // Local devices of the communicator: with more than one, their threads
+  // call MPI at the same time, and every wait is polled (see WaitAll).
+  int local_devices = 1;
   Status status;
 };
 
@@ -543,19 +546,23 @@ struct BlockingMark {
 };
 
 // The one place every operation waits. timeout <= 0 waits forever in
-// MPI_Waitall; otherwise polls, and past the deadline the stall inspector
+// MPI_Waitall (polled instead when several local devices wait at once:
+// threads blocked in MPI together hand progress to each other through
+// condition variables, measured 3-10x slower on 2 cores for a hierarchical
+// psum); otherwise polls, and past the deadline the stall inspector
 // reports which ranks have not arrived, then aborts the job (or, with
 // MPIJAX_STALL_ACTION=warn, keeps waiting and reports again every timeout).
 // Returning an error instead is not an option: the pending request still
 // owns XLA's buffers.
 ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
   double timeout = g_timeout_s.load(std::memory_order_relaxed);
-  if (timeout <= 0) {
+  bool concurrent = info.dc != nullptr && info.dc->local_devices > 1;
+  if (timeout <= 0 && !concurrent) {
     MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE), info);
     return ffi::Error::Success();
   }
   auto period = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(timeout));
+      std::chrono::duration<double>(timeout > 0 ? timeout : 1e9));
   auto start = Clock::now();
   auto deadline = start + period;
   for (uint64_t spin = 0;; ++spin) {
@@ -586,7 +593,9 @@ ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
 }
 
 // Whether a collective of `bytes` runs blocking (MPI's blocking algorithms
-// are faster for large messages). Without a timeout nothing needs polling.
+// are faster for large messages). Never with several local devices (their
+// threads would block in MPI together; see WaitAll). Otherwise, without a
+// timeout nothing needs polling.
 // With one, small messages are polled nonblocking calls; a large one runs
 // blocking under the watchdog (`*watched`), or, when the inspector is not
 // running, after a polled MPI_Ibarrier, after which only a rank that dies
@@ -594,6 +603,10 @@ ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
 ffi::Error ChooseBlocking(MPI_Comm comm, size_t bytes, const CallInfo& info,
                           bool* blocking, bool* watched) {
   *watched = false;
+  if (info.dc != nullptr && info.dc->local_devices > 1) {
+    *blocking = false;
+    return ffi::Error::Success();
+  }
   if (g_timeout_s.load(std::memory_order_relaxed) <= 0) {
     *blocking = true;
     return ffi::Error::Success();
@@ -1009,8 +1022,9 @@ ffi::Error RingAllreduce(const CallInfo& info, MPI_Comm comm,
             });
         e.failure())
       return e;
-    MPIJAX_CHECK_MPI(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(),
-                                 MPI_STATUSES_IGNORE), info);
+    if (auto e = WaitAll(static_cast<int>(reqs.size()), reqs.data(), info);
+        e.failure())
+      return e;
     if (!reduce) return ffi::Error::Success();
     return spans.ForEach(first(rb), last(rb),
         [&](const char* src, char* dst, int count, size_t off) {
@@ -1040,26 +1054,29 @@ ffi::Error RingAllreduce(const CallInfo& info, MPI_Comm comm,
 
 // Runs the ring over all of `spans` (one dtype) when each rank's share is at
 // least ring_min_bytes (ring_in_place_min_bytes if any buffer is reduced in
-// place) and the call may block (under the watchdog), in
-// segments that keep every block within one MPI count and, in place, within
-// the scratch. *ran says whether it did; if not, the caller uses MPI.
+// place and MPI's call would block), in segments that keep every block within one MPI count and, in
+// place, within the scratch. Its waits are WaitAll's (polled, inspected):
+// several local devices may run rings at once, and threads blocked inside
+// MPI at the same time were measured several times slower here. *ran says
+// whether it ran; if not, the caller uses MPI's all-reduce.
 ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
                      ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
                      int64_t divisor, bool* ran) {
   *ran = false;
   size_t p = static_cast<size_t>(info.comm_size), es = spans.elem_bytes();
   size_t n = spans.size(), bytes = n * es;
-  int64_t ring_min = (spans.any_in_place() ? g_ring_in_place_min_bytes
-                                            : g_ring_min_bytes)
+  // In place, the ring only beats MPI's blocking algorithm from a few MiB;
+  // where MPI's call would be polled (several local devices), it beats it
+  // from ring_min_bytes (hierarchical psum, 4 MiB per device: 1.7-1.9 vs
+  // 2.0-2.2 ms).
+  bool mpi_blocks = info.dc == nullptr || info.dc->local_devices == 1;
+  int64_t ring_min = (spans.any_in_place() && mpi_blocks
+                          ? g_ring_in_place_min_bytes
+                          : g_ring_min_bytes)
                          .load(std::memory_order_relaxed);
   if (p < 2 || ring_min <= 0 || bytes / p < static_cast<size_t>(ring_min)) {
     return ffi::Error::Success();
   }
-  bool blocking = false, watched = false;
-  if (auto e = ChooseBlocking(comm, bytes, info, &blocking, &watched);
-      e.failure() || !blocking)
-    return e;
-  BlockingMark mark(watched ? info.dc : nullptr);
   size_t block = ChunkElems(es);
   if (spans.any_in_place()) {
     block = std::min(block, std::max<size_t>(kRingScratchBytes / es, 1));
@@ -1638,6 +1655,7 @@ NB_MODULE(_mpijax_ffi, m) {
       dev->comm = HandleToComm(handles[i]);
       dev->check = HandleToComm(check_handles[i]);
       dev->key = key;
+      dev->local_devices = static_cast<int>(handles.size());
       // Errors become ffi::Error (a Python exception), never an abort.
       MPI_Comm_set_errhandler(dev->comm, MPI_ERRORS_RETURN);
       MPI_Comm_set_errhandler(dev->check, MPI_ERRORS_RETURN);
