@@ -593,13 +593,13 @@ ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
 }
 
 // Whether a collective of `bytes` runs blocking (MPI's blocking algorithms
-// are faster for large messages). Never with several local devices (their
-// threads would block in MPI together; see WaitAll). Otherwise, without a
-// timeout nothing needs polling.
-// With one, small messages are polled nonblocking calls; a large one runs
-// blocking under the watchdog (`*watched`), or, when the inspector is not
-// running, after a polled MPI_Ibarrier, after which only a rank that dies
-// (which the launcher handles) can hold it up.
+// are faster for large messages). Never with several local devices: their
+// threads would block in MPI together (see WaitAll). Otherwise, without a
+// timeout nothing needs polling; with one, small messages are polled
+// nonblocking calls, and a large one runs blocking under the watchdog
+// (`*watched`) or, when the inspector is not running, after a polled
+// MPI_Ibarrier, after which only a rank that dies (which the launcher
+// handles) can hold it up.
 ffi::Error ChooseBlocking(MPI_Comm comm, size_t bytes, const CallInfo& info,
                           bool* blocking, bool* watched) {
   *watched = false;
@@ -1054,11 +1054,12 @@ ffi::Error RingAllreduce(const CallInfo& info, MPI_Comm comm,
 
 // Runs the ring over all of `spans` (one dtype) when each rank's share is at
 // least ring_min_bytes (ring_in_place_min_bytes if any buffer is reduced in
-// place and MPI's call would block), in segments that keep every block within one MPI count and, in
-// place, within the scratch. Its waits are WaitAll's (polled, inspected):
-// several local devices may run rings at once, and threads blocked inside
-// MPI at the same time were measured several times slower here. *ran says
-// whether it ran; if not, the caller uses MPI's all-reduce.
+// place and MPI's call would block), in segments that keep every block
+// within one MPI count and, in place, within the scratch. Its waits are
+// WaitAll's (polled, inspected): several local devices may run rings at
+// once, and threads blocked inside MPI at the same time were measured
+// several times slower here. *ran says whether it ran; if not, the caller
+// uses MPI's all-reduce.
 ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
                      ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
                      int64_t divisor, bool* ran) {
@@ -1148,9 +1149,9 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
 // as `allreduce` would; the last operand and result are the order token. One
 // custom call instead of one per bucket: one signature check on the first
 // run, no per-bucket thunk, and XLA cannot interleave a bucket's packing
-// with another's MPI call. (Posting every bucket as an
-// MPI_Iallreduce and awaiting them together was measured slower inside a
-// training step: 90 vs 76 ms with 4 ranks on 2 cores, 42 vs 34 ms with 2.)
+// with another's MPI call. (Posting every bucket as an MPI_Iallreduce and
+// awaiting them together was measured slower inside a training step: 90 vs
+// 76 ms with 4 ranks on 2 cores, 42 vs 34 ms with 2.)
 ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, int64_t comm_id,
                              int64_t op, int64_t site, int64_t sig) {
