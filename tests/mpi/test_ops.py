@@ -9,6 +9,7 @@ computes the exact expected result locally and holds at any rank count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -414,28 +415,35 @@ def test_control_flow_and_remat():
 # --- chunking (messages above max_chunk_bytes) --------------------------------------
 
 
-@pytest.fixture
-def tiny_chunks():
+@contextlib.contextmanager
+def transport_settings(**values):
+  """Sets transport settings (sent to the C++ handlers) for a block, then
+  restores the defaults."""
   from mpijax._src import config
   from mpijax._src.ops import _base
-  config.update("max_chunk_bytes", 24)  # not a multiple of most message sizes
+  for name, value in values.items():
+    config.update(name, value)
   _base.push_settings()
-  yield
-  config.reset("max_chunk_bytes")
-  _base.push_settings()
+  try:
+    yield
+  finally:
+    for name in values:
+      config.reset(name)
+    _base.push_settings()
+
+
+@pytest.fixture
+def tiny_chunks():
+  with transport_settings(max_chunk_bytes=24):  # not a multiple of most message sizes
+    yield
 
 
 @pytest.fixture(params=["nonblocking", "blocking"])
 def wait_path(request):
   """Small messages are polled nonblocking calls; large ones wait for every
   rank in a polled barrier, then run MPI's blocking collective. Force each."""
-  from mpijax._src import config
-  from mpijax._src.ops import _base
-  config.update("blocking_min_bytes", 1 << 40 if request.param == "nonblocking" else 0)
-  _base.push_settings()
-  yield request.param
-  config.reset("blocking_min_bytes")
-  _base.push_settings()
+  with transport_settings(blocking_min_bytes=1 << 40 if request.param == "nonblocking" else 0):
+    yield request.param
 
 
 def test_both_wait_paths(wait_path):
@@ -457,26 +465,16 @@ def test_both_wait_paths(wait_path):
 def allreduce_path(request):
   """All-reduces of >= ring_min_bytes per rank run mpijax's ring; smaller ones
   MPI_Allreduce. Force each, down to one byte per rank."""
-  from mpijax._src import config
-  from mpijax._src.ops import _base
-  for name in ("ring_min_bytes", "ring_in_place_min_bytes"):
-    config.update(name, 1 if request.param == "ring" else 0)
-  _base.push_settings()
-  yield request.param
-  config.reset("ring_min_bytes")
-  config.reset("ring_in_place_min_bytes")
-  _base.push_settings()
+  limit = 1 if request.param == "ring" else 0
+  with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit):
+    yield request.param
 
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_ring_and_mpi_allreduce(allreduce_path, chunked):
-  from mpijax._src import config
-  from mpijax._src.ops import _base
   from mpijax._src.ops.allreduce import allreduce_many
-  if chunked:  # the ring runs on each 24-byte chunk: blocks of 0 to 2 elements
-    config.update("max_chunk_bytes", 24)
-    _base.push_settings()
-  try:
+  # Chunked, the ring runs on each 24-byte chunk: blocks of 0 to 2 elements.
+  with transport_settings(**({"max_chunk_bytes": 24} if chunked else {})):
     # Sizes that do not split evenly into N blocks, and fewer elements than ranks.
     for n, dtype, op in [(1001, "float32", "sum"), (7, "bfloat16", "sum"),
                          (3, "int32", "max"), (999, "float32", "mean"),
@@ -498,10 +496,6 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         # Every rank gets the same bits (each ring block is reduced by one rank).
         mine = np.asarray(g).tobytes()
         assert all(b == mine for b in RT.comm.allgather(mine))
-  finally:
-    if chunked:
-      config.reset("max_chunk_bytes")
-      _base.push_settings()
 
 
 def test_ring_in_place_runs_in_segments():

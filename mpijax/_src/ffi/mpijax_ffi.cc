@@ -562,7 +562,7 @@ ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
     return ffi::Error::Success();
   }
   auto period = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(timeout > 0 ? timeout : 1e9));
+      std::chrono::duration<double>(timeout));
   auto start = Clock::now();
   auto deadline = start + period;
   for (uint64_t spin = 0;; ++spin) {
@@ -572,7 +572,7 @@ ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
     // Reading the clock every poll would cost more than a small message.
     if ((spin & 255) == 255) {
       auto now = Clock::now();
-      if (now > deadline) {
+      if (timeout > 0 && now > deadline) {  // no timeout: poll, never report
         if (info.dc == nullptr) {
           std::ostringstream s;
           s << info.Describe() << " timed out: not complete after " << timeout
@@ -1052,32 +1052,32 @@ ffi::Error RingAllreduce(const CallInfo& info, MPI_Comm comm,
   return ffi::Error::Success();
 }
 
-// Runs the ring over all of `spans` (one dtype) when each rank's share is at
-// least ring_min_bytes (ring_in_place_min_bytes if any buffer is reduced in
-// place and MPI's call would block), in segments that keep every block
-// within one MPI count and, in place, within the scratch. Its waits are
+// Whether an all-reduce of `bytes` runs the ring: when each rank's share is
+// at least ring_min_bytes, or ring_in_place_min_bytes if a buffer is reduced
+// in place and MPI's call would block. (In place, the ring only beats MPI's
+// blocking algorithm from a few MiB; where MPI's call would be polled, with
+// several local devices, it beats it from ring_min_bytes: hierarchical psum,
+// 4 MiB per device, 1.7-1.9 vs 2.0-2.2 ms.) Allocation-free: it is on every
+// all-reduce's path.
+bool UseRing(const CallInfo& info, size_t bytes, bool in_place) {
+  size_t p = static_cast<size_t>(info.comm_size);
+  bool mpi_blocks = info.dc == nullptr || info.dc->local_devices == 1;
+  int64_t ring_min = (in_place && mpi_blocks ? g_ring_in_place_min_bytes
+                                             : g_ring_min_bytes)
+                         .load(std::memory_order_relaxed);
+  return p > 1 && ring_min > 0 && bytes / p >= static_cast<size_t>(ring_min);
+}
+
+// Runs the ring over all of `spans` (one dtype), in segments that keep every
+// block within one MPI count and, in place, within the scratch. Its waits are
 // WaitAll's (polled, inspected): several local devices may run rings at
 // once, and threads blocked inside MPI at the same time were measured
-// several times slower here. *ran says whether it ran; if not, the caller
-// uses MPI's all-reduce.
-ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
-                     ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
-                     int64_t divisor, bool* ran) {
-  *ran = false;
+// several times slower here.
+ffi::Error RingSegments(const CallInfo& info, MPI_Comm comm,
+                        const Spans& spans, ffi::DataType type,
+                        MPI_Datatype dt, MPI_Op mop, int64_t divisor) {
   size_t p = static_cast<size_t>(info.comm_size), es = spans.elem_bytes();
-  size_t n = spans.size(), bytes = n * es;
-  // In place, the ring only beats MPI's blocking algorithm from a few MiB;
-  // where MPI's call would be polled (several local devices), it beats it
-  // from ring_min_bytes (hierarchical psum, 4 MiB per device: 1.7-1.9 vs
-  // 2.0-2.2 ms).
-  bool mpi_blocks = info.dc == nullptr || info.dc->local_devices == 1;
-  int64_t ring_min = (spans.any_in_place() && mpi_blocks
-                          ? g_ring_in_place_min_bytes
-                          : g_ring_min_bytes)
-                         .load(std::memory_order_relaxed);
-  if (p < 2 || ring_min <= 0 || bytes / p < static_cast<size_t>(ring_min)) {
-    return ffi::Error::Success();
-  }
+  size_t n = spans.size();
   size_t block = ChunkElems(es);
   if (spans.any_in_place()) {
     block = std::min(block, std::max<size_t>(kRingScratchBytes / es, 1));
@@ -1089,11 +1089,10 @@ ffi::Error MaybeRing(const CallInfo& info, MPI_Comm comm, const Spans& spans,
         e.failure())
       return e;
   }
-  *ran = true;
   return ffi::Error::Success();
 }
 
-// One buffer's all-reduce: the ring (MaybeRing) or MPI's, chunked, each
+// One buffer's all-reduce: the ring (UseRing) or MPI's, chunked, each
 // chunk blocking or polled by size; with a divisor (op "mean") each chunk is
 // divided right after its MPI call.
 ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
@@ -1107,13 +1106,12 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
   MPI_Op mop;
   if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
   size_t es = ffi::ByteWidth(type);
-  Spans spans(es);
-  spans.Add(src, dst, n);
-  bool ran = false;
-  if (auto e = MaybeRing(info, comm, spans, type, dt, mop, divisor, &ran);
-      e.failure() || ran)
-    return e;
   bool in_place = src == dst;  // the output aliases the (donated) input
+  if (UseRing(info, n * es, in_place)) {
+    Spans spans(es);
+    spans.Add(src, dst, n);
+    return RingSegments(info, comm, spans, type, dt, mop, divisor);
+  }
   size_t chunk = ChunkElems(es);
   for (size_t off = 0; off < n; off += chunk) {
     int count = static_cast<int>(std::min(chunk, n - off));
@@ -1145,7 +1143,7 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 // Several buffers (the buckets of a gradient tree) reduced in one call: those
-// of one dtype in one ring when it applies (MaybeRing), else one after another
+// of one dtype in one ring when it applies (UseRing), else one after another
 // as `allreduce` would; the last operand and result are the order token. One
 // custom call instead of one per bucket: one signature check on the first
 // run, no per-bucket thunk, and XLA cannot interleave a bucket's packing
@@ -1169,7 +1167,7 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
   MPIJAX_ENTER(info, comm, site, sig);
   MPI_Datatype dt;
   MPI_Op mop;
-  // Buffers of one dtype share one ring (MaybeRing); the dtypes go in order
+  // Buffers of one dtype share one ring (UseRing); the dtypes go in order
   // of first appearance, the same on every rank.
   std::vector<ffi::DataType> types;
   for (size_t i = 0; i + 1 < args.size(); ++i) {
@@ -1193,11 +1191,14 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
     }
     info.dtype = type;
     info.dims = bufs.front().first.dimensions();
-    bool ran = false;
-    if (auto e = MaybeRing(info, comm, spans, type, dt, mop, 1, &ran);
-        e.failure())
-      return e;
-    for (size_t i = 0; !ran && i < bufs.size(); ++i) {
+    if (UseRing(info, spans.size() * spans.elem_bytes(),
+                spans.any_in_place())) {
+      if (auto e = RingSegments(info, comm, spans, type, dt, mop, 1);
+          e.failure())
+        return e;
+      continue;
+    }
+    for (size_t i = 0; i < bufs.size(); ++i) {
       info.dims = bufs[i].first.dimensions();
       if (auto e = AllreduceBuffer(info, comm, bufs[i].first, bufs[i].second,
                                    op, 1);

@@ -130,9 +130,11 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   """Reduces every array of ``xs`` over all ranks, in ONE custom call.
 
   What ``mpijax.train``'s fused gradient all-reduce sends its buckets with:
-  one MPI all-reduce per array, one after another, inside one XLA custom
-  call for the whole list (one signature check, and XLA cannot interleave
-  the buckets' packing with their MPI calls). Each array keeps its shape and
+  one XLA custom call for the whole list (one signature check, and XLA
+  cannot interleave the buckets' packing with their MPI calls). Inside it
+  the arrays of one dtype share one ring all-reduce from
+  ``MPIJAX_RING_MIN_BYTES`` per rank on; below that each array is one MPI
+  all-reduce. Each array keeps its shape and
   dtype; intermediates and donated arrays are reduced in place.
 
   Args:

@@ -34,8 +34,8 @@ class DataParallel:
   minimizes the mean loss over the real samples of the global batch: per
   rank ``mean(weight * losses)`` with the weights from :func:`shard_batches`,
   then the gradients (and, in the same buckets, the metrics) are averaged
-  over ranks with one MPI all-reduce per bucket, and ``optimizer`` updates the
-  replicated parameters identically on every rank.
+  over ranks in one fused all-reduce (:func:`fused_allreduce`), and
+  ``optimizer`` updates the replicated parameters identically on every rank.
 
   Args:
     loss_fn: see above.
@@ -105,7 +105,7 @@ class DataParallel:
     (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
     kw = dict(average=True, bucket_bytes=self.bucket_bytes, comm=self.comm)
     if self.compression is None:
-      # Metrics ride in the gradient buckets: still one MPI call per bucket.
+      # Metrics ride in the gradient buckets: no extra collective.
       grads, metrics = _grads.fused_allreduce((grads, metrics), **kw)
     else:
       grads = _grads.fused_allreduce(grads, compression=self.compression, **kw)

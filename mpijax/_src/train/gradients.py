@@ -79,7 +79,7 @@ def plan_buckets(shapes_dtypes: list[tuple[tuple[int, ...], Any]], bucket_bytes:
 def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None = None,
                     compression: str | None = None, local_axis_name: Any = None,
                     comm: Any | None = None, fuse_leaf_bytes: int | None = None) -> Any:
-  """Sums (or averages) every leaf of ``tree`` over all ranks with one MPI call per bucket.
+  """Sums (or averages) every leaf of ``tree`` over all ranks, all buckets in one custom call.
 
   Call it inside ``jax.jit`` (it also works eagerly). See
   :func:`allreduce_gradients` for the arguments.
