@@ -77,18 +77,17 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
-@pytest.mark.parametrize("mode,shape,ring", [
-    ("late", "3", "0"),
-    # 512 KiB messages: mpijax's ring (polled waits report the stall) or a
-    # blocking MPI_Allreduce without an arrival check first (the watchdog
-    # thread reports it); either way the job still finishes.
-    ("late_large", "65536", "1"),
-    ("late_large", "65536", "0"),
-])
-def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, ring):
+@pytest.mark.parametrize("mode,shape,transport", [
+    # 12 B messages: a blocking MPI_Allreduce (the default at every size),
+    # which the watchdog thread reports, or a polled nonblocking one.
+    ("late", "3", {}),
+    ("late", "3", {"MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
+    # 512 KiB messages: mpijax's ring, whose exchanges are polled.
+    ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1"}),
+], ids=["blocking", "polled", "ring"])
+def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,
-                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3",
-                         "MPIJAX_RING_MIN_BYTES": ring})
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3", **transport})
   assert rc == 0, tail(out)
   assert re.search(rf"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[{shape}\], "
                    r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: "

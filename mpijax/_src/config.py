@@ -89,11 +89,13 @@ _define("check", _parse_bool, False,
         "on its first run.")
 _define("max_chunk_bytes", int, 1 << 30,
         "Largest single MPI message; bigger buffers are sent in chunks.")
-_define("blocking_min_bytes", int, 64 * 1024,
-        "From this message size on, a collective runs MPI's faster blocking "
-        "algorithm, guarded against stalls by the watchdog thread (or, without "
-        "the stall inspector, after a polled MPI_Ibarrier); smaller ones are "
-        "polled nonblocking calls. With several local devices per rank every "
+_define("blocking_min_bytes", int, 0,
+        "From this message size on, a collective runs MPI's blocking "
+        "algorithm, guarded against stalls by the watchdog thread; smaller "
+        "ones are polled nonblocking calls, which were slower at every size "
+        "measured (default 0: every call blocks). Without the stall inspector's "
+        "watchdog, blocking calls start at 64 KiB and first wait for every rank "
+        "in a polled MPI_Ibarrier. With several local devices per rank every "
         "call is polled: their threads blocked in MPI together were 3-10x "
         "slower.")
 _define("ring_min_bytes", int, 128 * 1024,

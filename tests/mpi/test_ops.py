@@ -440,8 +440,9 @@ def tiny_chunks():
 
 @pytest.fixture(params=["nonblocking", "blocking"])
 def wait_path(request):
-  """Small messages are polled nonblocking calls; large ones wait for every
-  rank in a polled barrier, then run MPI's blocking collective. Force each."""
+  """Collectives block in MPI (under the watchdog) from MPIJAX_BLOCKING_MIN_BYTES
+  on, by default at every size, and are polled nonblocking calls below it.
+  Force each."""
   with transport_settings(blocking_min_bytes=1 << 40 if request.param == "nonblocking" else 0):
     yield request.param
 

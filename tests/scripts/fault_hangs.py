@@ -9,9 +9,8 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     step counts, the run completes
   late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=3: the others warn, then finish)
-  late_large        the same with 512 KiB messages: mpijax's ring (polled) or,
-                    with MPIJAX_RING_MIN_BYTES=0, a blocking MPI_Allreduce
-                    guarded by the watchdog thread
+  late_large        the same with 512 KiB messages (mpijax's ring, or with
+                    MPIJAX_RING_MIN_BYTES=0 a blocking MPI_Allreduce)
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
