@@ -14,6 +14,8 @@ from tests._launch import run_mpi, tail
 CONFIGS = [
     pytest.param(4, 1, id="4ranks-x-1dev"),
     pytest.param(2, 2, id="2ranks-x-2dev"),
+    # Not a power of two: uneven ring segments, no exact division in the mean.
+    pytest.param(3, 1, id="3ranks-x-1dev"),
     pytest.param(1, 1, id="1rank"),
 ]
 

@@ -1,6 +1,6 @@
 """mpijax.train across ranks: broadcast, fused all-reduce, equivalence, uneven data, checkpoints.
 
-Every assertion holds at any rank count (4 x 1 device, 2 x 2 devices, 1 rank).
+Every assertion holds at any rank count (4 x 1 device, 2 x 2 devices, 3 ranks, 1 rank).
 """
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ def _sgd_step(params, opt_state, batch, weight, tx):
   grads = jax.grad(weighted_loss)(params, batch, weight)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
+
+
+def batch_size(at_least, ranks):
+  """The smallest global batch of at least `at_least` that `ranks` divide
+  (shard_batches requires it), so the tests run at any rank count."""
+  return -(-at_least // ranks) * ranks
 
 
 def assert_trees_close(a, b, **tol):
@@ -183,10 +189,11 @@ def test_mean_metrics_eager_and_jitted(rt):
 
 # --- equivalence: P ranks == 1 process on the global batch ---------------------
 
-STEPS, GLOBAL_BATCH = 5, 16
+STEPS = 5
 
 
 def test_equivalence_allreduce_gradients_vs_single_process(rt):
+  global_batch = batch_size(16, rt.size)
   opt = optax.adam(0.05)
   tx = optax.chain(train.allreduce_gradients(), opt)
   params = train.broadcast(init_params(jax.random.key(0)))
@@ -194,27 +201,28 @@ def test_equivalence_allreduce_gradients_vs_single_process(rt):
   step = jax.jit(lambda p, s, b, w: _sgd_step(p, s, b, w, tx))
   done, epoch = 0, 0
   while done < STEPS:
-    for batch in train.shard_batches(dataset(), GLOBAL_BATCH, seed=7, epoch=epoch):
+    for batch in train.shard_batches(dataset(), global_batch, seed=7, epoch=epoch):
       if done == STEPS:
         break
       params, opt_state = step(params, opt_state, batch.data, batch.weight)
       done += 1
     epoch += 1
-  assert_trees_close(params, reference_params(STEPS, GLOBAL_BATCH, opt), rtol=1e-5, atol=1e-6)
+  assert_trees_close(params, reference_params(STEPS, global_batch, opt), rtol=1e-5, atol=1e-6)
   assert_same_on_all_ranks(rt.comm, params)
 
 
 def test_equivalence_with_padded_last_batch_via_data_parallel(rt):
-  # 48 samples, global batch 20: steps of 20, 20 and a padded 8.
+  # 48 samples, global batch 20 (21 at 3 ranks): two full steps and a padded one.
+  global_batch = batch_size(20, rt.size)
   opt = optax.sgd(0.3)
   dp = train.DataParallel(per_example_loss, opt)
   state = dp.init(init_params(jax.random.key(rt.rank)) if rt.rank else init_params(jax.random.key(0)))
-  for batch in train.shard_batches(dataset(), 20, seed=7, epoch=0):
+  for batch in train.shard_batches(dataset(), global_batch, seed=7, epoch=0):
     state, metrics = dp.step(state, batch)
-  ref = reference_params(3, 20, opt)
+  ref = reference_params(3, global_batch, opt)
   assert_trees_close(state.params, ref, rtol=1e-5, atol=1e-6)
   assert int(state.step) == 3
-  # The metric is the exact mean loss of the last (8 real samples) batch, before the update.
+  # The metric is the exact mean loss of the last (padded) batch, before the update.
   assert np.isfinite(float(metrics["loss"]))
   ev = dp.evaluate(state, dataset(), batch_size=2 * rt.size)
   x, y = dataset()
@@ -253,14 +261,15 @@ def test_accumulate_gradients_communicates_on_kth_step(rt):
   params = train.broadcast(init_params(jax.random.key(0)))
   opt_state = tx.init(params)
   step = jax.jit(lambda p, s, b, w: _sgd_step(p, s, b, w, tx))
-  batches = list(train.shard_batches(dataset(), 8, seed=7, epoch=0))[:4]
+  micro = batch_size(8, rt.size)
+  batches = list(train.shard_batches(dataset(), micro, seed=7, epoch=0))[:4]
   history = []
   for batch in batches:
     params, opt_state = step(params, opt_state, batch.data, batch.weight)
     history.append(params)
-  # Micro-step 1 does not move the parameters; 2 micro-batches of 8 == one batch of 16.
+  # Micro-step 1 does not move the parameters; 2 micro-batches == one batch of twice the size.
   assert_trees_close(history[0], init_params(jax.random.key(0)), rtol=0, atol=0)
-  assert_trees_close(params, reference_params(2, 16, opt), rtol=1e-5, atol=1e-6)
+  assert_trees_close(params, reference_params(2, 2 * micro, opt), rtol=1e-5, atol=1e-6)
   assert int(opt_state.micro_step) == 0
 
 
@@ -289,8 +298,9 @@ def test_uneven_data_every_sample_once_and_no_hang(rt):
 
 def _run(dp, state, epochs_steps):
   """Runs (epoch, start_step, n_steps) chunks; returns the state."""
+  global_batch = batch_size(16, mpijax.process_count())
   for epoch, start, n in epochs_steps:
-    it = train.shard_batches(dataset(), 16, seed=3, epoch=epoch, start_step=start)
+    it = train.shard_batches(dataset(), global_batch, seed=3, epoch=epoch, start_step=start)
     for _ in range(n):
       state, _ = dp.step(state, next(it))
   return state
