@@ -78,13 +78,14 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
 
 
 @pytest.mark.parametrize("mode,shape,transport", [
-    # 12 B messages: a blocking MPI_Allreduce (the default at every size),
-    # which the watchdog thread reports, or a polled nonblocking one.
+    # 12 B messages: node-local shared memory (the default), a blocking
+    # MPI_Allreduce, which the watchdog thread reports, or a polled one.
     ("late", "3", {}),
-    ("late", "3", {"MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
+    ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}),
+    ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
     # 512 KiB messages: mpijax's ring, whose exchanges are polled.
     ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1"}),
-], ids=["blocking", "polled", "ring"])
+], ids=["shm", "blocking", "polled", "ring"])
 def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,
                     env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3", **transport})

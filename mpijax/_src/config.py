@@ -109,6 +109,14 @@ _define("ring_in_place_min_bytes", int, 4 << 20,
         "blocking algorithm is as fast up to a few MiB (with several local "
         "devices per rank MPI's call is polled, and MPIJAX_RING_MIN_BYTES "
         "applies). 0 turns it off.")
+_define("shm_max_bytes", int, 256 * 1024,
+        "All-reduces of up to this many bytes that do not run the ring, on a "
+        "communicator whose ranks all run on one node with one local device "
+        "each, go through node-local shared memory (one POSIX shm file per "
+        "communicator, unlinked as soon as every rank has mapped it) instead "
+        "of MPI: no MPI message, rendezvous or kernel copy. Also each rank's "
+        "segment size, fixed at the communicator's first such all-reduce. 0 "
+        "turns it off. Must be the same on every rank.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step.")

@@ -57,6 +57,27 @@ def test_check_every_call_catches_a_divergence_after_the_first_run(rt):
     _base.push_settings()
 
 
+def test_shared_memory_catches_a_divergence_without_the_check(rt):
+  """Small all-reduces go through node-local shared memory (one device per
+  rank), which compares every call's signature across ranks for free: a
+  divergence after the first-run check is an error, not MPI's undefined
+  result. (With several devices per rank the MPI path runs; see the test
+  above for MPIJAX_CHECK=1 there.)"""
+  a = jax.jit(lambda x: mpijax.ops.allreduce(x, op="max"))
+  b = jax.jit(lambda x: mpijax.ops.allreduce(x, op="min"))
+  x = jnp.ones(5)
+  a(x).block_until_ready()
+  b(x).block_until_ready()
+  if rt.size == 1 or len(rt.local_devices) > 1:
+    return
+  prog = a if rt.rank == 0 else b
+  with pytest.raises(Exception, match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
+                     r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)"):
+    prog(x).block_until_ready()
+  # The job goes on.
+  np.testing.assert_array_equal(a(jnp.full(5, float(rt.rank))), np.full(5, rt.size - 1.0))
+
+
 def test_status_table_records_calls(rt):
   mpijax.ops.allreduce(jnp.ones(2)).block_until_ready()
   ext = _ffi.load()

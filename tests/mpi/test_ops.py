@@ -448,7 +448,8 @@ def wait_path(request):
   """Collectives block in MPI (under the watchdog) from MPIJAX_BLOCKING_MIN_BYTES
   on, by default at every size, and are polled nonblocking calls below it.
   Force each."""
-  with transport_settings(blocking_min_bytes=1 << 40 if request.param == "nonblocking" else 0):
+  with transport_settings(blocking_min_bytes=1 << 40 if request.param == "nonblocking" else 0,
+                          shm_max_bytes=0):
     yield request.param
 
 
@@ -467,12 +468,14 @@ def test_both_wait_paths(wait_path):
     assert_close(b, stack[N - 1], dtype)
 
 
-@pytest.fixture(params=["ring", "mpi"])
+@pytest.fixture(params=["ring", "shm", "mpi"])
 def allreduce_path(request):
   """All-reduces of >= ring_min_bytes per rank run mpijax's ring; smaller ones
-  MPI_Allreduce. Force each, down to one byte per rank."""
+  of <= shm_max_bytes go through node-local shared memory (one device per
+  rank), the others MPI_Allreduce. Force each, down to one byte per rank."""
   limit = 1 if request.param == "ring" else 0
-  with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit):
+  shm = 1 << 20 if request.param == "shm" else 0
+  with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit, shm_max_bytes=shm):
     yield request.param
 
 
@@ -499,7 +502,8 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         got += list(both)
       for g in got:
         assert_close(g, want, dtype)
-        # Every rank gets the same bits (each ring block is reduced by one rank).
+        # Every rank gets the same bits (each ring or shared-memory block is
+        # reduced by one rank).
         mine = np.asarray(g).tobytes()
         assert all(b == mine for b in RT.comm.allgather(mine))
 

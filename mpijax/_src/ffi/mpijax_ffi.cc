@@ -13,7 +13,10 @@
 //   have not arrived (see ReportStall).
 // * Messages larger than max_chunk_bytes are sent in pieces so MPI's int
 //   counts never overflow.
+#include <fcntl.h>
 #include <mpi.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +66,11 @@ constexpr int64_t kUnwatchedBlockingMinBytes = int64_t{64} << 10;
 // is as fast up to a few MiB, hence a second, larger threshold.
 std::atomic<int64_t> g_ring_min_bytes{int64_t{128} << 10};
 std::atomic<int64_t> g_ring_in_place_min_bytes{int64_t{4} << 20};
+// All-reduces of at most this many bytes, on a communicator whose ranks
+// share one node (and one local device each), go through node-local shared
+// memory (ShmAllreduce) instead of MPI; <= 0: never. Also each rank's
+// segment size, fixed when a communicator first uses it.
+std::atomic<int64_t> g_shm_max_bytes{int64_t{256} << 10};
 std::atomic<bool> g_stall_abort{true};   // MPIJAX_STALL_ACTION=abort
 std::atomic<bool> g_check_every{false};  // MPIJAX_CHECK=1
 
@@ -98,6 +106,14 @@ struct DevComm {
   // call MPI at the same time, and every wait is polled (see WaitAll).
   int local_devices = 1;
   Status status;
+  // Node-local shared memory (ShmAllreduce), mapped by the first call that
+  // can use it; touched only by this device's handler thread.
+  int shm_state = 0;  // 0 not tried yet, 1 mapped, -1 unavailable
+  char* shm_base = nullptr;
+  size_t shm_seg_bytes = 0, shm_stride = 0, shm_map_bytes = 0;
+  int shm_rank = 0;
+  bool shm_oversubscribed = false;  // more ranks on the node than cores
+  uint64_t shm_seq = 0;  // calls so far: the same on every rank
 };
 
 struct CommEntry {
@@ -218,6 +234,7 @@ struct CallInfo {
   int64_t device;
   DevComm* dc = nullptr;  // set by MPIJAX_ENTER
   int64_t site = -1;
+  int64_t sig = 0;
 
   std::string Describe() const {
     std::ostringstream s;
@@ -852,6 +869,7 @@ struct StridedBytes {
 #define MPIJAX_ENTER(info_, var, site_id, signature)                   \
   info_.dc = var##_dc;                                                \
   info_.site = site_id;                                               \
+  info_.sig = signature;                                              \
   CallScope scope_(var##_dc->status, site_id);                        \
   if (auto e_ = CheckSignature(info_, signature); e_.failure()) return e_;
 
@@ -1098,6 +1116,257 @@ ffi::Error RingSegments(const CallInfo& info, MPI_Comm comm,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Node-local shared memory all-reduce. When every rank of a communicator runs
+// on one node, each maps one POSIX shared-memory file holding a slot per
+// rank: a header of flags and a data segment. A call copies its input into
+// its own segment, reduces its 1/P block of every rank's segment (in rank
+// order, so every rank gets the same bits), publishes that block, and
+// copies the other ranks' finished blocks out. That is 3 memory passes over
+// the data and 3 flag waits, with no MPI message, rendezvous or kernel copy:
+// at 256 KiB with 2 ranks, about half the time of Open MPI's shared-memory
+// all-reduce (see README, "The transport").
+
+struct alignas(64) ShmHeader {
+  std::atomic<uint64_t> arrived;  // this call's input is in the segment
+  char pad0[56];
+  std::atomic<uint64_t> reduced;  // its block of the result is published
+  char pad1[56];
+  std::atomic<uint64_t> done;     // it has read every other segment
+  char pad2[56];
+  int64_t sig, bytes;             // what it is reducing (mismatch check)
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory flags need lock-free 64-bit atomics");
+constexpr size_t kShmHeaderBytes = 4096;  // a page: segments stay aligned
+std::atomic<int64_t> g_shm_files{0};      // names this process created
+
+ShmHeader* ShmHead(DevComm* dc, int i) {
+  return reinterpret_cast<ShmHeader*>(dc->shm_base + i * dc->shm_stride);
+}
+char* ShmData(DevComm* dc, int i) {
+  return dc->shm_base + i * dc->shm_stride + kShmHeaderBytes;
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until ready(); like WaitAll: past MPIJAX_TIMEOUT the stall inspector
+// reports the ranks that have not arrived (and aborts, or keeps waiting with
+// MPIJAX_STALL_ACTION=warn). Yields the CPU once a wait is not short, for
+// ranks that share cores.
+template <typename Ready>
+ffi::Error ShmWait(const CallInfo& info, Ready ready) {
+  // More ranks than cores: the rank being waited for may need this core.
+  bool oversubscribed = info.dc->shm_oversubscribed;
+  if (ready()) return ffi::Error::Success();
+  double timeout = g_timeout_s.load(std::memory_order_relaxed);
+  auto period = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(timeout > 0 ? timeout : 0));
+  auto start = Clock::now();
+  auto deadline = start + period;
+  for (uint64_t spin = 1;; ++spin) {
+    CpuRelax();
+    if (ready()) return ffi::Error::Success();
+    if ((spin & 63) == 0) {
+      if (timeout > 0) {
+        auto now = Clock::now();
+        if (now > deadline) {
+          ReportStall(info, std::chrono::duration<double>(now - start).count());
+          deadline = Clock::now() + period;
+        }
+      }
+    }
+    if (oversubscribed || (spin > 1024 && (spin & 15) == 0))
+      std::this_thread::yield();
+  }
+}
+
+// Maps the shared segments of `dc` (collective over its communicator: the
+// first call that can use them, which is the same call on every rank). Any
+// failure on any rank -- ranks on several nodes, no /dev/shm, no space --
+// leaves every rank on the MPI path.
+ffi::Error ShmSetup(const CallInfo& info, DevComm* dc) {
+  dc->shm_state = -1;
+  MPI_Comm comm = dc->comm;
+  BlockingMark mark(dc);  // blocking MPI calls below: the watchdog guards them
+  int p = info.comm_size, r = CommRank(comm);
+  MPI_Comm node;
+  MPIJAX_CHECK_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, r,
+                                       MPI_INFO_NULL, &node),
+                   info);
+  int node_size = CommSize(node);
+  MPI_Comm_free(&node);
+  int one_node = node_size == p;
+  MPIJAX_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &one_node, 1, MPI_INT, MPI_MIN,
+                                 comm),
+                   info);
+  if (!one_node) return ffi::Error::Success();
+  size_t seg = (static_cast<size_t>(g_shm_max_bytes.load()) + 4095) / 4096 * 4096;
+  size_t stride = kShmHeaderBytes + seg, total = stride * p;
+  char name[64] = {0};
+  int fd = -1;
+  if (r == 0) {
+    std::snprintf(name, sizeof name, "/mpijax-%d-%lld", static_cast<int>(getpid()),
+                  static_cast<long long>(g_shm_files.fetch_add(1)));
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(total)) != 0) {
+      close(fd);
+      fd = -1;
+      shm_unlink(name);
+    }
+    if (fd < 0) name[0] = 0;
+  }
+  MPIJAX_CHECK_MPI(MPI_Bcast(name, sizeof name, MPI_CHAR, 0, comm), info);
+  if (r != 0 && name[0] != 0) fd = shm_open(name, O_RDWR, 0);
+  void* base = MAP_FAILED;
+  if (fd >= 0) {
+    base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+  }
+  int mapped = base != MAP_FAILED;
+  MPIJAX_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT, MPI_MIN,
+                                 comm),
+                   info);
+  // Every rank has opened it (or given up): the name can go, so nothing is
+  // left in /dev/shm however the job ends.
+  if (r == 0 && name[0] != 0) shm_unlink(name);
+  if (!mapped) {
+    if (base != MAP_FAILED) munmap(base, total);
+    return ffi::Error::Success();
+  }
+  dc->shm_base = static_cast<char*>(base);
+  dc->shm_seg_bytes = seg;
+  dc->shm_stride = stride;
+  dc->shm_map_bytes = total;
+  dc->shm_rank = r;
+  dc->shm_oversubscribed = p > static_cast<int>(std::thread::hardware_concurrency());
+  dc->shm_state = 1;
+  return ffi::Error::Success();
+}
+
+// Whether an all-reduce of `bytes` goes through shared memory (mapping it
+// at the first call that could). Not with several local devices per rank:
+// their reductions already meet in XLA's local collectives first.
+ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
+  DevComm* dc = info.dc;
+  int64_t max_bytes = g_shm_max_bytes.load(std::memory_order_relaxed);
+  if (dc == nullptr || dc->local_devices != 1 || info.comm_size < 2 ||
+      max_bytes <= 0 || bytes == 0 || bytes > static_cast<size_t>(max_bytes))
+    return false;
+  if (dc->shm_state == 0) {
+    if (auto e = ShmSetup(info, dc); e.failure()) return ffi::Unexpected(e);
+  }
+  return dc->shm_state == 1 && bytes <= dc->shm_seg_bytes;
+}
+
+// The float sum of elements [lo, lo + cnt) of every segment, in rank order,
+// written to this rank's output and published in its segment in one pass
+// (the common case: what MPI_Reduce_local would do in three).
+template <typename T>
+void ShmSumBlock(DevComm* dc, int p, size_t lo, size_t cnt, T* out, T* pub) {
+  auto seg = [&](int i) {
+    return reinterpret_cast<const T*>(ShmData(dc, i)) + lo;
+  };
+  const T* a = seg(0);
+  const T* b = seg(1);
+  if (p == 2) {
+    for (size_t i = 0; i < cnt; ++i) {
+      T v = a[i] + b[i];
+      out[i] = v;
+      pub[i] = v;
+    }
+    return;
+  }
+  for (size_t i = 0; i < cnt; ++i) out[i] = a[i] + b[i];
+  for (int j = 2; j < p; ++j) {
+    const T* c = seg(j);
+    for (size_t i = 0; i < cnt; ++i) out[i] += c[i];
+  }
+  std::memcpy(pub, out, cnt * sizeof(T));
+}
+
+ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
+                        size_t n, ffi::DataType type, MPI_Datatype dt,
+                        MPI_Op mop, int64_t divisor) {
+  DevComm* dc = info.dc;
+  int p = info.comm_size, r = dc->shm_rank;
+  size_t es = ffi::ByteWidth(type), bytes = n * es;
+  uint64_t k = ++dc->shm_seq;
+  ShmHeader* me = ShmHead(dc, r);
+  auto all = [&](auto flag, uint64_t at_least) {
+    return [=] {
+      for (int i = 0; i < p; ++i)
+        if ((ShmHead(dc, i)->*flag).load(std::memory_order_acquire) < at_least)
+          return false;
+      return true;
+    };
+  };
+  // 1. Everyone has read this rank's segment from the previous call.
+  if (auto e = ShmWait(info, all(&ShmHeader::done, k - 1)); e.failure())
+    return e;
+  std::memcpy(ShmData(dc, r), src, bytes);
+  me->sig = info.sig;
+  me->bytes = static_cast<int64_t>(bytes);
+  me->arrived.store(k, std::memory_order_release);
+  // 2. Every input is in; all ranks must be reducing the same thing (the
+  // same comparison on every rank, so all of them raise together).
+  if (auto e = ShmWait(info, all(&ShmHeader::arrived, k)); e.failure())
+    return e;
+  for (int i = 0; i < p; ++i) {
+    ShmHeader* h = ShmHead(dc, i);
+    if (h->sig != info.sig || h->bytes != me->bytes) {
+      me->reduced.store(k, std::memory_order_release);
+      me->done.store(k, std::memory_order_release);
+      if (h->sig != info.sig) return MismatchError(info, info.sig);
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        info.Describe() + ": rank " + std::to_string(i) +
+                            " reduces " + std::to_string(h->bytes) +
+                            " bytes, this rank " + std::to_string(bytes));
+    }
+  }
+  // 3. This rank's block: reduced in rank order, divided, published.
+  size_t lo = n * r / p, hi = n * (r + 1) / p, cnt = hi - lo;
+  bool fused = mop == MPI_SUM && divisor == 1 &&
+               (type == ffi::DataType::F32 || type == ffi::DataType::F64);
+  if (cnt > 0 && fused) {
+    if (type == ffi::DataType::F32) {
+      ShmSumBlock<float>(dc, p, lo, cnt, reinterpret_cast<float*>(dst) + lo,
+                         reinterpret_cast<float*>(ShmData(dc, r)) + lo);
+    } else {
+      ShmSumBlock<double>(dc, p, lo, cnt, reinterpret_cast<double*>(dst) + lo,
+                          reinterpret_cast<double*>(ShmData(dc, r)) + lo);
+    }
+  } else if (cnt > 0) {
+    std::memcpy(dst + lo * es, ShmData(dc, 0) + lo * es, cnt * es);
+    for (int i = 1; i < p; ++i) {
+      MPIJAX_CHECK_MPI(MPI_Reduce_local(ShmData(dc, i) + lo * es, dst + lo * es,
+                                        static_cast<int>(cnt), dt, mop),
+                       info);
+    }
+    if (divisor != 1) {
+      if (auto e = DivideInPlace(type, dst + lo * es, cnt, divisor); e.failure())
+        return e;
+    }
+    // Only this rank reads its own segment at block r: safe to overwrite.
+    std::memcpy(ShmData(dc, r) + lo * es, dst + lo * es, cnt * es);
+  }
+  me->reduced.store(k, std::memory_order_release);
+  // 4. Every block is published: copy the others' out.
+  if (auto e = ShmWait(info, all(&ShmHeader::reduced, k)); e.failure())
+    return e;
+  for (int i = 0; i < p; ++i) {
+    if (i == r) continue;
+    size_t a = n * i / p, b = n * (i + 1) / p;
+    std::memcpy(dst + a * es, ShmData(dc, i) + a * es, (b - a) * es);
+  }
+  me->done.store(k, std::memory_order_release);
+  return ffi::Error::Success();
+}
+
 // One buffer's all-reduce: the ring (UseRing) or MPI's, chunked, each
 // chunk blocking or polled by size; with a divisor (op "mean") each chunk is
 // divided right after its MPI call.
@@ -1118,6 +1387,9 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
     spans.Add(src, dst, n);
     return RingSegments(info, comm, spans, type, dt, mop, divisor);
   }
+  auto shm = UseShm(info, n * es);
+  if (shm.has_error()) return shm.error();
+  if (*shm) return ShmAllreduce(info, src, dst, n, type, dt, mop, divisor);
   size_t chunk = ChunkElems(es);
   for (size_t off = 0; off < n; off += chunk) {
     int count = static_cast<int>(std::min(chunk, n - off));
@@ -1621,7 +1893,7 @@ NB_MODULE(_mpijax_ffi, m) {
   m.def("setup", [](int64_t max_chunk_bytes, double timeout_s,
                     bool stall_abort, bool check_every,
                     int64_t blocking_min_bytes, int64_t ring_min_bytes,
-                    int64_t ring_in_place_min_bytes) {
+                    int64_t ring_in_place_min_bytes, int64_t shm_max_bytes) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
@@ -1640,14 +1912,17 @@ NB_MODULE(_mpijax_ffi, m) {
     g_blocking_min_bytes = blocking_min_bytes;
     g_ring_min_bytes = ring_min_bytes;
     g_ring_in_place_min_bytes = ring_in_place_min_bytes;
+    g_shm_max_bytes = std::min<int64_t>(shm_max_bytes, int64_t{1} << 30);
   }, nb::arg("max_chunk_bytes"), nb::arg("timeout_s"),
   nb::arg("stall_abort") = true, nb::arg("check_every") = false,
   nb::arg("blocking_min_bytes") = int64_t{0},
   nb::arg("ring_min_bytes") = int64_t{128} << 10,
   nb::arg("ring_in_place_min_bytes") = int64_t{4} << 20,
+  nb::arg("shm_max_bytes") = int64_t{256} << 10,
   "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall "
-  "action, whether every call's signature is checked, and the sizes from "
-  "which collectives block and all-reduces run the ring.");
+  "action, whether every call's signature is checked, the sizes from "
+  "which collectives block and all-reduces run the ring, and up to which "
+  "all-reduces go through node-local shared memory.");
 
   m.def("register_comms", [](const std::vector<uintptr_t>& handles,
                              const std::vector<uintptr_t>& check_handles,
@@ -1684,6 +1959,11 @@ NB_MODULE(_mpijax_ffi, m) {
       // Later calls fail cleanly, never use freed comms; the DevComms stay
       // allocated so the responder thread never reads freed memory.
       g_comms[comm_id].freed = true;
+      for (auto& dev : g_comms[comm_id].devs) {
+        if (dev->shm_base != nullptr) munmap(dev->shm_base, dev->shm_map_bytes);
+        dev->shm_base = nullptr;
+        dev->shm_state = -1;
+      }
     }
   }, nb::arg("comm_id"),
   "Forgets the communicators of comm_id (before Python frees them).");
