@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
   # mpijax-run's own --timeout stops every rank (they run in other sessions than
   # ours); our timeout below is only the backstop.
   cmd = mpirun_command(n, devices_per_process, wrap, timeout) + argv
+  shm_before = _shm_files()
   start = time.monotonic()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=full_env, cwd=str(cwd or REPO), start_new_session=True)
@@ -50,7 +52,16 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
     out += f"\n[tests] killed after the {timeout}s timeout\n"
     proc.returncode = -9
   result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-  return result, time.monotonic() - start
+  seconds = time.monotonic() - start
+  # mpijax unlinks its shared-memory files as soon as every rank has mapped
+  # them: however a job ends, none may be left behind.
+  left = _shm_files() - shm_before
+  assert not left, f"shared-memory files left behind: {sorted(left)}\n{tail(out)}"
+  return result, seconds
+
+
+def _shm_files() -> set[str]:
+  return set(glob.glob("/dev/shm/mpijax-*"))
 
 
 def tail(text: str, lines: int = 80) -> str:
