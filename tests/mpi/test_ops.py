@@ -319,6 +319,31 @@ def test_user_comm_is_cloned_and_split():
     sub.Free()
 
 
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "sum"), ("float32", "mean"),
+                                      ("int32", "max"), ("bfloat16", "sum")])
+def test_allreduce_on_pairs_of_ranks(dtype, op):
+  """Communicators of two ranks (one at odd rank counts): the shared-memory
+  path's two-rank float sum and its generic reduction, eager, jitted and
+  donated, the same bits on both ranks."""
+  from mpi4py import MPI
+  sub = MPI.COMM_WORLD.Split(color=R // 2, key=R)
+  try:
+    members = [r for r in range(N) if r // 2 == R // 2]
+    stack = np.stack([rank_input(r, (1001,), dtype) for r in members])
+    total = np_reduce(stack, "sum" if op == "mean" else op, dtype)
+    want = (total / len(members)).astype(total.dtype) if op == "mean" else total
+    x = rank_input(R, (1001,), dtype)
+    got = [ops.allreduce(x, op, comm=sub),
+           jax.jit(lambda v: ops.allreduce(v, op, comm=sub))(x),
+           jax.jit(lambda v: ops.allreduce(v, op, comm=sub), donate_argnums=0)(jnp.asarray(x))]
+    for g in got:
+      assert_close(g, want, dtype)
+      mine = np.asarray(g).tobytes()
+      assert all(b == mine for b in sub.allgather(mine))
+  finally:
+    sub.Free()
+
+
 # --- vmap ---------------------------------------------------------------------------
 
 VMAP_CASES = {
