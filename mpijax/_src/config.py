@@ -109,7 +109,7 @@ _define("ring_in_place_min_bytes", int, 4 << 20,
         "blocking algorithm is as fast up to a few MiB (with several local "
         "devices per rank MPI's call is polled, and MPIJAX_RING_MIN_BYTES "
         "applies). 0 turns it off.")
-_define("shm_max_bytes", int, 256 * 1024,
+_define("shm_max_bytes", int, 1 << 20,
         "All-reduces of up to this many bytes that do not run the ring, on a "
         "communicator whose ranks all run on one node with one local device "
         "each, go through node-local shared memory (one POSIX shm file per "

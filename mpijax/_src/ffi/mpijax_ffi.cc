@@ -70,7 +70,7 @@ std::atomic<int64_t> g_ring_in_place_min_bytes{int64_t{4} << 20};
 // share one node (and one local device each), go through node-local shared
 // memory (ShmAllreduce) instead of MPI; <= 0: never. Also each rank's
 // segment size, fixed when a communicator first uses it.
-std::atomic<int64_t> g_shm_max_bytes{int64_t{256} << 10};
+std::atomic<int64_t> g_shm_max_bytes{int64_t{1} << 20};
 std::atomic<bool> g_stall_abort{true};   // MPIJAX_STALL_ACTION=abort
 std::atomic<bool> g_check_every{false};  // MPIJAX_CHECK=1
 
@@ -1119,15 +1119,15 @@ ffi::Error RingSegments(const CallInfo& info, MPI_Comm comm,
 // ---------------------------------------------------------------------------
 // Node-local shared memory all-reduce. When every rank of a communicator runs
 // on one node, each maps one POSIX shared-memory file holding a slot per
-// rank: a header of flags and a data segment. A call copies its input into
-// its own segment, reduces its 1/P block of every rank's segment (in rank
-// order, so every rank gets the same bits), publishes that block, and
-// copies the other ranks' finished blocks out: three flag waits and no MPI
-// message, rendezvous or kernel copy. Measured per jitted call with 2 ranks
-// (MPI -> shared memory): 64 KiB 23.9 -> 16.5 us, 256 KiB in place 49.2 ->
-// 45.7 us; 4 ranks on 2 cores, 64 KiB 202 -> 104 us. Every byte crosses
-// memory more often than in the ring, which wins from 1 MiB at 2 ranks:
-// hence MPIJAX_SHM_MAX_BYTES, and the ring goes first where it applies.
+// rank: a header of flags and a data segment. A call copies the blocks the
+// other ranks reduce into its segment, reduces its own 1/P block (its input
+// plus the others' segments; one rank per block, so every rank gets the same
+// bits), publishes it, and copies the other ranks' finished blocks out: three
+// flag waits and no MPI message, rendezvous or kernel copy. Measured per
+// jitted call with 2 ranks (MPI -> shared memory): 64 KiB 24.6 -> 17.1 us;
+// in place 256 KiB 49.9 -> 43.4 us, 1 MiB 81.1 -> 69.0 us, 4 MiB 241 -> 290
+// us (hence MPIJAX_SHM_MAX_BYTES); 4 ranks on 2 cores, 64 KiB 127 -> 64 us.
+// Out of place the ring is as fast from 256 KiB at 2 ranks and goes first.
 
 struct alignas(64) ShmHeader {
   std::atomic<uint64_t> arrived;  // this call's input is in the segment
@@ -1265,26 +1265,26 @@ ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
   return dc->shm_state == 1 && bytes <= dc->shm_seg_bytes;
 }
 
-// The float sum of elements [lo, lo + cnt) of every segment, in rank order,
-// written to this rank's output and published in its segment in one pass
-// (the common case: what MPI_Reduce_local would do in three).
+// The float sum of this rank's block, elements [lo, lo + cnt): its own
+// input `mine` plus every other rank's segment, into the output (`out` may
+// be `mine`: in place), then published in this rank's segment by memcpy.
+// (Storing to the segment inside the loop, to lines the other rank read last
+// call, was 20x slower here than the copy.)
 template <typename T>
-void ShmSumBlock(DevComm* dc, int p, size_t lo, size_t cnt, T* out, T* pub) {
+void ShmSumBlock(DevComm* dc, int p, int r, size_t lo, size_t cnt,
+                 const T* mine, T* out, T* pub) {
   auto seg = [&](int i) {
     return reinterpret_cast<const T*>(ShmData(dc, i)) + lo;
   };
-  const T* a = seg(0);
-  const T* b = seg(1);
-  if (p == 2) {
-    for (size_t i = 0; i < cnt; ++i) {
-      T v = a[i] + b[i];
-      out[i] = v;
-      pub[i] = v;
-    }
-    return;
+  int first = r == 0 ? 1 : 0;
+  const T* b = seg(first);
+  if (out == mine) {
+    for (size_t i = 0; i < cnt; ++i) out[i] += b[i];
+  } else {
+    for (size_t i = 0; i < cnt; ++i) out[i] = mine[i] + b[i];
   }
-  for (size_t i = 0; i < cnt; ++i) out[i] = a[i] + b[i];
-  for (int j = 2; j < p; ++j) {
+  for (int j = 0; j < p; ++j) {
+    if (j == r || j == first) continue;
     const T* c = seg(j);
     for (size_t i = 0; i < cnt; ++i) out[i] += c[i];
   }
@@ -1297,8 +1297,10 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
   DevComm* dc = info.dc;
   int p = info.comm_size, r = dc->shm_rank;
   size_t es = ffi::ByteWidth(type), bytes = n * es;
+  auto first = [&](int b) { return n * b / p; };  // block b: [first(b), first(b + 1))
   uint64_t k = ++dc->shm_seq;
   ShmHeader* me = ShmHead(dc, r);
+  char* mine = ShmData(dc, r);
   auto all = [&](auto flag, uint64_t at_least) {
     return [=] {
       for (int i = 0; i < p; ++i)
@@ -1307,10 +1309,16 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
       return true;
     };
   };
-  // 1. Everyone has read this rank's segment from the previous call.
+  // 1. Once everyone has read this rank's segment from the previous call:
+  // the blocks the other ranks reduce go in (its own block it reads from
+  // `src` directly).
   if (auto e = ShmWait(info, all(&ShmHeader::done, k - 1)); e.failure())
     return e;
-  std::memcpy(ShmData(dc, r), src, bytes);
+  for (int j = 0; j < p; ++j) {
+    if (j == r) continue;
+    std::memcpy(mine + first(j) * es, src + first(j) * es,
+                (first(j + 1) - first(j)) * es);
+  }
   me->sig = info.sig;
   me->bytes = static_cast<int64_t>(bytes);
   me->arrived.store(k, std::memory_order_release);
@@ -1330,40 +1338,48 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
                             " bytes, this rank " + std::to_string(bytes));
     }
   }
-  // 3. This rank's block: reduced in rank order, divided, published.
-  size_t lo = n * r / p, hi = n * (r + 1) / p, cnt = hi - lo;
+  // 3. This rank's block, reduced by this rank only (so every rank gets the
+  // same bits), divided, and published where its own input would have been.
+  size_t lo = first(r), cnt = first(r + 1) - lo;
+  const char* in = src + lo * es;
+  char* out = dst + lo * es;
+  char* pub = mine + lo * es;
   bool fused = mop == MPI_SUM && divisor == 1 &&
                (type == ffi::DataType::F32 || type == ffi::DataType::F64);
   if (cnt > 0 && fused) {
     if (type == ffi::DataType::F32) {
-      ShmSumBlock<float>(dc, p, lo, cnt, reinterpret_cast<float*>(dst) + lo,
-                         reinterpret_cast<float*>(ShmData(dc, r)) + lo);
+      ShmSumBlock<float>(dc, p, r, lo, cnt, reinterpret_cast<const float*>(in),
+                         reinterpret_cast<float*>(out),
+                         reinterpret_cast<float*>(pub));
     } else {
-      ShmSumBlock<double>(dc, p, lo, cnt, reinterpret_cast<double*>(dst) + lo,
-                          reinterpret_cast<double*>(ShmData(dc, r)) + lo);
+      ShmSumBlock<double>(dc, p, r, lo, cnt,
+                          reinterpret_cast<const double*>(in),
+                          reinterpret_cast<double*>(out),
+                          reinterpret_cast<double*>(pub));
     }
   } else if (cnt > 0) {
-    std::memcpy(dst + lo * es, ShmData(dc, 0) + lo * es, cnt * es);
-    for (int i = 1; i < p; ++i) {
-      MPIJAX_CHECK_MPI(MPI_Reduce_local(ShmData(dc, i) + lo * es, dst + lo * es,
+    if (out != in) std::memcpy(out, in, cnt * es);
+    for (int i = 0; i < p; ++i) {
+      if (i == r) continue;
+      MPIJAX_CHECK_MPI(MPI_Reduce_local(ShmData(dc, i) + lo * es, out,
                                         static_cast<int>(cnt), dt, mop),
                        info);
     }
     if (divisor != 1) {
-      if (auto e = DivideInPlace(type, dst + lo * es, cnt, divisor); e.failure())
+      if (auto e = DivideInPlace(type, out, cnt, divisor); e.failure())
         return e;
     }
-    // Only this rank reads its own segment at block r: safe to overwrite.
-    std::memcpy(ShmData(dc, r) + lo * es, dst + lo * es, cnt * es);
+    std::memcpy(pub, out, cnt * es);
   }
   me->reduced.store(k, std::memory_order_release);
-  // 4. Every block is published: copy the others' out.
+  // 4. Every block is published: copy the others' out (in place, over input
+  // blocks already copied to this rank's segment in step 1).
   if (auto e = ShmWait(info, all(&ShmHeader::reduced, k)); e.failure())
     return e;
   for (int i = 0; i < p; ++i) {
     if (i == r) continue;
-    size_t a = n * i / p, b = n * (i + 1) / p;
-    std::memcpy(dst + a * es, ShmData(dc, i) + a * es, (b - a) * es);
+    std::memcpy(dst + first(i) * es, ShmData(dc, i) + first(i) * es,
+                (first(i + 1) - first(i)) * es);
   }
   me->done.store(k, std::memory_order_release);
   return ffi::Error::Success();
@@ -1920,7 +1936,7 @@ NB_MODULE(_mpijax_ffi, m) {
   nb::arg("blocking_min_bytes") = int64_t{0},
   nb::arg("ring_min_bytes") = int64_t{128} << 10,
   nb::arg("ring_in_place_min_bytes") = int64_t{4} << 20,
-  nb::arg("shm_max_bytes") = int64_t{256} << 10,
+  nb::arg("shm_max_bytes") = int64_t{1} << 20,
   "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall "
   "action, whether every call's signature is checked, the sizes from "
   "which collectives block and all-reduces run the ring, and up to which "
