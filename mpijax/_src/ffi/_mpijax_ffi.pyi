@@ -6,12 +6,14 @@ def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
 def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
-          check_every: bool = False, blocking_min_bytes: int = 65536,
+          check_every: bool = False, blocking_min_bytes: int = 0,
           ring_min_bytes: int = 131072,
-          ring_in_place_min_bytes: int = 4194304) -> None:
+          ring_in_place_min_bytes: int = 4194304,
+          shm_max_bytes: int = 1048576) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
-  action, whether every call's signature is compared across ranks, and the
-  sizes from which collectives block and all-reduces run the ring."""
+  action, whether every call's signature is compared across ranks, the sizes
+  from which collectives block and all-reduces run the ring, and up to which
+  all-reduces go through node-local shared memory."""
 
 def register_comms(handles: list[int], check_handles: list[int], key: int) -> int:
   """Registers one communicator (and one signature-check communicator) per

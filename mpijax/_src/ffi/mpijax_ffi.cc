@@ -110,7 +110,7 @@ struct DevComm {
   // can use it; touched only by this device's handler thread.
   int shm_state = 0;  // 0 not tried yet, 1 mapped, -1 unavailable
   char* shm_base = nullptr;
-  size_t shm_seg_bytes = 0, shm_stride = 0, shm_map_bytes = 0;
+  size_t shm_stride = 0, shm_map_bytes = 0;  // header + segment; all slots
   int shm_rank = 0;
   bool shm_oversubscribed = false;  // more ranks on the node than cores
   uint64_t shm_seq = 0;  // calls so far: the same on every rank
@@ -566,43 +566,63 @@ struct BlockingMark {
   }
 };
 
-// The one place every operation waits. timeout <= 0 waits forever in
-// MPI_Waitall (polled instead when several local devices wait at once:
+// The deadline of one polled wait. Check() (called every few polls: reading
+// the clock on every poll would cost more than a small message) does nothing
+// without a timeout; past MPIJAX_TIMEOUT the stall inspector reports which
+// ranks have not arrived, then aborts the job (or, with
+// MPIJAX_STALL_ACTION=warn, returns, and the wait reports again one timeout
+// later). A wait with no (communicator, device) to inspect fails instead.
+class StallClock {
+ public:
+  explicit StallClock(const CallInfo& info)
+      : info_(info),
+        timeout_(g_timeout_s.load(std::memory_order_relaxed)),
+        period_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(timeout_ > 0 ? timeout_ : 0))),
+        start_(Clock::now()),
+        deadline_(start_ + period_) {}
+
+  ffi::Error Check() {
+    if (timeout_ <= 0) return ffi::Error::Success();
+    auto now = Clock::now();
+    if (now <= deadline_) return ffi::Error::Success();
+    if (info_.dc == nullptr) {
+      std::ostringstream s;
+      s << info_.Describe() << " timed out: not complete after " << timeout_
+        << " s (MPIJAX_TIMEOUT).";
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
+    }
+    ReportStall(info_, std::chrono::duration<double>(now - start_).count());
+    deadline_ = Clock::now() + period_;
+    return ffi::Error::Success();
+  }
+
+ private:
+  const CallInfo& info_;
+  double timeout_;
+  Clock::duration period_;
+  Clock::time_point start_, deadline_;
+};
+
+// The one place every MPI request is waited for. Without a timeout it waits
+// in MPI_Waitall (polled instead when several local devices wait at once:
 // threads blocked in MPI together hand progress to each other through
 // condition variables, measured 3-10x slower on 2 cores for a hierarchical
-// psum); otherwise polls, and past the deadline the stall inspector
-// reports which ranks have not arrived, then aborts the job (or, with
-// MPIJAX_STALL_ACTION=warn, keeps waiting and reports again every timeout).
-// Returning an error instead is not an option: the pending request still
-// owns XLA's buffers.
+// psum); otherwise it polls under a StallClock. Returning an error on a
+// stall is not an option: the pending request still owns XLA's buffers.
 ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
-  double timeout = g_timeout_s.load(std::memory_order_relaxed);
   bool concurrent = info.dc != nullptr && info.dc->local_devices > 1;
-  if (timeout <= 0 && !concurrent) {
+  if (g_timeout_s.load(std::memory_order_relaxed) <= 0 && !concurrent) {
     MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE), info);
     return ffi::Error::Success();
   }
-  auto period = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(timeout));
-  auto start = Clock::now();
-  auto deadline = start + period;
+  StallClock clock(info);
   for (uint64_t spin = 0;; ++spin) {
     int done = 0;
     MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), info);
     if (done) return ffi::Error::Success();
-    // Reading the clock every poll would cost more than a small message.
     if ((spin & 255) == 255) {
-      auto now = Clock::now();
-      if (timeout > 0 && now > deadline) {  // no timeout: poll, never report
-        if (info.dc == nullptr) {
-          std::ostringstream s;
-          s << info.Describe() << " timed out: not complete after " << timeout
-            << " s (MPIJAX_TIMEOUT).";
-          return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.str());
-        }
-        ReportStall(info, std::chrono::duration<double>(now - start).count());
-        deadline = Clock::now() + period;
-      }
+      if (auto e = clock.Check(); e.failure()) return e;
       // Oversubscribed ranks (more ranks than cores) need the CPU back.
       if (spin > 4096) std::this_thread::yield();
     }
@@ -1156,31 +1176,19 @@ inline void CpuRelax() {
 #endif
 }
 
-// Spins until ready(); like WaitAll: past MPIJAX_TIMEOUT the stall inspector
-// reports the ranks that have not arrived (and aborts, or keeps waiting with
-// MPIJAX_STALL_ACTION=warn). Yields the CPU once a wait is not short, for
-// ranks that share cores.
+// Spins until ready(), under a StallClock like WaitAll. Yields the CPU once
+// a wait is not short, and at once when ranks outnumber cores (the rank
+// being waited for may need this core).
 template <typename Ready>
 ffi::Error ShmWait(const CallInfo& info, Ready ready) {
-  // More ranks than cores: the rank being waited for may need this core.
-  bool oversubscribed = info.dc->shm_oversubscribed;
   if (ready()) return ffi::Error::Success();
-  double timeout = g_timeout_s.load(std::memory_order_relaxed);
-  auto period = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(timeout > 0 ? timeout : 0));
-  auto start = Clock::now();
-  auto deadline = start + period;
+  bool oversubscribed = info.dc->shm_oversubscribed;
+  StallClock clock(info);
   for (uint64_t spin = 1;; ++spin) {
     CpuRelax();
     if (ready()) return ffi::Error::Success();
     if ((spin & 63) == 0) {
-      if (timeout > 0) {
-        auto now = Clock::now();
-        if (now > deadline) {
-          ReportStall(info, std::chrono::duration<double>(now - start).count());
-          deadline = Clock::now() + period;
-        }
-      }
+      if (auto e = clock.Check(); e.failure()) return e;
     }
     if (oversubscribed || (spin > 1024 && (spin & 15) == 0))
       std::this_thread::yield();
@@ -1202,10 +1210,12 @@ ffi::Error ShmSetup(const CallInfo& info, DevComm* dc) {
                    info);
   int node_size = CommSize(node);
   MPI_Comm_free(&node);
+  // Whether `ok` holds on every rank (each rank's answer becomes all's).
+  auto everywhere = [&](int* ok) {
+    return MPI_Allreduce(MPI_IN_PLACE, ok, 1, MPI_INT, MPI_MIN, comm);
+  };
   int one_node = node_size == p;
-  MPIJAX_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &one_node, 1, MPI_INT, MPI_MIN,
-                                 comm),
-                   info);
+  MPIJAX_CHECK_MPI(everywhere(&one_node), info);
   if (!one_node) return ffi::Error::Success();
   size_t seg = (static_cast<size_t>(g_shm_max_bytes.load()) + 4095) / 4096 * 4096;
   size_t stride = kShmHeaderBytes + seg, total = stride * p;
@@ -1230,9 +1240,7 @@ ffi::Error ShmSetup(const CallInfo& info, DevComm* dc) {
     close(fd);
   }
   int mapped = base != MAP_FAILED;
-  MPIJAX_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT, MPI_MIN,
-                                 comm),
-                   info);
+  MPIJAX_CHECK_MPI(everywhere(&mapped), info);
   // Every rank has opened it (or given up): the name can go, so nothing is
   // left in /dev/shm however the job ends.
   if (r == 0 && name[0] != 0) shm_unlink(name);
@@ -1241,7 +1249,6 @@ ffi::Error ShmSetup(const CallInfo& info, DevComm* dc) {
     return ffi::Error::Success();
   }
   dc->shm_base = static_cast<char*>(base);
-  dc->shm_seg_bytes = seg;
   dc->shm_stride = stride;
   dc->shm_map_bytes = total;
   dc->shm_rank = r;
@@ -1262,7 +1269,7 @@ ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
   if (dc->shm_state == 0) {
     if (auto e = ShmSetup(info, dc); e.failure()) return ffi::Unexpected(e);
   }
-  return dc->shm_state == 1 && bytes <= dc->shm_seg_bytes;
+  return dc->shm_state == 1 && bytes <= dc->shm_stride - kShmHeaderBytes;
 }
 
 // The float sum of this rank's block, elements [lo, lo + cnt): its own

@@ -133,8 +133,9 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   one XLA custom call for the whole list (one signature check, and XLA
   cannot interleave the buckets' packing with their MPI calls). Inside it
   the arrays of one dtype share one ring all-reduce from
-  ``MPIJAX_RING_MIN_BYTES`` per rank on; below that each array is one MPI
-  all-reduce. Each array keeps its shape and
+  ``MPIJAX_RING_MIN_BYTES`` per rank on; below that each array is reduced
+  on its own (through node-local shared memory up to
+  ``MPIJAX_SHM_MAX_BYTES``, else one MPI all-reduce). Each array keeps its shape and
   dtype; intermediates and donated arrays are reduced in place.
 
   Args:
