@@ -1769,8 +1769,22 @@ ffi::Error BarrierImpl(int64_t device, ffi::AnyBuffer /*token_in*/,
   return Wait(&req, info);
 }
 
+// Orders the next mpijax call of a block after a control-flow op (or an
+// isolated region) that contains mpijax calls: it reads one of that op's
+// results, so XLA runs it (and what consumes its token) only once the op has
+// finished. It makes no MPI call and touches no data.
+ffi::Error JoinImpl(ffi::AnyBuffer /*token_in*/, ffi::AnyBuffer /*after*/,
+                    ffi::Result<ffi::AnyBuffer> /*token_out*/) {
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // order token in
+                                  .Arg<ffi::AnyBuffer>()  // a result of the op to wait for
+                                  .Ret<ffi::AnyBuffer>());  // order token out
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -1912,6 +1926,7 @@ NB_MODULE(_mpijax_ffi, m) {
     d["mpijax_reduce"] = Capsule(kReduce);
     d["mpijax_ppermute"] = Capsule(kPpermute);
     d["mpijax_barrier"] = Capsule(kBarrier);
+    d["mpijax_join"] = Capsule(kJoin);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

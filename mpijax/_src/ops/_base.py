@@ -15,19 +15,23 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
 import threading
+import weakref
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+from jax.extend import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
+from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
 
 from mpijax._src import config
@@ -204,10 +208,14 @@ resolve_comm.cache_clear = _fast.clear  # type: ignore[attr-defined]
 # --- primitives -------------------------------------------------------------------
 
 
+_PRIMITIVES: set[Primitive] = set()  # every mpijax primitive (for _calls_mpi)
+
+
 def make_primitive(name: str, multiple_results: bool = False) -> Primitive:
   p = Primitive(name)
   p.multiple_results = multiple_results
   p.def_impl(functools.partial(_eager_impl, p))
+  _PRIMITIVES.add(p)
   return p
 
 
@@ -223,19 +231,39 @@ def _eager_impl(prim: Primitive, *args, **params):
 
 # Ordering. XLA:CPU's thunk executor runs independent thunks concurrently and
 # in any order, side-effecting custom calls included (measured: 200 independent
-# collectives in one program mismatch across ranks within a few runs). So every
-# mpijax custom call takes an extra int32 scalar "order token" operand and
-# returns a new one, and each op consumes the token of the previous mpijax op
-# lowered into the same MLIR block: a plain data dependency that XLA must
-# respect, with no JAX effect (which would cost the C++ fast dispatch path).
-# The chain is per block: ops inside one function body / loop body / branch
-# run in program order; ops in a nested jit call or control-flow body are not
-# chained to independent ops outside it (a data dependency orders those).
+# collectives in one program mismatch across ranks within a few runs; so did a
+# collective in a `lax.cond` or a nested `jax.jit` against an independent one
+# outside it, silently swapping their results). So every mpijax custom call
+# takes an extra int32 scalar "order token" operand and returns a new one: a
+# plain data dependency that XLA must respect, with no JAX effect (which would
+# cost the C++ fast dispatch path). One chain runs through each function in
+# program order:
+# * within a block, each op consumes the token of the previous one;
+# * the first op inside a `case`/`while` region (cond branches, loop and scan
+#   bodies) consumes the enclosing block's token, captured implicitly as
+#   StableHLO allows, and the next op after that control-flow op first passes
+#   its token through `mpijax_join` together with one of the op's results, so
+#   it waits until the whole loop or branch has run;
+# * nested `jax.jit`s and other calls whose body makes an mpijax call are
+#   lowered inline (see _inline_calls), so their ops join the caller's chain.
+# A region that may not capture outer values (a multi-device `shard_map` body,
+# an sdy.manual_computation) starts its own chain; an op after it in the same
+# block still waits for it.
 _TOKEN_AVAL = jax.core.ShapedArray((), np.int32)
-_chains: "collections.OrderedDict[int, tuple[Any, dict[Any, Any]]]" = collections.OrderedDict()
+_CAPTURING_OPS = ("stablehlo.case", "stablehlo.if", "stablehlo.while")
 
 
-def _chain_for(ctx) -> dict[Any, Any]:
+@dataclasses.dataclass
+class _BlockChain:
+  token: Any = None  # the last order token produced in this block (ir.Value)
+  after: list = dataclasses.field(default_factory=list)  # region ops to wait for
+
+
+_chains: "collections.OrderedDict[int, tuple[Any, dict[Any, _BlockChain]]]" = (
+    collections.OrderedDict())
+
+
+def _chain_for(ctx) -> dict[Any, _BlockChain]:
   module = ctx.module_context.module
   key = id(module)
   hit = _chains.get(key)
@@ -245,6 +273,152 @@ def _chain_for(ctx) -> dict[Any, Any]:
     while len(_chains) > 16:  # lowering is sequential; keep a few modules
       _chains.popitem(last=False)
   return hit[1]
+
+
+def _region_holder(block):
+  """The op (case, while, ...) whose region holds ``block``; None at function level."""
+  owner = block.owner
+  if owner is None or owner.operation.name == "func.func":
+    return None
+  return owner.operation
+
+
+def _join_operand(op):
+  """The smallest tensor result of ``op`` (what mpijax_join reads), or None."""
+  best, best_size = None, None
+  for r in op.results:
+    try:
+      t = ir.RankedTensorType(r.type)
+    except ValueError:  # a !stablehlo.token
+      continue
+    size = int(np.prod(t.shape)) if t.has_static_shape else 1 << 62
+    if best is None or size < best_size:
+      best, best_size = r, size
+  return best
+
+
+def _join(token, op):
+  """``token`` passed through mpijax_join with a result of ``op``: waits for ``op``."""
+  after = _join_operand(op)
+  if after is None:  # an op without tensor results: nothing to wait on
+    return token
+  i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+  call = mlir_internal.custom_call("mpijax_join", result_types=[i32], operands=[token, after],
+                          backend_config={}, api_version=4, has_side_effect=False)
+  return call.results[0]
+
+
+def _token(chain: dict[Any, _BlockChain], block, holder=None):
+  """The order token for the next mpijax op in ``block``.
+
+  With ``holder`` (an op in ``block`` whose region is being lowered) the
+  token is the one valid just before ``holder``, and any new op is inserted
+  before it; otherwise at the current insertion point.
+  """
+  state = chain.setdefault(block, _BlockChain())
+  waits = [op for op in state.after if holder is None or op != holder]
+  if state.token is not None and not waits:
+    return state.token
+  with ir.InsertionPoint(holder) if holder is not None else contextlib.nullcontext():
+    token = state.token
+    if token is None:
+      parent = _region_holder(block)
+      if parent is not None and parent.name in _CAPTURING_OPS:
+        token = _token(chain, parent.block, parent)
+      else:
+        token = mlir.ir_constant(np.int32(0))
+      if parent is not None:
+        _wait_for(chain, parent)
+    for op in waits:
+      token = _join(token, op)
+  state.token = token
+  state.after = [op for op in state.after if op not in waits]
+  return token
+
+
+def _wait_for(chain: dict[Any, _BlockChain], op) -> None:
+  """Marks region op ``op`` (and the region ops around it) as making mpijax calls."""
+  while op is not None:
+    state = chain.setdefault(op.block, _BlockChain())
+    if any(o == op for o in state.after):
+      return
+    state.after.append(op)
+    op = _region_holder(op.block)
+
+
+def _calls_mpi(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) binds an mpijax primitive."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  hit = _calls_mpi_cache.get(jaxpr)
+  if hit is None:
+    hit = any(eqn.primitive in _PRIMITIVES
+              or any(_calls_mpi(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+              for eqn in jaxpr.eqns)
+    _calls_mpi_cache[jaxpr] = hit
+  return hit
+
+
+_calls_mpi_cache: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _inline_calls() -> None:
+  """Lowers the bodies of calls and control flow inline, where the chain reaches.
+
+  * Nested ``jax.jit`` and ``closed_call`` bodies that make an mpijax call:
+    JAX lowers them to separate functions (``func.call``), which an order
+    token cannot enter; XLA inlines those calls anyway, so lowering them
+    inline changes nothing else. Other calls, and nested jits with explicit
+    shardings, keep JAX's own lowering.
+  * Control-flow primitives are marked uncacheable, as JAX's calls are: a
+    cacheable one is lowered once into a scratch function, cloned into each
+    use, which would also cut its ops from the caller's chain. The price is
+    that identical loops or branches in one program are lowered once each.
+  """
+  from jax._src import ad_checkpoint, core as core_internal, custom_derivatives
+  from jax._src import pjit, sharding_impls, shard_map
+  from jax._src.lax.control_flow import conditionals, loops
+
+  mlir_internal._uncacheable_primitives.update((
+      conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
+      custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
+      shard_map.shard_map_p))
+
+  def make_rule(default, jaxpr_param, plain):
+    def rule(ctx, *args, **params):
+      closed = params[jaxpr_param]
+      if not plain(params) or not _calls_mpi(closed):
+        return default(ctx, *args, **params)
+      if isinstance(closed, core_internal.Jaxpr):
+        closed = core_internal.ClosedJaxpr(closed, ())
+      consts = mlir_internal.ir_consts(closed.consts, [v.aval for v in closed.jaxpr.constvars])
+      out, tokens = mlir_internal.jaxpr_subcomp(
+          ctx.module_context, closed.jaxpr, ctx.name_stack, ctx.tokens_in, consts, *args,
+          dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
+          outer_traceback=ctx.traceback)
+      ctx.set_tokens_out(tokens)
+      return out
+    return rule
+
+  def unsharded(params):
+    return all(isinstance(s, sharding_impls.UnspecifiedValue)
+               for s in (*params["in_shardings"], *params["out_shardings"]))
+
+  targets = [(pjit.jit_p, pjit._pjit_lowering, "jaxpr", unsharded)]
+  for prim in (core_internal.closed_call_p, core_internal.call_p):
+    targets.append((prim, functools.partial(mlir_internal.core_call_lowering, name=prim.name),
+                    "call_jaxpr", lambda params: True))
+  for prim, default, param, plain in targets:
+    mlir.register_lowering(prim, make_rule(default, param, plain), platform="cpu",
+                           cacheable=False)
+
+
+try:
+  _inline_calls()
+except (ImportError, AttributeError) as e:  # a JAX without these internals
+  import warnings
+  warnings.warn(f"mpijax: nested jax.jit calls are not lowered inline ({e!r}); an mpijax "
+                "call inside one is ordered only by data dependencies against the "
+                "mpijax calls outside it", RuntimeWarning, stacklevel=2)
 
 
 def _is_donated(value) -> bool:
@@ -300,16 +474,14 @@ def register_ffi_lowering(prim: Primitive, target: str,
     _ffi.load()  # registers the FFI targets before XLA compiles the call
     chain = _chain_for(ctx)
     block = ir.InsertionPoint.current.block
-    token = chain.get(block)
-    if token is None:
-      token = mlir.ir_constant(np.int32(0))
+    token = _token(chain, block)
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, _TOKEN_AVAL])
     site, sig = call_site(ctx, kind, params)
     aliased = tuple(i for i, a in enumerate(args) if _reusable(a)) if in_place_capable else ()
     outs = lowering(aliased)(token_ctx, *args, token, **attrs(**params), site=i64(site),
                              sig=i64(sig))
-    chain[block] = outs[-1]
+    chain[block].token = outs[-1]
     return list(outs[:-1])
 
   # cacheable=False: jax would otherwise lower identical equations once into a
