@@ -49,6 +49,20 @@ def test_different_shapes_raise_a_mismatch_error_on_every_rank():
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
+@pytest.mark.parametrize("n", [4, 1 << 18], ids=["MPI_Allreduce", "ring"])
+def test_a_divergence_after_the_first_run_check_ends_the_job_with_a_report(n):
+  rc, out, seconds = _run("fault_hangs.py", "seen_shapes", str(n),
+                          env={"MPIJAX_SHM_MAX_BYTES": "0"})
+  assert rc != 0, tail(out)
+  assert re.search(r"mpijax: rank \d: MPI_\w+\(.*failed in mpijax.ops.allreduce on float32", out), tail(out)
+  assert "MPIJAX_CHECK=1 compares every call" in out, tail(out)
+  if n > 4:  # in the ring both ranks see the error; with MPI_Allreduce the rank
+    # with the larger buffer may finish (with a partial sum) before the abort
+    # reaches it: MPIJAX_CHECK=1 is what prevents that.
+    assert "finished with" not in out, tail(out)
+  assert seconds < 60, f"took {seconds:.0f}s"
+
+
 def test_last_batch_stall_names_the_rank_that_left():
   rc, out, seconds = _run("fault_hangs.py", "last_batch", "/tmp")
   assert rc != 0, tail(out)

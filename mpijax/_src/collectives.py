@@ -11,6 +11,7 @@ plain ``jax.shard_map`` axis) the call is handed to ``jax.lax`` unchanged.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Sequence
 
 import jax
@@ -64,10 +65,51 @@ def _local_names(axes: Sequence[AxisInfo]) -> tuple[str, ...]:
 # --- reductions ----------------------------------------------------------------------
 
 
+def _check_axis(fn: str, what: str, axis: int, ndim: int, valid: int) -> int:
+  """``axis`` made non-negative; out of [-valid, valid) is an error, as in jax.lax."""
+  if valid == 0:
+    raise ValueError(f"{fn} with {what}={axis} needs a per-device input with at least one "
+                     "dimension; got a scalar.")
+  if not -valid <= axis < valid:
+    raise ValueError(f"{fn} got {what}={axis} for a per-device input with {ndim} "
+                     f"dimension(s); it must be in [{-valid}, {valid}).")
+  return axis % valid
+
+
 def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+  x = jnp.asarray(x)
+  if op == "sum" and x.dtype == jnp.bool_:
+    x = x.astype(jnp.int32)  # as jax.lax.psum: a count (MPI has no bool sum)
+  if op != "sum" and jnp.issubdtype(x.dtype, jnp.inexact):
+    return _extremum_leaf(x, mesh, axes, op)
+  return _reduce_leaf_impl(x, mesh, axes, op)
+
+
+def _extremum_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+  """pmax/pmin with one derivative rule for every layout of ranks and devices.
+
+  The tangent is the mean of the tangents of every device holding the
+  extremum (``jnp.max``'s rule for ties, over the whole axis); the local XLA
+  step alone has no derivative rule.
+  """
+  @jax.custom_jvp
+  def extremum(v):
+    return _reduce_leaf_impl(v, mesh, axes, op)
+
+  @extremum.defjvp
+  def extremum_jvp(primals, tangents):
+    (v,), (t,) = primals, tangents
+    out = extremum(v)
+    hit = v == out
+    count = _reduce_leaf_impl(hit.astype(t.dtype), mesh, axes, "sum")
+    return out, _reduce_leaf_impl(jnp.where(hit, t, jnp.zeros_like(t)), mesh, axes, "sum") / count
+
+  return extremum(x)
+
+
+def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   local = _local_names(axes)
   comm = mesh.process_comm([a.name for a in axes])
-  x = jnp.asarray(x)
   if comm is None:
     return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
   n_local = math.prod(a.local_size for a in axes)
@@ -190,6 +232,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
   def leaf(v):
     v = jnp.asarray(v)
+    ax = _check_axis("all_gather", "axis", axis, v.ndim, v.ndim if tiled else v.ndim + 1)
     g = v[None]
     # Innermost axis first: each gather stacks a new major dimension in front,
     # so the combined index is row-major over the names, as in jax.lax.
@@ -199,11 +242,11 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
         g = _gather_one(g, m, ax_info)
       else:
         g = _lax("all_gather", n, lambda g=g: jax.lax.all_gather(g, n, axis=0))
-      g = g.reshape((-1,) + v.shape)
-    ax = axis % (v.ndim if tiled else v.ndim + 1)
+      # Explicit sizes: -1 cannot be inferred for a zero-size array.
+      g = g.reshape((math.prod(g.shape[:g.ndim - v.ndim]),) + v.shape)
     g = jnp.moveaxis(g, 0, ax)
     if tiled:
-      return g.reshape(v.shape[:ax] + (-1,) + v.shape[ax + 1:])
+      return g.reshape(v.shape[:ax] + (g.shape[ax] * v.shape[ax],) + v.shape[ax + 1:])
     return g
 
   return jax.tree.map(leaf, x)
@@ -220,7 +263,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
 
   def leaf(v):
     v = jnp.asarray(v)
-    d = scatter_dimension % v.ndim
+    d = _check_axis("psum_scatter", "scatter_dimension", scatter_dimension, v.ndim, v.ndim)
     n = v.shape[d]
     if (not tiled and n != total) or (tiled and n % total):
       raise ValueError(
@@ -261,13 +304,16 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
   if mesh is None:
     return _lax("all_to_all", axis_name, lambda: jax.lax.all_to_all(
         x, axis_name, split_axis, concat_axis, tiled=tiled))
+  for v in jax.tree.leaves(x):  # the same error whether the axis spans ranks or not
+    _check_axis("all_to_all", "split_axis", split_axis, np.ndim(v), np.ndim(v))
+    _check_axis("all_to_all", "concat_axis", concat_axis, np.ndim(v), np.ndim(v))
   if a.is_local:
     return jax.lax.all_to_all(x, a.local_name, split_axis, concat_axis, tiled=tiled)
   S = a.size
 
   def leaf(v):
     v = jnp.asarray(v)
-    sa, ca = split_axis % v.ndim, concat_axis % v.ndim
+    sa, ca = split_axis % v.ndim, concat_axis % v.ndim  # checked above
     if v.shape[sa] % S or (not tiled and v.shape[sa] != S):
       raise ValueError(
           f"all_to_all over {axis_name!r} (size {S}) got split_axis {sa} of size "
@@ -299,7 +345,11 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
   mesh, a = _single("ppermute", axis_name)
   if mesh is None:
     return _lax("ppermute", axis_name, lambda: jax.lax.ppermute(x, axis_name, perm))
-  perm = tuple((int(s), int(d)) for s, d in perm)
+  try:
+    perm = tuple((operator.index(s), operator.index(d)) for s, d in perm)
+  except (TypeError, ValueError):
+    raise TypeError(f"ppermute over {axis_name!r} got perm={perm!r}; expected a sequence of "
+                    "(source, destination) pairs of integer indices along the axis.") from None
   srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
   bad = [i for i in srcs + dsts if not 0 <= i < a.size]
   if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
@@ -337,5 +387,8 @@ def pbroadcast(x, axis_name, source: int):
     comm = mesh.process_comm([axes[0].name])
     return jax.tree.map(lambda v: ops.bcast(jnp.asarray(v), int(source), comm=comm), x)
   me = axis_index(axis_name)
-  return psum(jax.tree.map(lambda v: jnp.where(me == source, v, jnp.zeros_like(v)), x),
-              axis_name)
+  x = jax.tree.map(jnp.asarray, x)
+  summed = psum(jax.tree.map(lambda v: jnp.where(me == source, v, jnp.zeros_like(v)), x),
+                axis_name)
+  # psum counts bools in int32; one nonzero term gives back the value exactly.
+  return jax.tree.map(lambda s, v: s.astype(v.dtype), summed, x)

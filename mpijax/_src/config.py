@@ -23,6 +23,13 @@ def _parse_bool(text: str) -> bool:
   raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
+def _parse_seconds(text: str) -> float:
+  value = float(text)
+  if value != value or value < 0:  # NaN, or negative
+    raise ValueError("expected a number of seconds >= 0 (0 or inf: never)")
+  return 0.0 if value == float("inf") else value
+
+
 def _parse_optional_int(text: str) -> int | None:
   return None if text.strip() == "" else int(text)
 
@@ -78,9 +85,9 @@ _define("launcher", str, "",
         "Force a launcher detector by name (openmpi4, prrte, slurm, mpich, mpi, single).")
 
 # --- transport and safety (layers 3 and 8) -----------------------------------
-_define("timeout", float, 300.0,
+_define("timeout", _parse_seconds, 300.0,
         "Seconds a collective may wait before the stall inspector reports "
-        "the missing ranks. 0 disables the inspector.")
+        "the missing ranks. 0 (or inf) disables the inspector.")
 _define("stall_action", str, "abort",
         "What a stall does after reporting: 'abort' the job or only 'warn'.")
 _define("check", _parse_bool, False,
@@ -154,6 +161,15 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
   except ValueError as e:
     raise ValueError(
         f"{setting.env_var}={raw!r} is not valid: {e}. {setting.doc}") from None
+
+
+def parse(name: str, value: Any) -> Any:
+  """``value`` (a string or an already typed value) checked as setting ``name`` is."""
+  setting = _SETTINGS[name]
+  try:
+    return setting.parse(str(value))
+  except ValueError as e:
+    raise ValueError(f"{setting.env_var}={value!r} is not valid: {e}. {setting.doc}") from None
 
 
 def update(name: str, value: Any) -> None:

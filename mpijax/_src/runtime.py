@@ -17,6 +17,8 @@ import sys
 import threading
 from typing import Any, Sequence
 
+import numpy as np
+
 from mpijax._src import cluster
 from mpijax._src import config
 from mpijax._src import failure
@@ -247,14 +249,41 @@ def _node_layout(hostnames: Sequence[str], rank: int) -> tuple[int, int]:
   return nodes.index(hostnames[rank]), len(nodes)
 
 
-def _check(name: str, launcher: str, env_value: int | None, mpi_value: int) -> None:
-  if env_value is not None and env_value != mpi_value:
-    raise RuntimeError(
-        f"mpijax.init(): the {launcher!r} launcher environment says {name}={env_value}, "
-        f"but MPI.COMM_WORLD says {name}={mpi_value}. The environment belongs to a different "
-        "launch (e.g. variables inherited from an outer job, or mpi4py linked to another MPI "
-        "than the launcher's). Launch with the mpirun/srun matching mpi4py's MPI, or pass "
-        "launcher='mpi' to trust MPI alone.")
+def _check(name: str, launcher: str, env_value: int | None, mpi_value: int) -> str:
+  """The problem when the launcher (or an explicit argument) and MPI disagree, else ''."""
+  if env_value is None or env_value == mpi_value:
+    return ""
+  return (f"mpijax.init(): the {launcher!r} launcher environment (or init's arguments) says "
+          f"{name}={env_value}, but MPI.COMM_WORLD says {name}={mpi_value}. The environment "
+          "belongs to a different launch (e.g. variables inherited from an outer job, or mpi4py "
+          "linked to another MPI than the launcher's), or the argument is wrong. Launch with the "
+          "mpirun/srun matching mpi4py's MPI, or pass launcher='mpi' to trust MPI alone.")
+
+
+def _check_arguments(coordinator_address: Any, devices_per_process: Any, comm: Any) -> None:
+  """Type and format errors in init's arguments, before anything starts."""
+  if devices_per_process is not None and (
+      isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer))):
+    raise TypeError(f"mpijax.init got devices_per_process={devices_per_process!r}; "
+                    "expected an int >= 1 (CPU devices per rank).")
+  if coordinator_address is not None:
+    host, sep, port = str(coordinator_address).rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+      raise ValueError(f"mpijax.init got coordinator_address={coordinator_address!r}; "
+                       "expected 'host:port' with a port in 1..65535, e.g. '10.0.0.1:12345'.")
+  if comm is not None and not hasattr(comm, "Get_rank"):
+    raise TypeError(f"mpijax.init got comm={comm!r}; expected an mpi4py communicator "
+                    "(e.g. MPI.COMM_WORLD or a communicator split from it).")
+
+
+def _raise_on_every_rank(comm, problems: list[str]) -> None:
+  """Collective: if any rank found a problem, every rank raises it, naming the rank."""
+  gathered = mpi_util.allgather_str(comm, "\n".join(p for p in problems if p))
+  bad = [(r, text) for r, text in enumerate(gathered) if text]
+  if bad:
+    rank, text = bad[0]
+    more = f"; ranks {[r for r, _ in bad[1:]]} too" if len(bad) > 1 else ""
+    raise RuntimeError(f"{text.splitlines()[0]} (found on rank {rank}{more})")
 
 
 def init(*, launcher: str | None = None,
@@ -297,6 +326,7 @@ def init(*, launcher: str | None = None,
   with _lock:
     if _runtime is not None:
       return _runtime
+    _check_arguments(coordinator_address, devices_per_process, comm)
     info = cluster.detect(launcher or config.get("launcher") or None, rank=rank, size=size,
                           local_rank=local_rank, local_size=local_size)
     MPI = mpi_util.import_mpi()
@@ -307,8 +337,8 @@ def init(*, launcher: str | None = None,
             "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE.",
             file=sys.stderr)
     if comm is None:
-      _check("rank", info.launcher, info.rank, base.Get_rank())
-      _check("size", info.launcher, info.size, base.Get_size())
+      _raise_on_every_rank(base, [_check("rank", info.launcher, info.rank, base.Get_rank()),
+                                  _check("size", info.launcher, info.size, base.Get_size())])
     my_rank, my_size = base.Get_rank(), base.Get_size()
     private = base.Clone()
     private.Set_name("mpijax")
@@ -323,8 +353,13 @@ def init(*, launcher: str | None = None,
     mpi_local_rank, mpi_local_size = shared.Get_rank(), shared.Get_size()
     shared.Free()
     if comm is None:
-      _check("local_rank", info.launcher, info.local_rank, mpi_local_rank)
-      _check("local_size", info.launcher, info.local_size, mpi_local_size)
+      try:
+        _raise_on_every_rank(private, [
+            _check("local_rank", info.launcher, info.local_rank, mpi_local_rank),
+            _check("local_size", info.launcher, info.local_size, mpi_local_size)])
+      except RuntimeError:
+        private.Free()
+        raise
     node_index, node_count = _node_layout(hostnames, my_rank)
     address = _pick_coordinator(private, hostnames, coordinator_address)
 

@@ -121,3 +121,73 @@ def test_truncated_checkpoint_is_refused_never_half_loaded(rt, tmp_path_factory)
 
 
 
+
+
+# --- found by the bad-input audit -------------------------------------------------
+
+
+def test_ppermute_permutations_differing_across_ranks_raise_on_every_rank(rt):
+  if rt.size == 1:
+    return
+  swap = [(0, 1), (1, 0)]
+  perm = swap if rt.rank == 0 else [(1, 0)]  # rank 0 also sends to rank 1
+  with pytest.raises(Exception, match=r"collective mismatch.*ppermute\(float32\[4\], perm=\[\(0, 1\), "
+                     r"\(1, 0\)\]\).*ppermute\(float32\[4\], perm=\[\(1, 0\)\]\)"):
+    mpijax.ops.ppermute(jnp.full(4, 100.0 + rt.rank), perm).block_until_ready()
+
+
+def test_an_unmatched_send_never_reaches_a_later_exchange(rt):
+  if rt.size == 1:
+    return
+  r, n = rt.rank, rt.size
+  # Rank 0 sends to rank 1, which does not receive from it ...
+  mpijax.ops.sendrecv(jnp.full(4, 100.0), None, 1 if r == 0 else None).block_until_ready()
+  # ... so that message is lost, not taken by the next exchange.
+  right = mpijax.ops.sendrecv(jnp.full(4, 200.0 + r), (r - 1) % n, (r + 1) % n)
+  np.testing.assert_array_equal(right, np.full(4, 200.0 + (r - 1) % n))
+
+
+def test_mean_metrics_of_different_trees_raise_on_every_rank(rt):
+  if rt.size == 1:
+    return
+  tree = {"loss": 1.0} if rt.rank == 0 else {"loss": 1.0, "acc": 0.5}
+  with pytest.raises(ValueError, match=r"same tree on every rank.*rank 0 passed.*'loss'.*rank 1 "
+                     r"passed.*'acc'"):
+    mt.mean_metrics(tree)
+  assert mt.mean_metrics({"loss": float(rt.rank)})["loss"] == (rt.size - 1) / 2
+
+
+def test_broadcast_of_a_string_leaf_raises_on_every_rank(rt):
+  with pytest.raises(ValueError, match=r"leaf \['meta'\] has dtype str.*cannot send.*np.frombuffer"):
+    mt.broadcast({"w": np.ones(2), "meta": np.array(["ab", "cd"])})
+  assert mt.broadcast({"w": np.full(2, float(rt.rank))})["w"][0] == 0.0  # nothing left pending
+
+
+def test_replicated_batches_of_different_sizes_raise_on_every_rank(rt):
+  xs = np.arange(100 + 40 * rt.rank, dtype=np.float32)
+  batches = mt.shard_batches(xs, 4 * rt.size, seed=0, epoch=0)
+  if rt.size == 1:
+    assert len(list(batches)) == 25
+    return
+  with pytest.raises(ValueError, match=r"same full dataset on every rank.*\[100, 140.*replicated=False"):
+    next(iter(batches))
+
+
+def test_a_problem_found_on_one_rank_raises_on_every_rank(rt):
+  from mpijax._src import runtime
+  problem = "mpijax.init(): something is off here" if rt.rank == rt.size - 1 else ""
+  with pytest.raises(RuntimeError, match=rf"something is off here \(found on rank {rt.size - 1}\)"):
+    runtime._raise_on_every_rank(rt.comm, [problem])
+
+
+def test_out_of_range_axes_are_errors(rt):
+  f = lambda g: mpijax.pmap(g, axis_name="i")(jnp.ones((mpijax.local_device_count(), 3)))
+  with pytest.raises(ValueError, match=r"all_gather got axis=2 .* 1 dimension.*\[-2, 2\)"):
+    f(lambda v: mpijax.lax.all_gather(v, "i", axis=2))
+  with pytest.raises(ValueError, match=r"psum_scatter got scatter_dimension=7"):
+    f(lambda v: mpijax.lax.psum_scatter(v, "i", scatter_dimension=7, tiled=True))
+  with pytest.raises(ValueError, match=r"all_to_all got split_axis=4"):
+    f(lambda v: mpijax.lax.all_to_all(v, "i", 4, 0, tiled=True))
+  with pytest.raises(TypeError, match=r"ppermute over 'i' got perm=\[0, 1\]; expected .*pairs"):
+    f(lambda v: mpijax.lax.ppermute(v, "i", [0, 1]))
+  assert float(mpijax.ops.bcast(jnp.ones(()), np.int64(0))) == 1.0  # NumPy integers are ranks

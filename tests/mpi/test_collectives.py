@@ -117,6 +117,31 @@ def test_pbroadcast():
   np.testing.assert_array_equal(out, np.broadcast_to(g[n - 1], out.shape))
 
 
+def test_bool_zero_size_and_extremum_gradients():
+  """What used to depend on the layout of ranks x devices, against jax.lax."""
+  n = mpijax.process_count() * mpijax.local_device_count()
+  b = _global((3,), np.int32, 10) > 0
+  _compare(lambda x: mlax.psum(x, "i"), b, exact=True)  # an int32 count, as jax.lax
+  _compare(lambda x: mlax.pmean(x, "i"), b, exact=False)
+  _compare(lambda x: mlax.psum(x, "i"), _global((70000,), np.int32, 11) > 0, exact=True)
+  _compare(lambda x: mlax.pbroadcast(x, "i", n - 1), b, exact=True)  # stays bool
+  z = np.zeros((n, 2, 0), np.float32)
+  for tiled in (False, True):
+    _compare(lambda x: mlax.all_gather(x, "i", axis=1, tiled=tiled), z, exact=True)
+  _compare(lambda x: mlax.ppermute(x, "i", [(i, (i + 1) % n) for i in range(n)]), z, exact=True)
+  # pmax/pmin gradients (jax.lax has none under pmap or vmap), with ties
+  # between devices: shared evenly by every device holding the extremum, as
+  # jnp.max does; every device's loss counts (psum's transpose convention).
+  for shape in [(4,), (20000,)]:  # the plain and the hierarchical path
+    t = np.round(_global(shape, np.float32, 12))
+    w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for fn, extremum in ((mlax.pmax, np.max), (mlax.pmin, np.min)):
+      grad = mpijax.pmap(jax.grad(lambda x: (fn(x, "i") * w).sum()), axis_name="i")
+      hit = t == extremum(t, axis=0)
+      np.testing.assert_allclose(np.asarray(grad(_mine(t))), _mine(n * w * hit / hit.sum(0)),
+                                 rtol=1e-6)
+
+
 def test_gradients_match():
   g = _global((3,), np.float32, 9)
   w = jnp.arange(3.0) + 1

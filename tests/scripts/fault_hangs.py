@@ -14,6 +14,10 @@ usage: fault_hangs.py MODE [CKPT_DIR]
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
+  seen_shapes N     both shapes of a jitted all-reduce pass their first-run
+                    check, then rank 1 calls it with the other one: MPI's
+                    truncation error ends the job with a report (no garbage,
+                    no heap corruption); N elements (large N: mpijax's ring)
 """
 
 import os
@@ -91,6 +95,13 @@ elif mode in ("late", "late_large"):
   if rt.rank == 3:
     time.sleep(8)
   print(f"rank {rt.rank}: {np.asarray(grad_sum(jnp.ones(shape)))[:3]}", flush=True)
+
+elif mode == "seen_shapes":
+  n = int(sys.argv[2])
+  grad_sum(jnp.ones((1, n)))  # each shape's first run is checked on every rank
+  grad_sum(jnp.ones((1, 2 * n))).block_until_ready()
+  y = grad_sum(jnp.ones((1, 2 * n if rt.rank == 1 else n)))
+  print(f"rank {rt.rank} finished with {np.asarray(y)[-2:]}", flush=True)
 
 else:
   sys.exit(f"unknown mode {mode!r}")

@@ -42,3 +42,13 @@ def test_readme_table_is_current():
   assert table.strip() == config.markdown_table().strip(), (
       "README's configuration table is stale; regenerate it with "
       "python -c 'from mpijax._src import config; print(config.markdown_table())'")
+
+
+def test_timeout_accepts_inf_as_never_and_refuses_nan_and_negative(monkeypatch):
+  monkeypatch.setenv("MPIJAX_TIMEOUT", "inf")
+  assert config.get("timeout") == 0.0
+  for bad in ("nan", "-5"):
+    monkeypatch.setenv("MPIJAX_TIMEOUT", bad)
+    with pytest.raises(ValueError, match=rf"MPIJAX_TIMEOUT='{bad}' is not valid: .*>= 0"):
+      config.get("timeout")
+  assert config.parse("timeout", float("inf")) == 0.0

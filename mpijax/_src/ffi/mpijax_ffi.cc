@@ -114,6 +114,7 @@ struct DevComm {
   int shm_rank = 0;
   bool shm_oversubscribed = false;  // more ranks on the node than cores
   uint64_t shm_seq = 0;  // calls so far: the same on every rank
+  uint64_t p2p_seq = 0;  // ppermute calls so far: the same on every rank
 };
 
 struct CommEntry {
@@ -246,10 +247,28 @@ struct CallInfo {
   }
 };
 
+// An MPI error inside a handler leaves the communicator, and with requests
+// still pending into XLA's buffers the process's memory, in an undefined
+// state: returning an error would let XLA free buffers that MPI may still
+// write (measured: heap corruption after MPI_ERR_TRUNCATE in the ring, and
+// the other rank returning garbage as a result). So the rank reports and
+// takes the job down, as a rank that raises does.
 ffi::Error MpiError(int rc, const char* call, const CallInfo& info) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(
+      stderr,
+      "mpijax: rank %d: %s failed in %s: %.*s\n"
+      "mpijax: a size or truncation error means the ranks called this collective "
+      "with different shapes, dtypes or ops after its first-call check; "
+      "MPIJAX_CHECK=1 compares every call and names the ranks. The MPI state is "
+      "undefined after an error: aborting the job.\n",
+      rank, call, info.Describe().c_str(), len, text);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string(call) + " failed in " + info.Describe() +
                         ": " + std::string(text, len));
@@ -953,7 +972,11 @@ ffi::Error DivideInPlace(ffi::DataType t, void* p, size_t count,
 // The in-place ring receives each block into scratch before reducing it; a
 // ring over a bigger buffer runs in segments so the scratch stays this small.
 constexpr size_t kRingScratchBytes = size_t{8} << 20;
-constexpr int kRingTag = 1;  // ppermute's messages use tag 0
+constexpr int kRingTag = 1;
+// ppermute's messages: tags kPpermuteTagBase + (call count % kPpermuteTags),
+// within the 32767 every MPI allows.
+constexpr int kPpermuteTagBase = 2;
+constexpr int kPpermuteTags = 16384;
 
 // This thread's scratch of at least `bytes` (untouched until used: new[]
 // of char does not initialize, so an idle reservation costs no memory).
@@ -1728,6 +1751,10 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
     if (srcs[i] == rank) send_to = static_cast<int>(dsts[i]);
     if (dsts[i] == rank) recv_from = static_cast<int>(srcs[i]);
   }
+  // Each exchange has its own tag (every rank counts its ppermute calls on
+  // this communicator), so a message nobody received -- ranks whose sendrecv
+  // arguments do not match up -- can never be taken by a later exchange.
+  int tag = kPpermuteTagBase + static_cast<int>(comm_dc->p2p_seq++ % kPpermuteTags);
   size_t nb = x.size_bytes();
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
@@ -1741,12 +1768,12 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
     MPI_Request reqs[2];
     int nreq = 0;
     if (recv_from >= 0) {
-      MPIJAX_CHECK_MPI(MPI_Irecv(dst + off, len, MPI_BYTE, recv_from, 0, comm,
+      MPIJAX_CHECK_MPI(MPI_Irecv(dst + off, len, MPI_BYTE, recv_from, tag, comm,
                                  &reqs[nreq++]),
                        info);
     }
     if (send_to >= 0) {
-      MPIJAX_CHECK_MPI(MPI_Isend(src + off, len, MPI_BYTE, send_to, 0, comm,
+      MPIJAX_CHECK_MPI(MPI_Isend(src + off, len, MPI_BYTE, send_to, tag, comm,
                                  &reqs[nreq++]),
                        info);
     }

@@ -123,7 +123,8 @@ def push_settings() -> None:
     raise ValueError(
         f"MPIJAX_STALL_ACTION={action!r} is not valid: use 'abort' (report the "
         "stall, then end the job) or 'warn' (report it and keep waiting).")
-  settings = (int(config.get("max_chunk_bytes")), float(config.get("timeout")),
+  timeout = config.parse("timeout", config.get("timeout"))  # also after config.update
+  settings = (int(config.get("max_chunk_bytes")), timeout,
               action == "abort", bool(config.get("check")),
               int(config.get("blocking_min_bytes")), int(config.get("ring_min_bytes")),
               int(config.get("ring_in_place_min_bytes")), int(config.get("shm_max_bytes")))
@@ -537,11 +538,12 @@ def _describe(kind: str, avals, params: dict[str, Any]) -> tuple[str, str]:
       parts[:2] + [f"... {len(avals)} arrays"] + parts[len(avals):]
   human = f"{kind}({', '.join(shown)})"
   # Not in the signature: the communicator's local id (ranks may number their
-  # communicators differently) and a ppermute's pairs (sendrecv binds the
-  # same primitive with the pairs each rank knows, legitimately per rank).
+  # communicators differently) and the pairs of a sendrecv (`rank_view`: the
+  # pairs each rank knows, legitimately different per rank). A ppermute's
+  # permutation is global, so every rank must pass the same one.
+  skip = ("comm_id", "rank_view") + (("perm",) if params.get("rank_view") else ())
   canon = "|".join([kind] + parts[:len(avals)] +
-                   [f"{k}={params[k]!r}" for k in sorted(params)
-                    if k not in ("comm_id", "perm")])
+                   [f"{k}={params[k]!r}" for k in sorted(params) if k not in skip])
   return human, canon
 
 

@@ -6,10 +6,13 @@ transpose of ``bcast`` (and bcast is the transpose of reduce-sum).
 
 from __future__ import annotations
 
+import operator
+
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad, batching
 
 from mpijax._src.ops import _base
@@ -19,10 +22,14 @@ reduce_p = _base.make_primitive("mpijax_reduce")
 
 
 def _check_root(op_name: str, root: int, size: int) -> int:
-  if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < size:
-    raise ValueError(f"{op_name} got root={root!r}; expected a static int rank "
-                     f"in [0, {size}).")
-  return root
+  try:
+    index = operator.index(root)  # a Python or NumPy integer, not a traced value
+  except TypeError:
+    index = None
+  if index is None or isinstance(root, (bool, np.bool_)) or not 0 <= index < size:
+    raise ValueError(f"{op_name} got root={root!r}; expected a static integer rank "
+                     f"in [0, {size}) (a Python int, known at trace time).")
+  return int(index)
 
 
 def bcast(x, root: int, *, comm: Any = None) -> jax.Array:

@@ -8,6 +8,8 @@ inverse permutation.
 
 from __future__ import annotations
 
+import operator
+
 from typing import Any, Sequence
 
 import jax
@@ -22,7 +24,7 @@ ppermute_p = _base.make_primitive("mpijax_ppermute")
 
 def _normalize_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
   try:
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
   except (TypeError, ValueError):
     raise TypeError(f"mpijax.ops.ppermute got perm={perm!r}; expected a "
                     "sequence of (src, dst) rank pairs.") from None
@@ -60,7 +62,7 @@ def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Arr
   pairs = _normalize_perm(perm, info.size)
   if not pairs:
     return jnp.zeros_like(x)
-  return ppermute_p.bind(x, comm_id=info.id, perm=pairs)
+  return ppermute_p.bind(x, comm_id=info.id, perm=pairs, rank_view=False)
 
 
 def sendrecv(x, source: int | None, dest: int | None, *,
@@ -69,10 +71,13 @@ def sendrecv(x, source: int | None, dest: int | None, *,
 
   Sends ``x`` to rank ``dest`` and returns what rank ``source`` sent (zeros
   when ``source`` is None; nothing is sent when ``dest`` is None). The ranks'
-  arguments must match up (if r sends to d, d receives from r) -- as with MPI,
-  a mismatch waits until the configured timeout and then raises. It is a
-  ``ppermute`` over the pairs this rank knows about, so it has the same
-  transpose (send back to ``source``, receive from ``dest``).
+  arguments must match up (if r sends to d, d receives from r): a receive
+  with no matching send waits until the configured timeout and is reported
+  as a stall; a send that no rank receives is lost, and never taken by a later
+  exchange (each exchange has its own MPI tag). Every rank of the
+  communicator makes the call, also one with neither ``source`` nor ``dest``.
+  It is a ``ppermute`` over the pairs this rank knows about, so it has the
+  same transpose (send back to ``source``, receive from ``dest``).
 
   Examples:
     >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP
@@ -86,30 +91,29 @@ def sendrecv(x, source: int | None, dest: int | None, *,
   if source is not None:
     pairs.append((source, info.rank))
   pairs = _normalize_perm(list(dict.fromkeys(pairs)), info.size)
-  if not pairs:
-    return jnp.zeros_like(x)
-  return ppermute_p.bind(x, comm_id=info.id, perm=pairs)
+  # Bound even without pairs: every rank counts the exchange (its MPI tag).
+  return ppermute_p.bind(x, comm_id=info.id, perm=pairs, rank_view=True)
 
 
-def _abstract_eval(x, *, comm_id, perm):
+def _abstract_eval(x, *, comm_id, perm, rank_view):
   return x
 
 
-def _attrs(*, comm_id, perm):
+def _attrs(*, comm_id, perm, rank_view):
   srcs = np.array([s for s, _ in perm], np.int64)
   dsts = np.array([d for _, d in perm], np.int64)
   return dict(comm=_base.i64(comm_id), srcs=srcs, dsts=dsts)
 
 
-def _batch(args, dims, *, comm_id, perm):
-  return ppermute_p.bind(args[0], comm_id=comm_id, perm=perm), dims[0]
+def _batch(args, dims, **params):
+  return ppermute_p.bind(args[0], **params), dims[0]
 
 
-def _transpose(ct, x, *, comm_id, perm):
+def _transpose(ct, x, *, comm_id, perm, rank_view):
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
   inverse = tuple((d, s) for s, d in perm)
-  return (ppermute_p.bind(ct, comm_id=comm_id, perm=inverse),)
+  return (ppermute_p.bind(ct, comm_id=comm_id, perm=inverse, rank_view=rank_view),)
 
 
 ppermute_p.def_abstract_eval(_abstract_eval)

@@ -33,7 +33,7 @@ def agree_or_raise(comm: Any, problem: str, what: str) -> None:
   bad = [(r, p) for r, p in enumerate(problems) if p]
   if bad:
     lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
-    raise ValueError(f"{what}: ranks disagree about the tree structure\n{lines}\n"
+    raise ValueError(f"{what}: the ranks' trees cannot be broadcast\n{lines}\n"
                      "Every rank must pass a tree with the same structure, shapes and dtypes.")
 
 
@@ -43,6 +43,20 @@ def bcast_array(comm: Any, buf: np.ndarray, root: int) -> None:
   chunk = max(1, int(config.get("max_chunk_bytes")))
   for start in range(0, buf.size, chunk):
     comm.Bcast([buf[start:start + chunk], MPI.BYTE], root=root)
+
+
+def _unsendable(specs: list[_codec.LeafSpec]) -> str:
+  """The first leaf whose bytes do not mean anything on another rank, or ''."""
+  for s in specs:
+    try:
+      kind = np.dtype(s.dtype).kind
+    except TypeError:  # e.g. 'str64': no dtype of that name
+      kind = "U"
+    if kind in "OUSMm":
+      return (f"leaf {s.path} has dtype {s.dtype}, which broadcast cannot send (object, "
+              "string and time dtypes): send numbers, e.g. text as "
+              "np.frombuffer(s.encode(), np.uint8)")
+  return ""
 
 
 def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
@@ -76,7 +90,7 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
   root_json = mpi_util.bcast_str(
       comm, json.dumps([s.to_json() for s in specs]) if is_root else None, root)
   root_specs = [_codec.LeafSpec.from_json(d) for d in json.loads(root_json)]
-  problem = "" if is_root else first_difference(specs, root_specs)
+  problem = _unsendable(specs) or ("" if is_root else first_difference(specs, root_specs))
   agree_or_raise(comm, problem, f"mpijax.train.broadcast(root={root})")
   if size == 1:
     return tree

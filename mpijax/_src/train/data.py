@@ -111,6 +111,11 @@ class ShardedBatches:
       self._order = (np.arange(n_local) if seed is None else np.random.default_rng(
           [int(seed), int(epoch), process_index]).permutation(n_local))
     self.num_steps = int(steps)
+    # Replicated data must really be the same size everywhere, or the ranks
+    # would run different step counts: checked (one allgather) when the
+    # iteration starts, where every rank takes part, not in len().
+    self._comm = comm
+    self._size_checked = not (replicated and process_count > 1)
     if not 0 <= start_step <= self.num_steps:
       raise ValueError(f"start_step={start_step} is outside 0..{self.num_steps} (steps in this epoch)")
     self._step = int(start_step)
@@ -150,7 +155,25 @@ class ShardedBatches:
         idx[take.size:] = take[0]  # padding repeats a real sample; the mask hides it
     return idx, mask, real_global
 
+  def _check_replicated_size(self) -> None:
+    self._size_checked = True
+    comm = self._comm
+    if comm is None:
+      if not _host.runtime.is_initialized():
+        return  # process_index/process_count given by hand, no MPI job
+      comm = _host.get_comm(None, "mpijax.train.shard_batches")
+    if comm.Get_size() != self.process_count:
+      return
+    counts = mpi_util.allgather_int(comm, self.num_samples)
+    if len(set(counts)) > 1:
+      raise ValueError(
+          f"shard_batches(replicated=True) expects the same full dataset on every rank, but "
+          f"the ranks hold {counts} samples (rank i: counts[i]), so they would run different "
+          f"step counts and hang. Pass replicated=False when each rank holds its own samples.")
+
   def __next__(self) -> Batch:
+    if not self._size_checked:
+      self._check_replicated_size()
     if self._step >= self.num_steps:
       raise StopIteration
     idx, mask, real_global = self._indices(self._step)
