@@ -345,12 +345,25 @@ class GlobalArray:
 
   @classmethod
   def from_global(cls, host_array: Any, mesh: GlobalMesh, spec) -> GlobalArray:
-    """From the whole array, present on every rank; each rank keeps its part."""
+    """From the whole array, present on every rank; each rank keeps its part.
+
+    Collective: one small allgather checks that every rank passed the same
+    shape and dtype (the values themselves are not compared).
+    """
     host = np.asarray(host_array)
+    rt = runtime.get("GlobalArray.from_global")
+    mine = f"{host.dtype.name}{list(host.shape)}"
+    seen = mpi_util.allgather_str(rt.comm, mine)
+    if len(set(seen)) > 1:
+      other = next(r for r, t in enumerate(seen) if t != seen[0])
+      raise ValueError(
+          f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
+          f"passed {seen[0]} and rank {other} passed {seen[other]}. Pass the same array "
+          "everywhere, or each rank's own block with GlobalArray.from_process_local.")
     nspec = normalize_spec(spec, host.ndim, mesh)
     check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
     _check_contiguous(mesh, nspec)
-    part = host[process_index_of(host.shape, mesh, nspec, runtime.get("GlobalArray").rank)]
+    part = host[process_index_of(host.shape, mesh, nspec, rt.rank)]
     local = jax.device_put(part, _local_sharding(mesh, nspec))
     return cls(local, host.shape, local.dtype, mesh, nspec)
 

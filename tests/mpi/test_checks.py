@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import mpijax
 import mpijax.lax
@@ -191,3 +192,15 @@ def test_out_of_range_axes_are_errors(rt):
   with pytest.raises(TypeError, match=r"ppermute over 'i' got perm=\[0, 1\]; expected .*pairs"):
     f(lambda v: mpijax.lax.ppermute(v, "i", [0, 1]))
   assert float(mpijax.ops.bcast(jnp.ones(()), np.int64(0))) == 1.0  # NumPy integers are ranks
+
+
+def test_global_array_from_global_with_different_arrays_raises_on_every_rank(rt):
+  mesh = mpijax.make_mesh((rt.size * mpijax.local_device_count(),), ("x",))
+  n = 2 * rt.size * mpijax.local_device_count()
+  whole = np.arange(n + (0 if rt.rank == 0 else n), dtype=np.float32)  # rank 0's is shorter
+  if rt.size == 1:
+    assert mpijax.GlobalArray.from_global(whole, mesh, P("x")).shape == (n,)
+    return
+  with pytest.raises(ValueError, match=rf"same whole array on every rank, but rank 0 passed "
+                     rf"float32\[{n}\] and rank 1 passed float32\[{2 * n}\]"):
+    mpijax.GlobalArray.from_global(whole, mesh, P("x"))

@@ -401,12 +401,15 @@ def _inline_calls() -> None:
     return rule
 
   def unsharded(params):
-    return all(isinstance(s, sharding_impls.UnspecifiedValue)
-               for s in (*params["in_shardings"], *params["out_shardings"]))
+    return (all(isinstance(s, sharding_impls.UnspecifiedValue)
+                for s in (*params["in_shardings"], *params["out_shardings"]))
+            and all(layout is None for layout in (*params["in_layouts"], *params["out_layouts"]))
+            and not params.get("compiler_options_kvs"))
 
   targets = [(pjit.jit_p, pjit._pjit_lowering, "jaxpr", unsharded)]
-  for prim in (core_internal.closed_call_p, core_internal.call_p):
-    targets.append((prim, functools.partial(mlir_internal.core_call_lowering, name=prim.name),
+  for prim, name in ((core_internal.closed_call_p, "closed_call"),
+                     (core_internal.call_p, "core_call")):  # JAX's own names for them
+    targets.append((prim, functools.partial(mlir_internal.core_call_lowering, name=name),
                     "call_jaxpr", lambda params: True))
   for prim, default, param, plain in targets:
     mlir.register_lowering(prim, make_rule(default, param, plain), platform="cpu",
