@@ -204,3 +204,13 @@ def test_global_array_from_global_with_different_arrays_raises_on_every_rank(rt)
   with pytest.raises(ValueError, match=rf"same whole array on every rank, but rank 0 passed "
                      rf"float32\[{n}\] and rank 1 passed float32\[{2 * n}\]"):
     mpijax.GlobalArray.from_global(whole, mesh, P("x"))
+
+
+def test_data_parallel_has_aux_without_aux_says_so(rt):
+  import optax
+  dp = mt.DataParallel(lambda p, d: (d[0] @ p) ** 2, optax.sgd(0.1), has_aux=True)
+  state = dp.init(jnp.ones(3))
+  batch = next(iter(mt.shard_batches((np.ones((4 * rt.size, 3), np.float32),), 4 * rt.size,
+                                     seed=0, epoch=0)))
+  with pytest.raises(TypeError, match=r"has_aux=True.*must return \(losses, aux\).*has_aux=False"):
+    dp.step(state, batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -86,6 +87,11 @@ class DataParallel:
 
   def _per_example(self, params, data, rng):
     out = self.loss_fn(params, data, rng) if self.with_rng else self.loss_fn(params, data)
+    if self.has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2
+                             and isinstance(out[1], collections.abc.Mapping)):
+      raise TypeError("DataParallel(has_aux=True): loss_fn must return (losses, aux) with aux "
+                      f"a dict of per-example metrics; got {jax.tree.map(jnp.shape, out)!r} "
+                      "(shapes). Return a pair, or use has_aux=False.")
     losses, aux = out if self.has_aux else (out, {})
     if jnp.ndim(losses) != 1:
       raise ValueError(f"DataParallel: loss_fn must return per-example losses of shape [batch], "
