@@ -305,7 +305,7 @@ def _join(token, op):
     return token
   i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
   call = mlir_internal.custom_call("mpijax_join", result_types=[i32], operands=[token, after],
-                          backend_config={}, api_version=4, has_side_effect=False)
+                                   backend_config={}, api_version=4, has_side_effect=False)
   return call.results[0]
 
 
