@@ -62,8 +62,7 @@ def _sha256(data) -> str:
 
 def _agree(comm, what: str, error: str, exc=OSError) -> None:
   """Raises ``exc`` on every rank if any rank reports an error."""
-  reports = mpi_util.allgather_str(comm, error)
-  bad = [(r, e) for r, e in enumerate(reports) if e]
+  bad = mpi_util.rank_problems(comm, error)
   if bad:
     raise exc(f"{what} failed:\n" + "\n".join(f"  rank {r}: {e}" for r, e in bad[:8]))
 

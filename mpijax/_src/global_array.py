@@ -352,13 +352,12 @@ class GlobalArray:
     """
     host = np.asarray(host_array)
     rt = runtime.get("GlobalArray.from_global")
-    mine = f"{host.dtype.name}{list(host.shape)}"
-    seen = mpi_util.allgather_str(rt.comm, mine)
-    if len(set(seen)) > 1:
-      other = next(r for r, t in enumerate(seen) if t != seen[0])
+    diff = mpi_util.first_difference(rt.comm, f"{host.dtype.name}{list(host.shape)}")
+    if diff is not None:
+      first, rank, other = diff
       raise ValueError(
           f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-          f"passed {seen[0]} and rank {other} passed {seen[other]}. Pass the same array "
+          f"passed {first} and rank {rank} passed {other}. Pass the same array "
           "everywhere, or each rank's own block with GlobalArray.from_process_local.")
     nspec = normalize_spec(spec, host.ndim, mesh)
     check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")

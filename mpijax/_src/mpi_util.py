@@ -6,6 +6,8 @@ Everything here moves plain bytes or NumPy buffers with mpi4py's upper-case
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 
@@ -57,3 +59,29 @@ def allgather_int(comm, value: int) -> list[int]:
   out = np.zeros(comm.size, dtype=np.int64)
   comm.Allgather([np.array([value], np.int64), MPI.INT64_T], [out, MPI.INT64_T])
   return [int(v) for v in out]
+
+
+def rank_problems(comm, problem: str) -> list[tuple[int, str]]:
+  """Collective: every rank's non-empty ``problem`` as (rank, text), the same on every rank.
+
+  Callers raise when the list is not empty, so no rank is left waiting in MPI.
+  """
+  return [(r, text) for r, text in enumerate(allgather_str(comm, problem)) if text]
+
+
+def first_difference(comm, text: str) -> tuple[str, int, str] | None:
+  """Collective: None if every rank passed the same ``text``, else (rank 0's, r, rank r's).
+
+  The common case costs one MIN all-reduce of two integers (a hash of ``text``
+  and its negation); the texts are gathered only when they differ.
+  """
+  MPI = import_mpi()
+  h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+  both = np.empty(2, np.int64)
+  comm.Allreduce([np.array([h, -h], np.int64), MPI.INT64_T], [both, MPI.INT64_T], op=MPI.MIN)
+  if both[0] == -both[1]:
+    return None
+  texts = allgather_str(comm, text)
+  other = next(r for r, t in enumerate(texts) if t != texts[0])
+  return texts[0], other, texts[other]
+

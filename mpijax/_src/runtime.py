@@ -278,8 +278,7 @@ def _check_arguments(coordinator_address: Any, devices_per_process: Any, comm: A
 
 def _raise_on_every_rank(comm, problems: list[str]) -> None:
   """Collective: if any rank found a problem, every rank raises it, naming the rank."""
-  gathered = mpi_util.allgather_str(comm, "\n".join(p for p in problems if p))
-  bad = [(r, text) for r, text in enumerate(gathered) if text]
+  bad = mpi_util.rank_problems(comm, "\n".join(p for p in problems if p))
   if bad:
     rank, text = bad[0]
     more = f"; ranks {[r for r, _ in bad[1:]]} too" if len(bad) > 1 else ""

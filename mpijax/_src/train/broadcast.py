@@ -29,8 +29,7 @@ def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec])
 
 def agree_or_raise(comm: Any, problem: str, what: str) -> None:
   """Every rank raises if any rank found a problem (so no rank is left waiting in MPI)."""
-  problems = mpi_util.allgather_str(comm, problem)
-  bad = [(r, p) for r, p in enumerate(problems) if p]
+  bad = mpi_util.rank_problems(comm, problem)
   if bad:
     lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
     raise ValueError(f"{what}: the ranks' trees cannot be broadcast\n{lines}\n"

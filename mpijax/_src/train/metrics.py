@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from typing import Any, Iterable
 
@@ -54,22 +53,14 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
 
 
 def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray]) -> None:
-  """Every rank raises if the ranks' trees differ (keys or shapes).
-
-  One tiny MIN all-reduce of (h, -h) for a hash h of the structure: the sum
-  that follows would otherwise mix up different metrics silently.
-  """
-  text = f"{treedef} shapes={[a.shape for a in arrays]}"
-  h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-  MPI = mpi_util.import_mpi()
-  both = np.empty(2, np.int64)
-  comm.Allreduce([np.array([h, -h], np.int64), MPI.INT64_T], [both, MPI.INT64_T], op=MPI.MIN)
-  if both[0] != -both[1]:
-    texts = mpi_util.allgather_str(comm, text)
-    first = next(r for r, t in enumerate(texts) if t != texts[0])
+  """Every rank raises if the ranks' trees differ (keys or shapes): the sum
+  that follows would otherwise mix up different metrics silently."""
+  diff = mpi_util.first_difference(comm, f"{treedef} shapes={[a.shape for a in arrays]}")
+  if diff is not None:
+    first, rank, other = diff
     raise ValueError(
         f"mpijax.train.mean_metrics needs the same tree on every rank, but rank 0 passed "
-        f"{texts[0]} and rank {first} passed {texts[first]}. Give every rank the same metric "
+        f"{first} and rank {rank} passed {other}. Give every rank the same metric "
         "names and shapes (e.g. 0.0 for a metric a rank does not have).")
 
 
