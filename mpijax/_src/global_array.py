@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from typing import Any, Callable, Sequence
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mpijax._src import config
 from mpijax._src import mpi_util
 from mpijax._src import runtime
 from mpijax._src.mesh import GlobalMesh
@@ -129,6 +131,110 @@ def _local_sharding(mesh: GlobalMesh, spec: PartitionSpec) -> NamedSharding:
 def _check_contiguous(mesh: GlobalMesh, spec: PartitionSpec) -> None:
   for d in range(len(spec)):
     mesh.process_block(spec, d)  # raises for a strided (non-contiguous) part
+
+
+# --- cross-rank value checks -----------------------------------------------------------
+#
+# Ranks that hold the same block of a global array must pass equal copies of it.
+# With MPIJAX_CHECK=1 every byte of every copy is hashed and the hashes compared.
+# Without it, a few sampled elements of each copy are hashed instead: that costs
+# nothing measurable, rides in the constructors' existing collective, and catches
+# the usual mistake (each rank passing its own data under a spec that says the
+# ranks hold copies), which differs nearly everywhere. A difference in sampled
+# bytes proves the copies differ, so it never raises for equal copies.
+
+_SAMPLE_ELEMENTS = 64
+
+
+def sample_positions(size: int) -> np.ndarray:
+  """The flat (C order) positions compared without MPIJAX_CHECK: evenly spaced, both ends."""
+  if size <= _SAMPLE_ELEMENTS:
+    return np.arange(size, dtype=np.int64)
+  return np.unique(np.linspace(0, size - 1, _SAMPLE_ELEMENTS).round().astype(np.int64))
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+  # Bytes, not values: NaN payloads and -0.0 compare as stored, as the copies would be read.
+  return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def value_digest(array: Any) -> str | None:
+  """blake2b of every byte of ``array`` in C order (hex); None for object arrays."""
+  array = np.asarray(array)
+  if array.dtype.hasobject:
+    return None
+  return hashlib.blake2b(_bytes_of(array), digest_size=16).hexdigest()
+
+
+def sample_digest(array: np.ndarray) -> str | None:
+  """blake2b of the elements at :func:`sample_positions` only (hex); None for object arrays."""
+  if array.dtype.hasobject:
+    return None
+  pos = sample_positions(array.size)
+  picked = array.reshape(1)[pos] if array.ndim == 0 else array[np.unravel_index(pos, array.shape)]
+  return hashlib.blake2b(_bytes_of(picked), digest_size=8).hexdigest()
+
+
+def differing_copies(keys: Sequence[Any],
+                     digests: Sequence[str | None]) -> list[tuple[Any, list[list[int]]]]:
+  """Groups of ranks with equal ``keys`` whose ``digests`` differ: (key, ranks per distinct copy).
+
+  Ranks and copies are listed in rank order; a rank whose digest is None is
+  not compared.
+  """
+  groups: dict[Any, dict[str, list[int]]] = {}
+  for r, (key, digest) in enumerate(zip(keys, digests)):
+    if digest is not None:
+      groups.setdefault(key, {}).setdefault(digest, []).append(r)
+  return [(key, list(copies.values())) for key, copies in groups.items() if len(copies) > 1]
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+  ranks = list(ranks)
+  head = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+  return ("rank " if len(ranks) == 1 else "ranks ") + head
+
+
+def _copies_text(diffs: list[tuple[Any, list[list[int]]]], blocks: bool) -> str:
+  parts = []
+  for key, copies in diffs[:8]:
+    where = ("block [" + ", ".join(f"{a}:{b}" for a, b in key) + "]: ") if blocks else ""
+    parts.append(where + " vs ".join(_ranks_text(c) for c in copies))
+  return "; ".join(parts) + (f"; and {len(diffs) - 8} more blocks" if len(diffs) > 8 else "")
+
+
+def _how_compared(check: bool) -> str:
+  if check:
+    return "every byte compared, MPIJAX_CHECK=1"
+  return (f"found by comparing up to {_SAMPLE_ELEMENTS} sampled elements; MPIJAX_CHECK=1 compares "
+          "every byte")
+
+
+def _mixed_check(what: str, flags: Sequence[bool]) -> None:
+  """Raises (on every rank: ``flags`` are the same everywhere) if MPIJAX_CHECK differs."""
+  on = [r for r, f in enumerate(flags) if f]
+  if on and len(on) < len(flags):
+    off = [r for r, f in enumerate(flags) if not f]
+    raise ValueError(
+        f"{what}: MPIJAX_CHECK is on for {_ranks_text(on)} but off for {_ranks_text(off)}, so "
+        "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
+        "...)) the same way on every rank.")
+
+
+def _process_boxes(shape: Sequence[int], mesh: GlobalMesh,
+                   spec: PartitionSpec) -> list[tuple[tuple[int, int], ...]]:
+  """Every rank's part as ((start, stop) per dimension): equal for ranks holding copies."""
+  L = mesh.local_device_count
+  idx = device_indices(shape, mesh, spec)
+  return [tuple((min(i[d].start for i in idx[p * L:(p + 1) * L]),
+                 max(i[d].stop for i in idx[p * L:(p + 1) * L])) for d in range(len(shape)))
+          for p in range(mesh.process_count)]
+
+
+def _replicated_axes(mesh: GlobalMesh, spec: PartitionSpec) -> list[str]:
+  """Mesh axes across processes that ``spec`` does not name: ranks along them hold copies."""
+  used = {n for e in spec for n in _names(mesh, e)}
+  return [n for n in mesh.axis_names if n not in used and mesh.axes[n].proc_size > 1]
 
 
 # --- the array ---------------------------------------------------------------------
@@ -301,11 +407,26 @@ class GlobalArray:
     across ranks with a small allgather: a rank whose part does not fit makes
     every rank raise an error naming it.
 
+    The copies' values are compared in the same allgather. By default only a
+    few sampled elements (at most 64, evenly spaced) of each NumPy part are
+    hashed: that catches ranks passing their own data where the spec says
+    they hold copies, never fails equal copies, and costs nothing measurable;
+    ``jax.Array`` parts are not sampled (that would copy them to the host).
+    With ``MPIJAX_CHECK=1`` every byte of every part is hashed (blake2b of a
+    C-contiguous host copy; a ``jax.Array`` part is copied to the host) and
+    compared between the ranks holding the same block: slower, and no extra
+    collective either. Bytes are compared, so NaN payloads and -0.0 vs 0.0
+    count as differences.
+
     Raises:
       ValueError: on every rank, if any rank's part has the wrong number of
-        dimensions, a shape that does not fit the others', or another dtype.
+        dimensions, a shape that does not fit the others', or another dtype;
+        if ranks holding the same block passed different values (the message
+        names the ranks and the block); or if ``MPIJAX_CHECK`` is on for some
+        ranks and off for others.
     """
     rt = runtime.get("GlobalArray.from_process_local")
+    check = bool(config.get("check"))
     data = local_data if isinstance(local_data, jax.Array) else np.asarray(local_data)
     status: dict[str, Any] = {}
     try:
@@ -323,6 +444,11 @@ class GlobalArray:
                 "dtype": np.dtype(data.dtype).name}
     except ValueError as e:
       status = {"error": str(e)}
+    if "error" not in status and rt.size > 1:  # one rank: nothing to compare with
+      if check:
+        status.update(check=1, digest=value_digest(data))
+      elif not isinstance(data, jax.Array):
+        status["sample"] = sample_digest(data)
     reports = [json.loads(s) for s in mpi_util.allgather_str(rt.comm, json.dumps(status))]
     errors = [(r, s["error"]) for r, s in enumerate(reports) if "error" in s]
     if errors:
@@ -340,6 +466,20 @@ class GlobalArray:
               f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
           + " does not. Give every rank the block mesh and spec assign to it "
           "(global shape divided by the number of process blocks along each dimension).")
+    _mixed_check("GlobalArray.from_process_local", [bool(s.get("check")) for s in reports])
+    digests = [s.get("digest" if check else "sample") for s in reports]
+    if rt.size > 1 and any(d is not None for d in digests):
+      diffs = differing_copies(_process_boxes(majority[0], mesh, nspec), digests)
+      if diffs:
+        axes = _replicated_axes(mesh, nspec)
+        raise ValueError(
+            f"GlobalArray.from_process_local: ranks that hold the same block of the global "
+            f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
+            f"only along mesh axes {axes}, which the spec does not name) passed different "
+            f"values ({_how_compared(check)}): {_copies_text(diffs, blocks=True)}. Pass equal "
+            "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
+            f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
+            "each rank holds its own block.")
     local = jax.device_put(data, _local_sharding(mesh, nspec))
     return cls(local, majority[0], local.dtype, mesh, nspec)
 
@@ -347,22 +487,68 @@ class GlobalArray:
   def from_global(cls, host_array: Any, mesh: GlobalMesh, spec) -> GlobalArray:
     """From the whole array, present on every rank; each rank keeps its part.
 
-    Collective: one small allgather checks that every rank passed the same
-    shape and dtype (the values themselves are not compared).
+    Collective: one small allgather (a fixed 33-byte record per rank) checks
+    that every rank passed the same shape and dtype, and compares values. By
+    default only a few sampled elements (at most 64, evenly spaced) of the
+    part each rank keeps are compared, between the ranks that keep the same
+    part: that catches, e.g., unseeded random data replicated over ranks,
+    never fails equal arrays, and costs nothing measurable. With
+    ``MPIJAX_CHECK=1`` every byte of the whole array is hashed on every rank
+    (blake2b of a C-contiguous copy) and compared: slower, and no extra
+    collective either. Bytes are compared, so NaN payloads and -0.0 vs 0.0
+    count as differences.
+
+    Raises:
+      ValueError: on every rank, if the ranks passed arrays of different shapes
+        or dtypes, or different values (the message names the ranks), or if
+        ``MPIJAX_CHECK`` is on for some ranks and off for others.
     """
     host = np.asarray(host_array)
     rt = runtime.get("GlobalArray.from_global")
-    diff = mpi_util.first_difference(rt.comm, f"{host.dtype.name}{list(host.shape)}")
-    if diff is not None:
-      first, rank, other = diff
+    check = bool(config.get("check"))
+    shape_text = f"{host.dtype.name}{list(host.shape)}"
+    # A bad spec raises only after the collective: ranks whose shapes differ
+    # could otherwise disagree on raising before it and leave the others waiting.
+    error: ValueError | None = None
+    try:
+      nspec = normalize_spec(spec, host.ndim, mesh)
+      check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
+      _check_contiguous(mesh, nspec)
+      box = process_index_of(host.shape, mesh, nspec, rt.rank)
+    except ValueError as e:
+      error = e
+    compare = rt.size > 1 and error is None  # one rank: nothing to compare with
+    digest = value_digest(host) if check and compare else None
+    sample = sample_digest(host[box]) if not check and compare else None
+    record = (hashlib.blake2b(shape_text.encode(), digest_size=8).digest()
+              + bytes([int(check) | (2 if sample else 0) | (4 if digest else 0)])
+              + bytes.fromhex(sample or "00" * 8) + bytes.fromhex(digest or "00" * 16))
+    records = mpi_util.allgather_fixed(rt.comm, record)
+    if any(r[:8] != records[0][:8] for r in records):
+      texts = mpi_util.allgather_str(rt.comm, shape_text)  # only on a mismatch
+      rank = next(r for r, t in enumerate(texts) if t != texts[0])
       raise ValueError(
           f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-          f"passed {first} and rank {rank} passed {other}. Pass the same array "
+          f"passed {texts[0]} and rank {rank} passed {texts[rank]}. Pass the same array "
           "everywhere, or each rank's own block with GlobalArray.from_process_local.")
-    nspec = normalize_spec(spec, host.ndim, mesh)
-    check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
-    _check_contiguous(mesh, nspec)
-    part = host[process_index_of(host.shape, mesh, nspec, rt.rank)]
+    if error is not None:
+      raise error
+    _mixed_check("GlobalArray.from_global", [bool(r[8] & 1) for r in records])
+    if check:
+      diffs = differing_copies([None] * rt.size,
+                               [r[17:].hex() if r[8] & 4 else None for r in records])
+    else:
+      diffs = differing_copies(_process_boxes(host.shape, mesh, nspec),
+                               [r[9:17].hex() if r[8] & 2 else None for r in records])
+    if diffs:
+      raise ValueError(
+          f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
+          f"passed {shape_text} arrays with different values ({_how_compared(check)}): "
+          f"{_copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
+          "random data the same way on every rank), or give each rank's own block to "
+          "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
+          "data differs along.")
+    part = host[box]
     local = jax.device_put(part, _local_sharding(mesh, nspec))
     return cls(local, host.shape, local.dtype, mesh, nspec)
 

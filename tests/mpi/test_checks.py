@@ -214,3 +214,133 @@ def test_data_parallel_has_aux_without_aux_says_so(rt):
                                      seed=0, epoch=0)))
   with pytest.raises(TypeError, match=r"has_aux=True.*must return \(losses, aux\).*has_aux=False"):
     dp.step(state, batch)
+
+
+# --- GlobalArray: copies that must be equal ------------------------------------------
+
+
+@pytest.fixture(params=[True])
+def value_check(request):
+  """Sets MPIJAX_CHECK (every rank alike) for one test, whatever the environment says."""
+  config.update("check", request.param)
+  try:
+    yield
+  finally:
+    config.reset("check")
+
+
+def _x_mesh(rt):
+  return mpijax.make_mesh((rt.size * mpijax.local_device_count(),), ("x",))
+
+
+def test_sampled_positions_and_grouping_of_copies():
+  from mpijax._src import global_array as ga
+  assert ga.sample_positions(5).tolist() == [0, 1, 2, 3, 4]
+  pos = ga.sample_positions(1000)
+  assert len(pos) == 64 and pos[0] == 0 and pos[-1] == 999 and 1 not in pos
+  a = np.full((3, 4), np.nan, np.float32)
+  b = a.copy()
+  b.view(np.uint32)[0, 0] ^= 1  # another NaN payload: other bytes
+  assert ga.value_digest(a) == ga.value_digest(np.asfortranarray(a)) != ga.value_digest(b)
+  assert ga.sample_digest(a) != ga.sample_digest(b)
+  assert ga.sample_digest(np.float32(2)) == ga.sample_digest(np.array(2, np.float32))
+  assert ga.differing_copies(["a", "b", "a", "a"], ["1", "2", "1", "3"]) == [("a", [[0, 2], [3]])]
+  assert ga.differing_copies(["a", "a"], ["1", None]) == []
+
+
+def test_global_array_equal_copies_pass_the_value_check(rt, value_check):
+  mesh, L = _x_mesh(rt), mpijax.local_device_count()
+  g = np.arange(6 * rt.size * L, dtype=np.float32).reshape(-1, 3)
+  g[0, 0] = np.nan  # equal NaNs are equal bytes
+  for spec in (P(), P("x"), P(None)):
+    a = mpijax.GlobalArray.from_global(g, mesh, spec)
+    np.testing.assert_array_equal(a.gather(), g)
+  # Replicated over the ranks: equal copies (NumPy and jax.Array) pass.
+  for part in (g[:2], jnp.asarray(g[:2])):
+    b = mpijax.GlobalArray.from_process_local(part, mesh, P())
+    np.testing.assert_array_equal(b.gather(), g[:2])
+  # Each rank's own block: nothing to compare, different values are fine.
+  own = np.full((2 * L, 3), float(rt.rank), np.float32)
+  c = mpijax.GlobalArray.from_process_local(own, mesh, P("x"))
+  np.testing.assert_array_equal(c.gather(), np.repeat(np.arange(rt.size), 2 * L)[:, None]
+                                * np.ones(3, np.float32))
+
+
+def _one_rank_differs(rt):
+  """1000 equal elements; the last rank's copy differs in element 1 (never sampled)."""
+  x = np.arange(1000, dtype=np.float32)
+  if rt.rank == rt.size - 1:
+    x[1] = -1.0
+  return x
+
+
+def _copies(rt):
+  same = ", ".join(map(str, range(rt.size - 1)))
+  return rf"ranks? {same} vs rank {rt.size - 1}"
+
+
+def test_global_array_different_copies_raise_on_every_rank_with_the_check(rt, value_check):
+  mesh = _x_mesh(rt)
+  x = _one_rank_differs(rt)
+  if rt.size == 1:  # one rank: no other copy to compare with
+    assert mpijax.GlobalArray.from_process_local(x, mesh, P()).shape == (1000,)
+    pytest.skip("comparing copies needs at least 2 ranks")
+  with pytest.raises(ValueError, match=r"from_process_local: ranks that hold the same block of "
+                     r"the global \(1000,\) float32 array .*differ only along mesh axes \['x'\].*"
+                     r"passed different values \(every byte compared, MPIJAX_CHECK=1\): block "
+                     rf"\[0:1000\]: {_copies(rt)}\. Pass equal copies.*name 'x' in the spec"):
+    mpijax.GlobalArray.from_process_local(x, mesh, P())
+  with pytest.raises(ValueError, match=r"from_process_local: .*block \[0:1000\]: "
+                     + _copies(rt)):
+    mpijax.GlobalArray.from_process_local(jnp.asarray(x), mesh, P())
+  # from_global compares the whole array, also where each rank keeps only its own part.
+  for spec in (P(), P("x")):
+    with pytest.raises(ValueError, match=r"from_global needs the same whole array on every rank, "
+                       r"but the ranks passed float32\[1000\] arrays with different values "
+                       rf"\(every byte compared, MPIJAX_CHECK=1\): {_copies(rt)}\. Pass the same"):
+      mpijax.GlobalArray.from_global(x, mesh, spec)
+  # Nothing is left pending: the next collective works.
+  np.testing.assert_array_equal(mpijax.GlobalArray.from_global(np.ones(4), mesh, P()).gather(),
+                                np.ones(4))
+
+
+@pytest.mark.parametrize("value_check", [False], indirect=True)
+def test_global_array_copies_without_the_check(rt, value_check):
+  mesh = _x_mesh(rt)
+  x = _one_rank_differs(rt)
+  # A difference between the sampled elements passes silently without MPIJAX_CHECK ...
+  a = mpijax.GlobalArray.from_process_local(x, mesh, P())
+  b = mpijax.GlobalArray.from_global(x, mesh, P())
+  np.testing.assert_array_equal(np.asarray(a.local), x)  # each rank keeps its own copy
+  np.testing.assert_array_equal(np.asarray(b.local), x)
+  # ... and so do jax.Array parts (not sampled) and parts only one rank keeps.
+  mine = np.full(1000, float(rt.rank), np.float32)
+  mpijax.GlobalArray.from_process_local(jnp.asarray(mine), mesh, P())
+  mpijax.GlobalArray.from_global(np.full(rt.size * mpijax.local_device_count(), float(rt.rank)),
+                                 mesh, P("x"))
+  if rt.size == 1:
+    mpijax.GlobalArray.from_process_local(mine, mesh, P())
+    pytest.skip("comparing copies needs at least 2 ranks")
+  # Each rank's own data where the spec says copies: caught by the sample.
+  ranks = ", ".join(map(str, range(rt.size)))
+  sample = r"found by comparing up to 64 sampled elements; MPIJAX_CHECK=1 compares every byte"
+  with pytest.raises(ValueError, match=rf"from_process_local: .*passed different values \({sample}"
+                     rf"\): block \[0:1000\]: rank {' vs rank '.join(ranks.split(', '))}\."):
+    mpijax.GlobalArray.from_process_local(mine, mesh, P())
+  with pytest.raises(ValueError, match=rf"from_global needs .*different values \({sample}\): "
+                     r"block \[0:1000\]: rank 0 vs rank 1"):
+    mpijax.GlobalArray.from_global(mine, mesh, P())
+
+
+def test_global_array_check_on_some_ranks_only_raises_on_every_rank(rt):
+  if rt.size == 1:
+    pytest.skip("needs at least 2 ranks")
+  mesh = _x_mesh(rt)
+  config.update("check", rt.rank == 0)
+  try:
+    for make in (mpijax.GlobalArray.from_process_local, mpijax.GlobalArray.from_global):
+      with pytest.raises(ValueError, match=r"MPIJAX_CHECK is on for rank 0 but off for ranks? 1"
+                         r".*the same way on every rank"):
+        make(np.ones(4, np.float32), mesh, P())
+  finally:
+    config.reset("check")
