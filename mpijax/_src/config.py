@@ -93,7 +93,10 @@ _define("stall_action", str, "abort",
 _define("check", _parse_bool, False,
         "Compare every collective call's signature across ranks (slower); "
         "by default each call site of a compiled program is compared once, "
-        "on its first run.")
+        "on its first run. Also makes GlobalArray.from_process_local and "
+        "from_global hash and compare every byte of the copies that must be "
+        "equal across ranks (by default up to 64 sampled elements). Must be "
+        "the same on every rank.")
 _define("max_chunk_bytes", int, 1 << 30,
         "Largest single MPI message; bigger buffers are sent in chunks.")
 _define("blocking_min_bytes", int, 0,
