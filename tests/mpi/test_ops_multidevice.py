@@ -40,3 +40,55 @@ def test_each_local_device_uses_its_own_subcommunicator():
     np.testing.assert_array_equal(s[d], n * 100.0 * d + sum(range(n)))
     np.testing.assert_array_equal(g[d][:, 0], 100.0 * d + np.arange(n))
     np.testing.assert_array_equal(p[d], 100.0 * d + (r - 1) % n)
+
+
+def test_op_outside_shard_map_in_a_multi_device_jit_is_a_clear_error():
+  # XLA's partitioner would stop with an internal "Side-effect HLO must have
+  # sharding"; every rank must raise mpijax's message instead, before any MPI.
+  import re
+
+  import pytest
+
+  rt = mpijax.init()
+  r, n = rt.rank, rt.size
+  devs = rt.local_devices
+  L = len(devs)
+  mesh = Mesh(np.array(devs), ("d",))
+  x = jnp.arange(2.0 * L) + r
+
+  def after_shard_map(x):
+    y = jax.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(x)
+    return ops.allreduce(y.sum())
+
+  def barrier_before_pmap(x):
+    ops.barrier()
+    return mpijax.pmap(lambda v: v + 1)(x.reshape(L, 2))
+
+  sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+  partial = jax.jit(jax.shard_map(ops.allreduce, mesh=Mesh(np.array(devs).reshape(1, L), ("p", "q")),
+                                  in_specs=P("p"), out_specs=P("p"), axis_names={"p"},
+                                  check_vma=False))
+  programs = [("allreduce", lambda: jax.jit(after_shard_map)(x)),
+              ("barrier", lambda: jax.jit(barrier_before_pmap)(x)),
+              ("allreduce", lambda: ops.allreduce(sharded)),  # eager, on a sharded array
+              ("allreduce", lambda: partial(x))]  # shard_map leaving axis "q" to XLA
+  if L > 1:
+    for kind, run in programs:
+      with pytest.raises(ValueError, match=re.escape(f"(primitive mpijax_{kind})")) as e:
+        run()
+      msg = str(e.value)
+      assert f"over {L} devices" in msg, msg
+      assert "mpijax.pmap / mpijax.shard_map / jax.shard_map body" in msg, msg
+      assert "devices_per_process=1" in msg, msg
+      assert "Side-effect" not in msg, msg
+  else:  # one device per rank: the same programs are plain rank-local MPI calls
+    total = sum(2 * (np.arange(2.0).sum() + 2 * k) for k in range(n))
+    np.testing.assert_allclose(programs[0][1](), total)
+    np.testing.assert_allclose(programs[1][1](), np.asarray(x).reshape(1, 2) + 1)
+    want = sum(np.arange(2.0) + k for k in range(n))
+    np.testing.assert_allclose(programs[2][1](), want)
+    np.testing.assert_allclose(programs[3][1](), want)
+  # No rank entered MPI above: the next collective pairs up as usual.
+  f = jax.jit(jax.shard_map(lambda b: ops.allreduce(b), mesh=mesh, in_specs=P("d"),
+                            out_specs=P("d"), check_vma=False))
+  np.testing.assert_allclose(f(sharded), sum(np.arange(2.0 * L) + k for k in range(n)))

@@ -8,7 +8,8 @@
 * Lowering: an XLA FFI custom call marked ``has_side_effect`` (an HLO
   attribute, so XLA neither removes nor duplicates it) while the primitive
   itself has NO JAX effects, which keeps jitted calls on JAX's C++ fast
-  dispatch path.
+  dispatch path. A call that XLA would partition over several devices
+  (outside shard_map) is a clear error at lowering.
 * Eager execution: a cached ``jax.jit`` per parameter set.
 """
 
@@ -31,6 +32,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
+from jax._src import sharding_impls
 from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
 
@@ -475,6 +477,8 @@ def register_ffi_lowering(prim: Primitive, target: str,
   kind = target.removeprefix("mpijax_")
 
   def rule(ctx, *args, **params):
+    if _auto_devices(ctx.module_context.axis_context) > 1:
+      raise _multi_device_error(ctx, kind, params)
     _ffi.load()  # registers the FFI targets before XLA compiles the call
     chain = _chain_for(ctx)
     block = ir.InsertionPoint.current.block
@@ -492,6 +496,62 @@ def register_ffi_lowering(prim: Primitive, target: str,
   # shared out-of-line function, without the equation's traceback (so no call
   # site) and outside the caller's block (so outside its order-token chain).
   mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
+
+
+# Multi-device computations. A jax.jit whose computation spans several devices
+# (a multi-device shard_map or mpijax.pmap inside it, or an argument sharded or
+# replicated over several local devices) is partitioned by XLA, which demands
+# a sharding on every side-effecting op outside manual (shard_map) regions and
+# otherwise fails with an internal "Side-effect HLO must have sharding". No
+# sharding is right for an MPI call there: a replicated or tiled one would run
+# it once per local device on the same communicator (mixed data or a
+# deadlock), and a MAXIMAL one (one device, as JAX does for io_callback) is
+# dropped by Shardy for any custom call but JAX's own callbacks; it would
+# also not be ordered against the shard_map body's calls on that device's
+# communicator. So it is refused here, at lowering (once per compile, never
+# per call), with the same message on every rank, which lowers the same program.
+
+
+def _auto_devices(axis_context) -> int:
+  """How many devices the partitioner shares one (non-manual) value among."""
+  if isinstance(axis_context, sharding_impls.ShardingContext):
+    return axis_context.num_devices
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    # Inside a shard_map: only the axes it does not map are partitioned.
+    manual, mesh = axis_context.manual_axes, axis_context.mesh
+    n = 1
+    for name, size in zip(mesh.axis_names, mesh.devices.shape):
+      if name not in manual:
+        n *= size
+    return n
+  return 1  # jax.pmap replicas and other contexts: one device per computation
+
+
+def _multi_device_error(ctx, kind: str, params: dict[str, Any]) -> ValueError:
+  """The error for a call lowered where XLA partitions it over several devices."""
+  axis_context = ctx.module_context.axis_context
+  n = _auto_devices(axis_context)
+  human, _ = _describe(kind, ctx.avals_in, params)
+  name = ("mpijax.train's fused " + human if kind == "allreduce_many"
+          else "mpijax.ops." + human)
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    auto = tuple(a for a in axis_context.mesh.axis_names if a not in axis_context.manual_axes)
+    where = (f"inside a shard_map that leaves mesh axes {auto} unmapped, so the call is "
+             f"partitioned over {n} devices")
+  else:
+    where = (f"in a computation partitioned over {n} devices, outside any shard_map (a "
+             "jax.jit that also contains a multi-device mpijax.pmap or shard_map, or an "
+             "argument sharded or replicated over several devices)")
+  return ValueError(
+      f"{name} at {_user_location(ctx)} (primitive mpijax_{kind}) is called {where}. "
+      "mpijax.ops calls act on one device's rank-local array; here XLA would have to run "
+      "the MPI call once per device on one communicator, or on one device without "
+      "ordering it against the others. Fix: call it inside the mpijax.pmap / "
+      "mpijax.shard_map / jax.shard_map body (each local device then calls MPI on its own "
+      "communicator), use the mpijax.lax collectives over a mesh axis (psum, all_gather, "
+      "...), call it outside the multi-device jax.jit on an array on one device "
+      "(jax.device_put(x, mpijax.local_devices()[0])), or run one device per process "
+      "(mpijax.init(devices_per_process=1), mpijax-run --devices-per-process 1).")
 
 
 # Call sites and signatures (issue 8). Each custom call carries a static
