@@ -72,6 +72,8 @@ def _job_to_jax() -> None:
   import mpijax
   mpijax.init(jax_distributed=True)
   import jax
+  import jax.numpy as jnp
+  import mpijax.lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   Pn, L = mpijax.process_count(), mpijax.local_device_count()
@@ -97,6 +99,24 @@ def _job_to_jax() -> None:
   back2 = mpijax.GlobalArray.from_jax(arr)  # a new GlobalMesh from the array's mesh
   np.testing.assert_array_equal(back2.gather(), g)
   print(f"TO_JAX OK rank {mpijax.process_index()}", flush=True)
+  # mpijax's own collectives in the same job. Under jax.distributed XLA names
+  # a device by its global id (2048, 2049 on the second process), not by its
+  # local index; each must still reach its own sub-communicator.
+  import mpijax.ops
+  ids = [d.id for d in jax.local_devices()]
+  mine = np.full(3, mpijax.process_index() + 1, np.float32)
+  want = Pn * (Pn + 1) / 2
+  for d in jax.local_devices():  # eager and jitted, on each local device
+    x = jax.device_put(mine, d)
+    np.testing.assert_array_equal(mpijax.ops.allreduce(x, "sum"), want)
+    y = jax.jit(lambda v: mpijax.ops.allreduce(v, "sum") * 2)(x)
+    assert y.devices() == {d}
+    np.testing.assert_array_equal(y, 2 * want)
+  xs = jnp.arange(L, dtype=jnp.float32) + mpijax.process_index() * L  # global device index
+  np.testing.assert_array_equal(
+      mpijax.pmap(lambda v: mpijax.lax.psum(v, "i"), axis_name="i")(xs),
+      np.full(L, (Pn * L) * (Pn * L - 1) / 2))
+  print(f"OPS OK rank {mpijax.process_index()} devices {ids}", flush=True)
 
 
 def _job_save_crash(path: str) -> None:
@@ -177,7 +197,7 @@ def test_checkpoint_from_4_ranks_loads_on_2_ranks_x_2_devices_and_on_1_rank(tmp_
 
 def test_to_jax_and_back_under_jax_distributed():
   out = _run(2, 2, "to_jax")
-  assert out.count("TO_JAX OK") == 2, tail(out)
+  assert out.count("TO_JAX OK") == 2 and out.count("OPS OK") == 2, tail(out)
 
 
 def test_a_crash_mid_save_publishes_nothing_loadable(tmp_path):

@@ -15,10 +15,13 @@ def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
   from which collectives block and all-reduces run the ring, and up to which
   all-reduces go through node-local shared memory."""
 
-def register_comms(handles: list[int], check_handles: list[int], key: int) -> int:
+def register_comms(handles: list[int], check_handles: list[int], key: int,
+                   ordinals: list[int] = ...) -> int:
   """Registers one communicator (and one signature-check communicator) per
-  local device index; ``key`` is the id all its ranks agreed on. Returns the
-  id used as the ops' ``comm`` attribute."""
+  local device index; ``key`` is the id all its ranks agreed on; ``ordinals``
+  are XLA's device ordinals (jax device ids) of the local devices in index
+  order (default 0, 1, ...). Returns the id used as the ops' ``comm``
+  attribute."""
 
 def register_site(text: str, slot: int) -> int:
   """Registers a call site's description and check slot (one per (signature,

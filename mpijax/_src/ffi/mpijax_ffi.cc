@@ -105,6 +105,7 @@ struct DevComm {
   // Local devices of the communicator: with more than one, their threads
   // call MPI at the same time, and every wait is polled (see WaitAll).
   int local_devices = 1;
+  int64_t index = 0;  // its local device index (XLA's ordinal may differ)
   Status status;
   // Node-local shared memory (ShmAllreduce), mapped by the first call that
   // can use it; touched only by this device's handler thread.
@@ -122,6 +123,10 @@ struct CommEntry {
   // unique_ptr: DevComm holds atomics; entries are never deleted (a freed
   // communicator keeps its memory so the responder never reads freed state).
   std::vector<std::unique_ptr<DevComm>> devs;
+  // XLA's device ordinal of each local device index: the device's id, which
+  // is the local index in a single-process JAX but a global id (e.g. 2048 on
+  // the second process) under jax.distributed.
+  std::vector<int64_t> ordinals;
   bool freed = false;
 };
 
@@ -716,15 +721,18 @@ ffi::ErrorOr<DevComm*> GetComm(int64_t comm_id, int64_t device) {
         " was freed by mpijax.shutdown(); this compiled program is stale. "
         "Call jax.clear_caches() after re-running mpijax.init()."));
   }
-  if (device < 0 || device >= static_cast<int64_t>(entry.devs.size())) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "mpijax: local device ordinal " + std::to_string(device) +
-        " has no sub-communicator; communicator " + std::to_string(comm_id) +
-        " was registered for " + std::to_string(entry.devs.size()) +
-        " local devices. Call mpijax.init() after setting the number of "
-        "local devices."));
+  int64_t n = static_cast<int64_t>(entry.devs.size());
+  if (device >= 0 && device < n && entry.ordinals[device] == device)
+    return entry.devs[device].get();  // the usual case: ordinal = local index
+  for (int64_t i = 0; i < n; ++i) {
+    if (entry.ordinals[i] == device) return entry.devs[i].get();
   }
-  return entry.devs[device].get();
+  return ffi::Unexpected(ffi::Error::InvalidArgument(
+      "mpijax: local device ordinal " + std::to_string(device) +
+      " has no sub-communicator; communicator " + std::to_string(comm_id) +
+      " was registered for " + std::to_string(entry.devs.size()) +
+      " local devices. Call mpijax.init() after setting the number of "
+      "local devices."));
 }
 
 // Marks the (communicator, device) busy for the handler's lifetime.
@@ -897,10 +905,12 @@ struct StridedBytes {
 };
 
 
+// `device` (XLA's ordinal) becomes the local device index from here on.
 #define MPIJAX_GET_COMM(var, comm_id, device)          \
   auto var##_or = GetComm(comm_id, device);            \
   if (var##_or.has_error()) return var##_or.error();   \
   DevComm* var##_dc = var##_or.value();                \
+  device = var##_dc->index;                            \
   MPI_Comm var = var##_dc->comm;
 
 // After `info` is built: marks the call in the status table and compares
@@ -1993,19 +2003,24 @@ NB_MODULE(_mpijax_ffi, m) {
 
   m.def("register_comms", [](const std::vector<uintptr_t>& handles,
                              const std::vector<uintptr_t>& check_handles,
-                             int64_t key) {
-    if (handles.size() != check_handles.size()) {
-      throw nb::value_error("register_comms: one check communicator per "
-                            "communicator is needed");
+                             int64_t key, const std::vector<int64_t>& ordinals) {
+    if (handles.size() != check_handles.size() ||
+        (!ordinals.empty() && ordinals.size() != handles.size())) {
+      throw nb::value_error("register_comms: one check communicator and one "
+                            "device ordinal per communicator are needed");
     }
     CommEntry entry;
     entry.key = key;
+    entry.ordinals = ordinals;
+    for (size_t i = ordinals.size(); i < handles.size(); ++i)
+      entry.ordinals.push_back(static_cast<int64_t>(i));
     for (size_t i = 0; i < handles.size(); ++i) {
       auto dev = std::make_unique<DevComm>();
       dev->comm = HandleToComm(handles[i]);
       dev->check = HandleToComm(check_handles[i]);
       dev->key = key;
       dev->local_devices = static_cast<int>(handles.size());
+      dev->index = static_cast<int64_t>(i);
       // Errors become ffi::Error (a Python exception), never an abort.
       MPI_Comm_set_errhandler(dev->comm, MPI_ERRORS_RETURN);
       MPI_Comm_set_errhandler(dev->check, MPI_ERRORS_RETURN);
@@ -2015,10 +2030,12 @@ NB_MODULE(_mpijax_ffi, m) {
     g_comms.push_back(std::move(entry));
     return static_cast<int64_t>(g_comms.size() - 1);
   }, nb::arg("handles"), nb::arg("check_handles"), nb::arg("key"),
+  nb::arg("ordinals") = std::vector<int64_t>(),
   "Registers one communicator (and one signature-check communicator) per "
   "local device index (mpi4py handles from MPI._handleof); `key` is the id "
-  "all ranks of the communicator agreed on. Returns the id used as the ops' "
-  "'comm' attribute.");
+  "all ranks of the communicator agreed on; `ordinals` are XLA's device "
+  "ordinals (jax device ids) of the local devices in index order (default: "
+  "0, 1, ...). Returns the id used as the ops' 'comm' attribute.");
 
   m.def("unregister_comms", [](int64_t comm_id) {
     std::lock_guard<std::mutex> lock(g_comms_mu);

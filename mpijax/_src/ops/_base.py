@@ -110,11 +110,16 @@ _settings_pushed: tuple[int, float, bool, bool] | None = None
 _next_key = 0  # smallest communicator key not used by this process
 
 
-def _local_device_count() -> int:
+def _local_device_ids() -> list[int]:
+  """The local devices' ids in local index order: XLA's device ordinals.
+
+  That is the local index in a single-process JAX, but a global id under
+  jax.distributed (2048, 2049, ... on the second process).
+  """
   from mpijax._src import runtime
   if runtime.is_initialized():
-    return len(runtime.get().local_devices)
-  return jax.local_device_count()
+    return [d.id for d in runtime.get().local_devices]
+  return [d.id for d in jax.local_devices()]
 
 
 def push_settings() -> None:
@@ -162,7 +167,8 @@ def _register(comm: Any) -> CommInfo:
     if entry is None:
       # Collective over `comm`: ranks register communicators in program order
       # (first use), so clone ids line up across ranks.
-      n = _local_device_count()
+      ordinals = _local_device_ids()
+      n = len(ordinals)
       clones = [comm.Clone() for _ in range(n)]
       for i, c in enumerate(clones):
         c.Set_name(f"mpijax-ops-{len(_registry)}-dev{i}")
@@ -174,7 +180,7 @@ def _register(comm: Any) -> CommInfo:
       key = int(buf[0])
       _next_key = key + 1
       cid = ext.register_comms([MPI._handleof(c) for c in clones],
-                               [MPI._handleof(c) for c in checks], key)
+                               [MPI._handleof(c) for c in checks], key, ordinals)
       entry = _Entry(CommInfo(cid, comm.Get_size(), comm.Get_rank()), comm,
                      clones + checks)
       _registry[key] = entry
