@@ -267,8 +267,9 @@ def test_global_array_equal_copies_pass_the_value_check(rt, value_check):
 
 
 def _one_rank_differs(rt):
-  """1000 equal elements; the last rank's copy differs in element 1 (never sampled)."""
-  x = np.arange(1000, dtype=np.float32)
+  """840 equal elements (divisible by up to 8 devices); the last rank's copy differs in
+  element 1 (never sampled)."""
+  x = np.arange(840, dtype=np.float32)
   if rt.rank == rt.size - 1:
     x[1] = -1.0
   return x
@@ -283,20 +284,20 @@ def test_global_array_different_copies_raise_on_every_rank_with_the_check(rt, va
   mesh = _x_mesh(rt)
   x = _one_rank_differs(rt)
   if rt.size == 1:  # one rank: no other copy to compare with
-    assert mpijax.GlobalArray.from_process_local(x, mesh, P()).shape == (1000,)
+    assert mpijax.GlobalArray.from_process_local(x, mesh, P()).shape == (840,)
     pytest.skip("comparing copies needs at least 2 ranks")
   with pytest.raises(ValueError, match=r"from_process_local: ranks that hold the same block of "
-                     r"the global \(1000,\) float32 array .*differ only along mesh axes \['x'\].*"
+                     r"the global \(840,\) float32 array .*differ only along mesh axes \['x'\].*"
                      r"passed different values \(every byte compared, MPIJAX_CHECK=1\): block "
-                     rf"\[0:1000\]: {_copies(rt)}\. Pass equal copies.*name 'x' in the spec"):
+                     rf"\[0:840\]: {_copies(rt)}\. Pass equal copies.*name 'x' in the spec"):
     mpijax.GlobalArray.from_process_local(x, mesh, P())
-  with pytest.raises(ValueError, match=r"from_process_local: .*block \[0:1000\]: "
+  with pytest.raises(ValueError, match=r"from_process_local: .*block \[0:840\]: "
                      + _copies(rt)):
     mpijax.GlobalArray.from_process_local(jnp.asarray(x), mesh, P())
   # from_global compares the whole array, also where each rank keeps only its own part.
   for spec in (P(), P("x")):
     with pytest.raises(ValueError, match=r"from_global needs the same whole array on every rank, "
-                       r"but the ranks passed float32\[1000\] arrays with different values "
+                       r"but the ranks passed float32\[840\] arrays with different values "
                        rf"\(every byte compared, MPIJAX_CHECK=1\): {_copies(rt)}\. Pass the same"):
       mpijax.GlobalArray.from_global(x, mesh, spec)
   # Nothing is left pending: the next collective works.
@@ -314,7 +315,7 @@ def test_global_array_copies_without_the_check(rt, value_check):
   np.testing.assert_array_equal(np.asarray(a.local), x)  # each rank keeps its own copy
   np.testing.assert_array_equal(np.asarray(b.local), x)
   # ... and so do jax.Array parts (not sampled) and parts only one rank keeps.
-  mine = np.full(1000, float(rt.rank), np.float32)
+  mine = np.full(840, float(rt.rank), np.float32)
   mpijax.GlobalArray.from_process_local(jnp.asarray(mine), mesh, P())
   mpijax.GlobalArray.from_global(np.full(rt.size * mpijax.local_device_count(), float(rt.rank)),
                                  mesh, P("x"))
@@ -325,10 +326,10 @@ def test_global_array_copies_without_the_check(rt, value_check):
   ranks = ", ".join(map(str, range(rt.size)))
   sample = r"found by comparing up to 64 sampled elements; MPIJAX_CHECK=1 compares every byte"
   with pytest.raises(ValueError, match=rf"from_process_local: .*passed different values \({sample}"
-                     rf"\): block \[0:1000\]: rank {' vs rank '.join(ranks.split(', '))}\."):
+                     rf"\): block \[0:840\]: rank {' vs rank '.join(ranks.split(', '))}\."):
     mpijax.GlobalArray.from_process_local(mine, mesh, P())
   with pytest.raises(ValueError, match=rf"from_global needs .*different values \({sample}\): "
-                     r"block \[0:1000\]: rank 0 vs rank 1"):
+                     r"block \[0:840\]: rank 0 vs rank 1"):
     mpijax.GlobalArray.from_global(mine, mesh, P())
 
 
