@@ -92,3 +92,49 @@ def test_op_outside_shard_map_in_a_multi_device_jit_is_a_clear_error():
   f = jax.jit(jax.shard_map(lambda b: ops.allreduce(b), mesh=mesh, in_specs=P("d"),
                             out_specs=P("d"), check_vma=False))
   np.testing.assert_allclose(f(sharded), sum(np.arange(2.0 * L) + k for k in range(n)))
+
+
+def test_order_token_runs_through_shard_map_bodies():
+  """Independent multi-device bodies in one jit are chained in program order.
+
+  A multi-device shard_map body cannot capture the caller's token, so each
+  body gets it as an extra operand and returns its last one. Without that,
+  two independent bodies (two mpijax.pmap calls) would each start a fresh
+  chain, ordered against each other only by XLA's scheduling; here the first
+  body waits on a rank-dependent loop, which is what would make ranks run
+  the two in different orders.
+  """
+  import re
+
+  rt = mpijax.init()
+  r, n = rt.rank, rt.size
+  L = mpijax.local_device_count()
+  mesh = Mesh(np.array(rt.local_devices), ("d",))
+  m = jnp.eye(64, dtype=jnp.float32)
+
+  def slow(v, iters):  # rank-dependent work before the first body's collective
+    return jax.lax.fori_loop(0, iters, lambda i, u: jnp.tanh(u @ m) * 0 + u, v)
+
+  first = mpijax.pmap(lambda v, it: ops.allreduce(slow(v, it[0])[0, :8]), axis_name="i")
+  second = mpijax.pmap(lambda w: ops.allreduce(w), axis_name="i")
+  third = jax.shard_map(lambda w, p: jax.lax.cond(p[0], ops.allreduce, lambda u: u * 0, w),
+                        mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"), check_vma=False)
+  f = jax.jit(lambda x, w, it, p: (first(x, it), second(w), third(w * 3, p)))
+  x = jnp.full((L, 64, 64), 1.0 + r, jnp.float32)
+  w = jnp.full((L, 8), 100.0 * (1 + r), jnp.float32)
+  it = jnp.full((L, 1), 30 if r == 0 else 0, jnp.int32)
+  p = jnp.ones((L,), bool)
+  text = f.lower(x, w, it, p).as_text()
+  calls = re.findall(r"custom_call @mpijax_(?!join)\w+\(([^)]*)\)", text)  # not the joins
+  consts = set(re.findall(r"(%[\w#]+) = stablehlo.constant dense<0> : tensor<i32>", text))
+  fresh = [c for c in calls if c.split(", ")[-1] in consts]
+  assert len(calls) == 3, calls
+  # One chain: with one device the bodies are inline and the first call starts
+  # it; with several, the chain starts outside and enters every body.
+  assert len(fresh) == (1 if L == 1 else 0), (L, fresh)
+  s = sum(range(1, n + 1))
+  for _ in range(5):
+    a, b, c = f(x, w, it, p)
+    np.testing.assert_allclose(a, np.full((L, 8), s), rtol=1e-6)
+    np.testing.assert_allclose(b, np.full((L, 8), 100.0 * s), rtol=1e-6)
+    np.testing.assert_allclose(c, np.full((L, 8), 300.0 * s), rtol=1e-6)

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import threading
 import weakref
@@ -255,9 +256,9 @@ def _eager_impl(prim: Primitive, *args, **params):
 #   it waits until the whole loop or branch has run;
 # * nested `jax.jit`s and other calls whose body makes an mpijax call are
 #   lowered inline (see _inline_calls), so their ops join the caller's chain.
-# A region that may not capture outer values (a multi-device `shard_map` body,
-# an sdy.manual_computation) starts its own chain; an op after it in the same
-# block still waits for it.
+# * a multi-device `shard_map` body (an sdy.manual_computation, which may not
+#   capture outer values) gets the token as one more operand and returns its
+#   last one (see _thread_shard_maps).
 _TOKEN_AVAL = jax.core.ShapedArray((), np.int32)
 _CAPTURING_OPS = ("stablehlo.case", "stablehlo.if", "stablehlo.while")
 
@@ -424,6 +425,71 @@ def _inline_calls() -> None:
                            cacheable=False)
 
 
+def _thread_shard_maps() -> None:
+  """Passes the order token through multi-device ``shard_map`` bodies.
+
+  Such a body is an ``sdy.manual_computation``, a region isolated from above:
+  it cannot capture the caller's token, so without this each body would start
+  its own chain, and two independent bodies in one jitted function (two
+  ``mpijax.pmap`` calls, say) would be ordered only by XLA's scheduling. So
+  a body that makes an mpijax call gets the token as one more (replicated)
+  operand and returns its last token as one more result, which the caller's
+  chain continues from: on each device, the bodies' calls run in program
+  order. Bodies without mpijax calls, and single-device ones (lowered inline,
+  already in the caller's chain), keep JAX's lowering unchanged.
+  """
+  from jax._src import core as core_internal, shard_map
+  from jax.sharding import PartitionSpec
+
+  default = shard_map._shard_map_lowering
+  token_in_p = Primitive("mpijax_order_token_in")
+  token_in_p.multiple_results = True
+  token_out_p = Primitive("mpijax_order_token_out")
+  token_out_p.multiple_results = True
+
+  def token_in_rule(ctx, token):
+    chain = _chain_for(ctx)
+    chain.setdefault(ir.InsertionPoint.current.block, _BlockChain()).token = token
+    return []
+
+  def token_out_rule(ctx):
+    return [_token(_chain_for(ctx), ir.InsertionPoint.current.block)]
+
+  mlir.register_lowering(token_in_p, token_in_rule, cacheable=False)
+  mlir.register_lowering(token_out_p, token_out_rule, cacheable=False)
+
+  def rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma, newly_manual_axes,
+           **params):
+    manual = math.prod(mesh.shape[a] for a in newly_manual_axes)
+    if manual == 1 or not _calls_mpi(jaxpr):
+      return default(ctx, *args, jaxpr=jaxpr, mesh=mesh, in_specs=in_specs,
+                     out_specs=out_specs, check_vma=check_vma,
+                     newly_manual_axes=newly_manual_axes, **params)
+    chain = _chain_for(ctx)
+    block = ir.InsertionPoint.current.block
+    token = _token(chain, block)
+    tok_in, tok_out = core_internal.Var(_TOKEN_AVAL), core_internal.Var(_TOKEN_AVAL)
+    eqns = [core_internal.new_jaxpr_eqn([tok_in], [], token_in_p, {}, core_internal.no_effects),
+            *jaxpr.eqns,
+            core_internal.new_jaxpr_eqn([], [tok_out], token_out_p, {},
+                                        core_internal.no_effects)]
+    threaded = jaxpr.replace(invars=[*jaxpr.invars, tok_in],
+                             outvars=[*jaxpr.outvars, tok_out], eqns=eqns)
+    sub = ctx.replace(avals_in=[*ctx.avals_in, _TOKEN_AVAL],
+                      avals_out=[*ctx.avals_out, _TOKEN_AVAL])
+    outs = default(sub, *args, token, jaxpr=threaded, mesh=mesh,
+                   in_specs=(*in_specs, PartitionSpec()),
+                   out_specs=(*out_specs, PartitionSpec()), check_vma=check_vma,
+                   newly_manual_axes=newly_manual_axes, **params)
+    if sub.tokens_out is not None:
+      ctx.set_tokens_out(sub.tokens_out)
+    outs = list(outs)
+    chain.setdefault(block, _BlockChain()).token = outs[-1]
+    return outs[:-1]
+
+  mlir.register_lowering(shard_map.shard_map_p, rule, platform="cpu", cacheable=False)
+
+
 try:
   _inline_calls()
 except (ImportError, AttributeError) as e:  # a JAX without these internals
@@ -431,6 +497,13 @@ except (ImportError, AttributeError) as e:  # a JAX without these internals
   warnings.warn(f"mpijax: nested jax.jit calls are not lowered inline ({e!r}); an mpijax "
                 "call inside one is ordered only by data dependencies against the "
                 "mpijax calls outside it", RuntimeWarning, stacklevel=2)
+try:
+  _thread_shard_maps()
+except (ImportError, AttributeError) as e:
+  import warnings
+  warnings.warn(f"mpijax: the order token does not enter multi-device shard_map bodies "
+                f"({e!r}); two independent such bodies in one jitted function are ordered "
+                "only by data dependencies", RuntimeWarning, stacklevel=2)
 
 
 def _is_donated(value) -> bool:
