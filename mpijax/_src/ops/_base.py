@@ -597,12 +597,10 @@ def _auto_devices(axis_context) -> int:
     return axis_context.num_devices
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     # Inside a shard_map: only the axes it does not map are partitioned.
-    manual, mesh = axis_context.manual_axes, axis_context.mesh
-    n = 1
-    for name, size in zip(mesh.axis_names, mesh.devices.shape):
-      if name not in manual:
-        n *= size
-    return n
+    manual = axis_context.manual_axes
+    # mesh.shape (name -> size): a concrete Mesh and an AbstractMesh both have it.
+    return math.prod(size for name, size in axis_context.mesh.shape.items()
+                     if name not in manual)
   return 1  # jax.pmap replicas and other contexts: one device per computation
 
 
