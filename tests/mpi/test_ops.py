@@ -227,6 +227,14 @@ def test_unsupported_dtype_and_op_errors():
     ops.bcast(jnp.zeros(2), N)
   with pytest.raises(ValueError, match="permutation"):
     ops.ppermute(jnp.zeros(2), [(0, 0), (0, 0)])
+  # Values JAX cannot hold: mpijax's message (type, dtype, the fix), not JAX's.
+  for bad, what in [(np.array(["a"]), "type ndarray, dtype str32"),
+                    (np.array([object()]), "dtype object"), (None, "None")]:
+    for op in (ops.allreduce, ops.allgather, lambda v: ops.bcast(v, 0),
+               lambda v: ops.sendrecv(v, None, None)):
+      with pytest.raises(TypeError, match=rf"mpijax.ops.\w+ got .*{what}.*cannot hold as an "
+                         r"array.*jnp.asarray\(x, jnp.float32\)"):
+        op(bad)
 
 
 # --- the other primitives, per dtype family ------------------------------------------

@@ -72,6 +72,26 @@ def check_dtype(op_name: str, dtype: Any) -> str:
   return name
 
 
+def as_array(op_name: str, x: Any) -> Any:
+  """``x`` as a JAX array (tracers pass through); a value JAX cannot hold is
+  a TypeError naming its type and dtype, not JAX's internal message."""
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError):
+    what = f"a value of type {type(x).__name__}"
+    if x is None:
+      what = "None"
+    else:
+      try:
+        what += f", dtype {np.asarray(x).dtype.name}"
+      except Exception:  # noqa: BLE001 -- only for the message
+        pass
+    raise TypeError(
+        f"{op_name} got {what}, which JAX cannot hold as an array; pass a "
+        f"numeric array of one of mpijax's dtypes ({', '.join(SUPPORTED_DTYPES)}), "
+        "e.g. jnp.asarray(x, jnp.float32).") from None
+
+
 def check_reduce_op(op_name: str, op: str, dtype: Any) -> str:
   """Validates a reduction op for a dtype (at trace time)."""
   name = check_dtype(op_name, dtype)

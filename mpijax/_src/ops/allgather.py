@@ -29,7 +29,7 @@ def allgather(x, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> rows = mpijax.ops.allgather(jnp.ones(3))  # (size, 3)  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.allgather", x)
   _base.check_dtype("mpijax.ops.allgather", x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.allgather")
   return allgather_p.bind(x, comm_id=info.id, size=info.size)

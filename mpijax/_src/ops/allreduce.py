@@ -38,7 +38,7 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Examples:
     >>> total = mpijax.ops.allreduce(jnp.ones(3))  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.allreduce", x)
   if op not in _base.REDUCE_OPS + ("mean",):
     raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
                      f"{_base.REDUCE_OPS + ('mean',)}.")
@@ -148,7 +148,7 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   Returns:
     The list of reductions, in order.
   """
-  xs = [jnp.asarray(x) for x in xs]
+  xs = [_base.as_array("mpijax.ops.allreduce_many", x) for x in xs]
   if not xs:
     raise ValueError("mpijax allreduce_many got an empty list; pass at least one array.")
   for x in xs:

@@ -29,7 +29,7 @@ def alltoall(x, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> y = mpijax.ops.alltoall(jnp.ones((size, 2)))  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.alltoall", x)
   _base.check_dtype("mpijax.ops.alltoall", x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.alltoall")
   if x.ndim == 0 or x.shape[0] != info.size:

@@ -47,7 +47,7 @@ def bcast(x, root: int, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> params = mpijax.ops.bcast(params_leaf, root=0)  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.bcast", x)
   _base.check_dtype("mpijax.ops.bcast", x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.bcast")
   _check_root("mpijax.ops.bcast", root, info.size)
@@ -66,7 +66,7 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
   Returns:
     The reduction on ``root``, zeros of ``x``'s shape elsewhere.
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.reduce", x)
   _base.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.reduce")
   _check_root("mpijax.ops.reduce", root, info.size)

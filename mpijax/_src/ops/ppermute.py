@@ -56,7 +56,7 @@ def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Arr
     >>> ring = [(r, (r + 1) % size) for r in range(size)]  # doctest: +SKIP
     >>> y = mpijax.ops.ppermute(x, ring)  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.ppermute", x)
   _base.check_dtype("mpijax.ops.ppermute", x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.ppermute")
   pairs = _normalize_perm(perm, info.size)
@@ -82,7 +82,7 @@ def sendrecv(x, source: int | None, dest: int | None, *,
   Examples:
     >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.sendrecv", x)
   _base.check_dtype("mpijax.ops.sendrecv", x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.sendrecv")
   pairs = []

@@ -30,7 +30,7 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Examples:
     >>> mine = mpijax.ops.reduce_scatter(jnp.ones((size, 3)))  # doctest: +SKIP
   """
-  x = jnp.asarray(x)
+  x = _base.as_array("mpijax.ops.reduce_scatter", x)
   _base.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
   info = _base.resolve_comm(comm, "mpijax.ops.reduce_scatter")
   if x.ndim == 0 or x.shape[0] != info.size:
