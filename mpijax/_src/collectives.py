@@ -134,35 +134,123 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   return ops.allreduce(x, op, comm=comm)
 
 
-def _reduction(fn: str, op: str, x, axis_name):
+_LAX_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
+def _reduction(fn: str, op: str, x, axis_name, axis_index_groups=None):
   mesh, axes, others = _resolve(fn, axis_name)
-  lax_fn = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op]
+  lax_fn = _LAX_REDUCE[op]
+  if mesh is None:
+    return _lax(fn, axis_name, lambda: lax_fn(x, others, axis_index_groups=axis_index_groups))
+  if axis_index_groups is not None:
+    return _grouped_reduction(fn, op, x, axis_name, axis_index_groups)
   if others:
     x = _lax(fn, axis_name, lambda: lax_fn(x, others))
-  if mesh is None:
-    return x
   return jax.tree.map(lambda leaf: _reduce_leaf(leaf, mesh, axes, op), x)
 
 
-def psum(x, axis_name):
-  """Sum over ``axis_name`` (a name or tuple of names), like ``jax.lax.psum``."""
-  return _reduction("psum", "sum", x, axis_name)
+def psum(x, axis_name, *, axis_index_groups=None):
+  """Sum over ``axis_name`` (a name or tuple of names), like ``jax.lax.psum``.
+
+  ``axis_index_groups`` (lists of indices along the axis that partition it)
+  sums within each group separately, as in ``jax.lax.psum``; over an axis
+  that spans ranks this gathers the whole axis first (see
+  :func:`_grouped_reduction`), so it moves ``axis_size`` times the data.
+  """
+  return _reduction("psum", "sum", x, axis_name, axis_index_groups)
 
 
-def pmax(x, axis_name):
+def pmax(x, axis_name, *, axis_index_groups=None):
   """Element-wise maximum over ``axis_name``, like ``jax.lax.pmax``."""
-  return _reduction("pmax", "max", x, axis_name)
+  return _reduction("pmax", "max", x, axis_name, axis_index_groups)
 
 
-def pmin(x, axis_name):
+def pmin(x, axis_name, *, axis_index_groups=None):
   """Element-wise minimum over ``axis_name``, like ``jax.lax.pmin``."""
-  return _reduction("pmin", "min", x, axis_name)
+  return _reduction("pmin", "min", x, axis_name, axis_index_groups)
 
 
-def pmean(x, axis_name):
-  """Mean over ``axis_name``: ``psum(x) / axis_size``, like ``jax.lax.pmean``."""
-  n = axis_size(axis_name)
-  return jax.tree.map(lambda s: s / n, psum(x, axis_name))
+def pmean(x, axis_name, *, axis_index_groups=None):
+  """Mean over ``axis_name`` (within each of ``axis_index_groups``), like ``jax.lax.pmean``."""
+  if axis_index_groups is None:
+    n = axis_size(axis_name)
+  else:  # each device divides by the size of its own group
+    sizes = _Groups("pmean", axis_name, axis_index_groups, equal=False).sizes
+    n = sizes[0] if len(set(sizes)) == 1 else jnp.asarray(sizes)[axis_index(axis_name)]
+  return jax.tree.map(lambda s: s / n,
+                      psum(x, axis_name, axis_index_groups=axis_index_groups))
+
+
+# --- axis_index_groups -------------------------------------------------------------------
+#
+# jax.lax's collectives take axis_index_groups: the indices along the axis split
+# into groups, each reduced (gathered, scattered, exchanged) on its own. Over an
+# axis that spans ranks, mpijax builds them from a gather of the whole axis and
+# a per-device selection of its group's members: one all-gather (axis_size times
+# the data of the ungrouped collective), exact values, and derivatives through
+# all_gather's transpose. Groups are checked the way jax.pmap checks them.
+
+
+class _Groups:
+  """Validated ``axis_index_groups`` over ``axis_name`` and the tables built from them."""
+
+  def __init__(self, fn: str, axis_name, groups, *, equal: bool):
+    size = axis_size(axis_name)
+    try:
+      gs = [[operator.index(i) for i in g] for g in groups]
+    except TypeError:
+      raise TypeError(f"{fn} got axis_index_groups={groups!r}; expected a sequence of groups, "
+                      f"each a sequence of integer indices along {axis_name!r}.") from None
+    flat = sorted(i for g in gs for i in g)
+    if not gs or any(not g for g in gs) or flat != list(range(size)):
+      raise ValueError(
+          f"{fn} got axis_index_groups={groups!r}; the groups must be non-empty and together "
+          f"hold every index along {axis_name!r} (size {size}) exactly once, e.g. "
+          f"{[list(range(size))[i::2] for i in range(2)] if size > 1 else [[0]]}.")
+    if equal and len({len(g) for g in gs}) > 1:
+      raise ValueError(f"{fn} got axis_index_groups={groups!r}; {fn} needs groups of equal "
+                       "size.")
+    self.size = size
+    self.sizes = [0] * size  # the size of each index's group
+    self.position = np.zeros(size, np.int32)  # each index's place within its group
+    self.same = np.zeros((size, size), bool)  # same[i, j]: i and j share a group
+    for g in gs:
+      for k, i in enumerate(g):
+        self.sizes[i] = len(g)
+        self.position[i] = k
+        self.same[i, g] = True
+    self.group_size = len(gs[0])
+    # members[i]: the indices of i's group in order (equal sizes only).
+    group_of = {i: g for g in gs for i in g}
+    self.members = (np.array([group_of[i] for i in range(size)], np.int32)
+                    if len({len(g) for g in gs}) == 1 else None)
+
+
+def _grouped_reduction(fn: str, op: str, x, axis_name, groups):
+  grp = _Groups(fn, axis_name, groups, equal=False)
+  me = axis_index(axis_name)
+  same = jnp.asarray(grp.same)[me]  # [size]: which devices share this one's group
+
+  def leaf(v):
+    v = jnp.asarray(v)
+    full = all_gather(v, axis_name)  # [size, *v.shape], by index along the axis
+    mask = same.reshape((grp.size,) + (1,) * v.ndim)
+    if op == "sum":
+      if v.dtype == jnp.bool_:  # as jax.lax.psum: a count
+        return jnp.sum(jnp.where(mask, full, False), axis=0, dtype=jnp.int32)
+      return jnp.sum(jnp.where(mask, full, jnp.zeros((), v.dtype)), axis=0, dtype=v.dtype)
+    # Others' values become the identity of the max / min (no false ties).
+    if jnp.issubdtype(v.dtype, jnp.inexact):
+      fill = -jnp.inf if op == "max" else jnp.inf
+    elif v.dtype == jnp.bool_:
+      fill = op != "max"
+    else:
+      info = jnp.iinfo(v.dtype)
+      fill = info.min if op == "max" else info.max
+    picked = jnp.where(mask, full, jnp.asarray(fill, v.dtype))
+    return picked.max(axis=0) if op == "max" else picked.min(axis=0)
+
+  return jax.tree.map(leaf, x)
 
 
 # --- indices ------------------------------------------------------------------------
@@ -222,13 +310,30 @@ def _gather_one(x, mesh: GlobalMesh, a: AxisInfo):
   return y.reshape((a.size,) + x.shape)
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
-  """Gathers ``x`` from every device along ``axis_name``, like ``jax.lax.all_gather``."""
+def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False):
+  """Gathers ``x`` from every device along ``axis_name``, like ``jax.lax.all_gather``.
+
+  With ``axis_index_groups`` (groups of equal size) each device gathers from
+  its own group only, in the group's order.
+  """
   env = mesh_lib.axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
-    return _lax("all_gather", axis_name,
-                lambda: jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled))
+    return _lax("all_gather", axis_name, lambda: jax.lax.all_gather(
+        x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled))
+  if axis_index_groups is not None:
+    grp = _Groups("all_gather", axis_name, axis_index_groups, equal=True)
+    mine = jnp.asarray(grp.members)[axis_index(axis_name)]
+
+    def grouped(v):
+      v = jnp.asarray(v)
+      ax = _check_axis("all_gather", "axis", axis, v.ndim, v.ndim if tiled else v.ndim + 1)
+      g = jnp.moveaxis(jnp.take(all_gather(v, axis_name), mine, axis=0), 0, ax)
+      if tiled:
+        return g.reshape(v.shape[:ax] + (g.shape[ax] * v.shape[ax],) + v.shape[ax + 1:])
+      return g
+
+    return jax.tree.map(grouped, x)
 
   def leaf(v):
     v = jnp.asarray(v)
@@ -252,13 +357,33 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
   return jax.tree.map(leaf, x)
 
 
-def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
-  """Sums over ``axis_name`` and keeps this device's block, like ``jax.lax.psum_scatter``."""
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
+                 tiled: bool = False):
+  """Sums over ``axis_name`` and keeps this device's block, like ``jax.lax.psum_scatter``.
+
+  With ``axis_index_groups`` (groups of equal size) the sum is over this
+  device's group, which splits the scatter dimension among its members.
+  """
   env = mesh_lib.axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
     return _lax("psum_scatter", axis_name, lambda: jax.lax.psum_scatter(
-        x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled))
+        x, axis_name, scatter_dimension=scatter_dimension,
+        axis_index_groups=axis_index_groups, tiled=tiled))
+  if axis_index_groups is not None:
+    grp = _Groups("psum_scatter", axis_name, axis_index_groups, equal=True)
+    k, n_g = jnp.asarray(grp.position)[axis_index(axis_name)], grp.group_size
+    _check_dims("psum_scatter", axis_name, "scatter_dimension", scatter_dimension, n_g,
+                tiled, x)
+    total_in_group = _grouped_reduction("psum_scatter", "sum", x, axis_name, axis_index_groups)
+
+    def block(v):
+      d = scatter_dimension % v.ndim
+      if not tiled:
+        return jax.lax.dynamic_index_in_dim(v, k, d, keepdims=False)
+      return jax.lax.dynamic_slice_in_dim(v, k * (v.shape[d] // n_g), v.shape[d] // n_g, d)
+
+    return jax.tree.map(block, total_in_group)
   total = axis_size(axis_name)
 
   def leaf(v):
@@ -298,15 +423,23 @@ def _scatter_one(y, mesh: GlobalMesh, a: AxisInfo):
   return blocks[0]
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
-  """Exchanges chunks between all devices of ``axis_name``, like ``jax.lax.all_to_all``."""
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_groups=None,
+               tiled: bool = False):
+  """Exchanges chunks between all devices of ``axis_name``, like ``jax.lax.all_to_all``.
+
+  With ``axis_index_groups`` (groups of equal size) chunks go between the
+  members of each group only.
+  """
   mesh, a = _single("all_to_all", axis_name)
   if mesh is None:
     return _lax("all_to_all", axis_name, lambda: jax.lax.all_to_all(
-        x, axis_name, split_axis, concat_axis, tiled=tiled))
+        x, axis_name, split_axis, concat_axis, axis_index_groups=axis_index_groups,
+        tiled=tiled))
   for v in jax.tree.leaves(x):  # the same error whether the axis spans ranks or not
     _check_axis("all_to_all", "split_axis", split_axis, np.ndim(v), np.ndim(v))
     _check_axis("all_to_all", "concat_axis", concat_axis, np.ndim(v), np.ndim(v))
+  if axis_index_groups is not None:
+    return _grouped_all_to_all(x, axis_name, split_axis, concat_axis, axis_index_groups, tiled)
   if a.is_local:
     return jax.lax.all_to_all(x, a.local_name, split_axis, concat_axis, tiled=tiled)
   S = a.size
@@ -333,6 +466,36 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     r = jnp.moveaxis(r, 0, ca)  # source axis in front of the concat dim
     shape = r.shape
     return r.reshape(shape[:ca] + (shape[ca] * shape[ca + 1],) + shape[ca + 2:])
+
+  return jax.tree.map(leaf, x)
+
+
+def _check_dims(fn: str, axis_name, what: str, dim: int, n: int, tiled: bool, x) -> None:
+  for v in jax.tree.leaves(x):
+    d = _check_axis(fn, what, dim, np.ndim(v), np.ndim(v))
+    size = np.shape(v)[d]
+    if (not tiled and size != n) or (tiled and size % n):
+      raise ValueError(
+          f"{fn} over {axis_name!r} with axis_index_groups of size {n} got {what} {d} of "
+          f"size {size}; it must be {'divisible by' if tiled else 'equal to'} {n}.")
+
+
+def _grouped_all_to_all(x, axis_name, split_axis: int, concat_axis: int, groups, tiled: bool):
+  grp = _Groups("all_to_all", axis_name, groups, equal=True)
+  n_g = grp.group_size
+  _check_dims("all_to_all", axis_name, "split_axis", split_axis, n_g, tiled, x)
+  me = axis_index(axis_name)
+  mine, k = jnp.asarray(grp.members)[me], jnp.asarray(grp.position)[me]
+
+  def leaf(v):
+    v = jnp.asarray(v)
+    sa, ca = split_axis % v.ndim, concat_axis % v.ndim
+    sel = jnp.take(all_gather(v, axis_name), mine, axis=0)  # [n_g, *v.shape]: the members'
+    if not tiled:  # chunk k of each member, the source axis at concat_axis
+      return jnp.moveaxis(jax.lax.dynamic_index_in_dim(sel, k, sa + 1, keepdims=False), 0, ca)
+    c = v.shape[sa] // n_g
+    r = jnp.moveaxis(jax.lax.dynamic_slice_in_dim(sel, k * c, c, sa + 1), 0, ca)
+    return r.reshape(r.shape[:ca] + (r.shape[ca] * r.shape[ca + 1],) + r.shape[ca + 2:])
 
   return jax.tree.map(leaf, x)
 

@@ -10,6 +10,7 @@ gradients included.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +238,65 @@ def test_shard_map_under_grad_and_vmap():
   assert np.isclose(float(local_sums), mine.sum(), rtol=1e-5)
   batched = jax.vmap(total)(np.stack([mine, 2 * mine]))
   np.testing.assert_allclose(np.asarray(batched), [(g * g).sum(), 4 * (g * g).sum()], rtol=1e-5)
+
+
+def _groups(n: int):
+  """Groups that partition range(n): uneven (evens, odds) and equal-sized, reordered."""
+  uneven = [g for g in (list(range(0, n, 2)), list(range(1, n, 2))) if g]
+  equal = ([[i + n // 2, i] for i in range(n // 2)] if n >= 4 and n % 2 == 0
+           else [list(reversed(range(n)))])
+  return uneven, equal
+
+
+def test_axis_index_groups():
+  """jax.lax's axis_index_groups over an axis spanning ranks, against NumPy."""
+  n = mpijax.process_count() * mpijax.local_device_count()
+  uneven, equal = _groups(n)
+  group_of = lambda groups, i: next(g for g in groups if i in g)
+  pm = lambda f: mpijax.pmap(f, axis_name="i")
+  g = _global((3,), np.float32, 9)
+  for dtype in (np.float32, np.int32):
+    v = g.astype(dtype) if dtype == np.float32 else (g * 10).astype(dtype)
+    for fn, red in ((mlax.psum, np.sum), (mlax.pmax, np.max), (mlax.pmin, np.min)):
+      ref = np.stack([red(v[group_of(uneven, i)], axis=0) for i in range(n)])
+      out = pm(lambda x: fn(x, "i", axis_index_groups=uneven))(_mine(v))
+      np.testing.assert_allclose(np.asarray(out), _mine(ref), rtol=1e-6)
+  ref = np.stack([g[group_of(uneven, i)].mean(axis=0) for i in range(n)])
+  np.testing.assert_allclose(pm(lambda x: mlax.pmean(x, "i", axis_index_groups=uneven))(_mine(g)),
+                             _mine(ref), rtol=1e-6)
+  # Equal groups: gathers in the group's order, scatters and exchanges within it.
+  k = len(equal[0])
+  pos = {i: grp.index(i) for grp in equal for i in grp}
+  for tiled in (False, True):
+    ref = np.stack([np.concatenate([g[m] for m in group_of(equal, i)]) if tiled
+                    else np.stack([g[m] for m in group_of(equal, i)]) for i in range(n)])
+    out = pm(lambda x: mlax.all_gather(x, "i", axis_index_groups=equal, tiled=tiled))(_mine(g))
+    np.testing.assert_array_equal(np.asarray(out), _mine(ref))
+    c = 2 if tiled else 1
+    s = _global((k * c, 3), np.int32, 10)
+    ref = []
+    for i in range(n):
+      tot = sum(s[m] for m in group_of(equal, i))
+      ref.append(tot[pos[i] * c:(pos[i] + 1) * c] if tiled else tot[pos[i]])
+    out = pm(lambda x: mlax.psum_scatter(x, "i", axis_index_groups=equal, tiled=tiled))(_mine(s))
+    np.testing.assert_array_equal(np.asarray(out), _mine(np.stack(ref)))
+    a = _global((3, k * c), np.int32, 11)
+    ref = []
+    for i in range(n):
+      chunks = [a[m][:, pos[i] * c:(pos[i] + 1) * c] for m in group_of(equal, i)]
+      ref.append(np.concatenate(chunks, axis=0) if tiled else np.stack([ch[:, 0] for ch in chunks]))
+    out = pm(lambda x: mlax.all_to_all(x, "i", 1, 0, axis_index_groups=equal, tiled=tiled))(_mine(a))
+    np.testing.assert_array_equal(np.asarray(out), _mine(np.stack(ref)))
+  # Derivatives: d/dx_i of sum_j w_j * psum_group(x)_j is the sum of w over i's group.
+  w = np.arange(1, n + 1, dtype=np.float32)
+  grad = pm(jax.grad(lambda x: mlax.psum(x, "i", axis_index_groups=uneven)
+                     * (mlax.axis_index("i") + 1.0)))(_mine(g[:, 0]))
+  np.testing.assert_allclose(np.asarray(grad), _mine(np.array(
+      [w[group_of(uneven, i)].sum() for i in range(n)])))
+  bad = [[0]] if n > 1 else [[0, 0]]  # not a partition of range(n)
+  with pytest.raises(ValueError, match=rf"psum got axis_index_groups={re.escape(str(bad))}; "
+                     r"the groups must .* exactly once"):
+    pm(lambda x: mlax.psum(x, "i", axis_index_groups=bad))(_mine(g))
+  if n > 2:  # uneven groups exist from 3 devices on
+    with pytest.raises(ValueError, match="all_gather needs groups of equal size"):
+      pm(lambda x: mlax.all_gather(x, "i", axis_index_groups=[[0], list(range(1, n))]))(_mine(g))
