@@ -524,17 +524,37 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
     return jax.lax.ppermute(x, a.local_name, perm)
   if a.is_process:
     return jax.tree.map(lambda v: ops.ppermute(v, perm, comm=mesh.process_comm([a.name])), x)
-  # An axis spanning ranks and local devices: gather, then pick the source.
-  src_of = np.full(a.size, -1, np.int32)
+  # An axis spanning ranks and local devices. Pairs are grouped by how many
+  # ranks they move along the axis (k = destination rank - source rank, mod
+  # P). For each k, every device sends its value k ranks on, on its own
+  # sub-communicator (one MPI ppermute, none for k = 0), the rank's devices
+  # share what arrived (a local all_gather), and each device keeps the value
+  # its source sent, if its source moved k ranks. A ring shift takes at most
+  # two such rounds: far less traffic than gathering the whole axis.
+  P, L, r = a.proc_size, a.local_size, a.proc_index
+  rounds: dict[int, np.ndarray] = {}  # k -> source local index of each local device here
   for s, d in perm:
-    src_of[d] = s
-  me = axis_index(axis_name)
+    if d // L == r:
+      k = (r - s // L) % P
+      rounds.setdefault(k, np.full(L, -1, np.int32))[d % L] = s % L
+  # Every rank makes the same MPI calls: the shifts any pair uses, ascending.
+  shifts = sorted({(d // L - s // L) % P for s, d in perm})
+  comm = mesh.process_comm([a.name])
+  me = jax.lax.axis_index(a.local_name)
 
   def leaf(v):
-    g = all_gather(v, axis_name)
-    src = jnp.asarray(src_of)[me]
-    picked = jnp.take(g, jnp.maximum(src, 0), axis=0)
-    return jnp.where(src >= 0, picked, jnp.zeros_like(picked))
+    v = jnp.asarray(v)
+    out = jnp.zeros_like(v)
+    for k in shifts:
+      moved = v if k == 0 else ops.ppermute(v, [(q, (q + k) % P) for q in range(P)], comm=comm)
+      # Every rank uses every round's result, also one with nothing for its
+      # devices (all -1): an unused result would let JAX drop the MPI call on
+      # some ranks only, and the others would wait for it.
+      src = rounds.get(k, np.full(L, -1, np.int32))
+      here = jax.lax.all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
+      mine = jnp.asarray(src)[me]
+      out = jnp.where(mine >= 0, jnp.take(here, jnp.maximum(mine, 0), axis=0), out)
+    return out
 
   return jax.tree.map(leaf, x)
 

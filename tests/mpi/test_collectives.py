@@ -88,12 +88,21 @@ def test_ppermute_ring_and_partial():
   g = _global((4,), np.float32, 5)
   ring = [(i, (i + 1) % n) for i in range(n)]
   _compare(lambda x: mlax.ppermute(x, "i", ring), g, exact=True)
+  # Pairs that move by several rank distances at once (one MPI round each).
+  for perm in ([(i, (i + 3) % n) for i in range(n)], [(i, n - 1 - i) for i in range(n)]):
+    _compare(lambda x, perm=perm: mlax.ppermute(x, "i", perm), g, exact=True)
   # A partial map (vmap cannot do these): everybody else gets zeros.
   partial = [(0, n - 1)] + ([(n - 1, 1)] if n > 2 else [])
   ref = np.zeros_like(g)
   for s, d in partial:
     ref[d] = g[s]
   out = mpijax.pmap(lambda x: mlax.ppermute(x, "i", partial), axis_name="i")(_mine(g))
+  np.testing.assert_array_equal(np.asarray(out), _mine(ref))
+  # One pair: with ranks x devices, the ranks that receive nothing must still
+  # make the MPI call (a result they do not use must not be dropped).
+  ref = np.zeros_like(g)
+  ref[n - 1] = g[0]
+  out = mpijax.pmap(lambda x: mlax.ppermute(x, "i", [(0, n - 1)]), axis_name="i")(_mine(g))
   np.testing.assert_array_equal(np.asarray(out), _mine(ref))
 
 
