@@ -642,6 +642,20 @@ def test_order_across_control_flow_and_nested_jit():
       np.testing.assert_allclose(outs[2 * k + 1], -want, rtol=1e-5, err_msg=f"{name}, pair {k}")
 
 
+def test_result_used_on_some_ranks_only():
+  """A call whose result one rank ignores still runs there (JAX must not drop it)."""
+  f = jax.jit(lambda x: (ops.allreduce(x), x * 2)[0 if R == 0 else 1])  # called everywhere
+  g = jax.jit(lambda x: (ops.allgather(x), ops.ppermute(x, PERMS["ring"](N)))[R % 2])
+  for _ in range(3):
+    np.testing.assert_array_equal(f(jnp.full(3, R + 1.0)),
+                                  np.full(3, N * (N + 1) / 2 if R == 0 else 2 * (R + 1.0)))
+    out = np.asarray(g(jnp.full(2, float(R))))
+    if R % 2 == 0:
+      np.testing.assert_array_equal(out, np.repeat(np.arange(N, dtype=np.float32), 2).reshape(N, 2))
+    else:
+      np.testing.assert_array_equal(out, np.full(2, (R - 1) % N))
+
+
 def test_back_to_back_async_calls():
   """1,000 jitted calls of 4 independent programs, dispatched without blocking."""
   M = jnp.ones((128, 128))

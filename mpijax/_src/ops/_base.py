@@ -33,6 +33,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
+from jax.interpreters import partial_eval as pe
 from jax._src import sharding_impls
 from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
@@ -245,8 +246,21 @@ def make_primitive(name: str, multiple_results: bool = False) -> Primitive:
   p = Primitive(name)
   p.multiple_results = multiple_results
   p.def_impl(functools.partial(_eager_impl, p))
+  pe.dce_rules[p] = _keep_call
   _PRIMITIVES.add(p)
   return p
+
+
+def _keep_call(used_outputs, eqn):
+  """JAX's dead-code elimination keeps every mpijax call, used or not.
+
+  The primitives carry no JAX effect (see the module docstring), so JAX
+  would drop a call whose result is unused, and code that uses a result on
+  some ranks only (``y if rank == 0 else x``) would make the MPI call on
+  those ranks only: the others would wait forever. Kept, every rank makes it.
+  """
+  del used_outputs
+  return [True] * len(eqn.invars), eqn
 
 
 @functools.lru_cache(maxsize=4096)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.interpreters import partial_eval as pe
-
 from mpijax._src.ops import _base
 
 barrier_p = _base.make_primitive("mpijax_barrier", multiple_results=True)
@@ -28,11 +26,5 @@ def _attrs(*, comm_id):
   return dict(comm=_base.i64(comm_id))
 
 
-def _keep(used_outputs, eqn):
-  # It has no outputs to be used; keep it anyway (it is all side effect).
-  return [], eqn
-
-
 barrier_p.def_abstract_eval(_abstract_eval)
 _base.register_ffi_lowering(barrier_p, "mpijax_barrier", _attrs)
-pe.dce_rules[barrier_p] = _keep
