@@ -143,7 +143,8 @@ def _reduction(fn: str, op: str, x, axis_name, axis_index_groups=None):
   if mesh is None:
     return _lax(fn, axis_name, lambda: lax_fn(x, others, axis_index_groups=axis_index_groups))
   if axis_index_groups is not None:
-    return _grouped_reduction(fn, op, x, axis_name, axis_index_groups)
+    grp = _Groups(fn, axis_name, axis_index_groups, equal=False)
+    return _grouped_reduction(op, x, axis_name, grp)
   if others:
     x = _lax(fn, axis_name, lambda: lax_fn(x, others))
   return jax.tree.map(lambda leaf: _reduce_leaf(leaf, mesh, axes, op), x)
@@ -175,8 +176,8 @@ def pmean(x, axis_name, *, axis_index_groups=None):
   if axis_index_groups is None:
     n = axis_size(axis_name)
   else:  # each device divides by the size of its own group
-    sizes = _Groups("pmean", axis_name, axis_index_groups, equal=False).sizes
-    n = sizes[0] if len(set(sizes)) == 1 else jnp.asarray(sizes)[axis_index(axis_name)]
+    grp = _Groups("pmean", axis_name, axis_index_groups, equal=False)
+    n = grp.sizes[0] if grp.equal else jnp.asarray(grp.sizes)[axis_index(axis_name)]
   return jax.tree.map(lambda s: s / n,
                       psum(x, axis_name, axis_index_groups=axis_index_groups))
 
@@ -207,27 +208,24 @@ class _Groups:
           f"{fn} got axis_index_groups={groups!r}; the groups must be non-empty and together "
           f"hold every index along {axis_name!r} (size {size}) exactly once, e.g. "
           f"{[list(range(size))[i::2] for i in range(2)] if size > 1 else [[0]]}.")
-    if equal and len({len(g) for g in gs}) > 1:
+    self.equal = len({len(g) for g in gs}) == 1
+    if equal and not self.equal:
       raise ValueError(f"{fn} got axis_index_groups={groups!r}; {fn} needs groups of equal "
                        "size.")
     self.size = size
-    self.sizes = [0] * size  # the size of each index's group
-    self.position = np.zeros(size, np.int32)  # each index's place within its group
-    self.same = np.zeros((size, size), bool)  # same[i, j]: i and j share a group
+    self.group_size = len(gs[0])  # meaningful when self.equal
+    group_of = [None] * size
     for g in gs:
-      for k, i in enumerate(g):
-        self.sizes[i] = len(g)
-        self.position[i] = k
-        self.same[i, g] = True
-    self.group_size = len(gs[0])
+      for i in g:
+        group_of[i] = g
+    self.sizes = [len(g) for g in group_of]  # the size of each index's group
+    self.position = np.array([g.index(i) for i, g in enumerate(group_of)], np.int32)
+    self.same = np.array([np.isin(np.arange(size), g) for g in group_of])  # [i, j]: one group
     # members[i]: the indices of i's group in order (equal sizes only).
-    group_of = {i: g for g in gs for i in g}
-    self.members = (np.array([group_of[i] for i in range(size)], np.int32)
-                    if len({len(g) for g in gs}) == 1 else None)
+    self.members = np.array(group_of, np.int32) if self.equal else None
 
 
-def _grouped_reduction(fn: str, op: str, x, axis_name, groups):
-  grp = _Groups(fn, axis_name, groups, equal=False)
+def _grouped_reduction(op: str, x, axis_name, grp: _Groups):
   me = axis_index(axis_name)
   same = jnp.asarray(grp.same)[me]  # [size]: which devices share this one's group
 
@@ -375,7 +373,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     k, n_g = jnp.asarray(grp.position)[axis_index(axis_name)], grp.group_size
     _check_dims("psum_scatter", axis_name, "scatter_dimension", scatter_dimension, n_g,
                 tiled, x)
-    total_in_group = _grouped_reduction("psum_scatter", "sum", x, axis_name, axis_index_groups)
+    total_in_group = _grouped_reduction("sum", x, axis_name, grp)
 
     def block(v):
       d = scatter_dimension % v.ndim
@@ -547,10 +545,9 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
     out = jnp.zeros_like(v)
     for k in shifts:
       moved = v if k == 0 else ops.ppermute(v, [(q, (q + k) % P) for q in range(P)], comm=comm)
-      # Every rank uses every round's result, also one with nothing for its
-      # devices (all -1): an unused result would let JAX drop the MPI call on
-      # some ranks only, and the others would wait for it.
-      src = rounds.get(k, np.full(L, -1, np.int32))
+      src = rounds.get(k)
+      if src is None:  # nothing for this rank's devices (the MPI call still runs:
+        continue       # every mpijax primitive is kept by JAX's dead-code rule)
       here = jax.lax.all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
       mine = jnp.asarray(src)[me]
       out = jnp.where(mine >= 0, jnp.take(here, jnp.maximum(mine, 0), axis=0), out)

@@ -487,7 +487,7 @@ class GlobalArray:
   def from_global(cls, host_array: Any, mesh: GlobalMesh, spec) -> GlobalArray:
     """From the whole array, present on every rank; each rank keeps its part.
 
-    Collective: one small allgather (a fixed 33-byte record per rank) checks
+    Collective: one small allgather (as in :meth:`from_process_local`) checks
     that every rank passed the same shape and dtype, and compares values. By
     default only a few sampled elements (at most 64, evenly spaced) of the
     part each rank keeps are compared, between the ranks that keep the same
@@ -517,29 +517,28 @@ class GlobalArray:
       box = process_index_of(host.shape, mesh, nspec, rt.rank)
     except ValueError as e:
       error = e
-    compare = rt.size > 1 and error is None  # one rank: nothing to compare with
-    digest = value_digest(host) if check and compare else None
-    sample = sample_digest(host[box]) if not check and compare else None
-    record = (hashlib.blake2b(shape_text.encode(), digest_size=8).digest()
-              + bytes([int(check) | (2 if sample else 0) | (4 if digest else 0)])
-              + bytes.fromhex(sample or "00" * 8) + bytes.fromhex(digest or "00" * 16))
-    records = mpi_util.allgather_fixed(rt.comm, record)
-    if any(r[:8] != records[0][:8] for r in records):
-      texts = mpi_util.allgather_str(rt.comm, shape_text)  # only on a mismatch
-      rank = next(r for r, t in enumerate(texts) if t != texts[0])
+    status: dict[str, Any] = {"shape": shape_text, "check": check}
+    if rt.size > 1 and error is None:  # one rank: nothing to compare with
+      if check:
+        status["digest"] = value_digest(host)
+      else:
+        status["sample"] = sample_digest(host[box])
+    reports = [json.loads(t) for t in mpi_util.allgather_str(rt.comm, json.dumps(status))]
+    rank = next((r for r, t in enumerate(reports) if t["shape"] != reports[0]["shape"]), None)
+    if rank is not None:
       raise ValueError(
           f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-          f"passed {texts[0]} and rank {rank} passed {texts[rank]}. Pass the same array "
-          "everywhere, or each rank's own block with GlobalArray.from_process_local.")
+          f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
+          "the same array everywhere, or each rank's own block with "
+          "GlobalArray.from_process_local.")
     if error is not None:
       raise error
-    _mixed_check("GlobalArray.from_global", [bool(r[8] & 1) for r in records])
-    if check:
-      diffs = differing_copies([None] * rt.size,
-                               [r[17:].hex() if r[8] & 4 else None for r in records])
-    else:
+    _mixed_check("GlobalArray.from_global", [t["check"] for t in reports])
+    if check:  # the whole array, compared between all ranks
+      diffs = differing_copies([None] * rt.size, [t.get("digest") for t in reports])
+    else:  # the sampled part, compared between ranks that keep the same part
       diffs = differing_copies(_process_boxes(host.shape, mesh, nspec),
-                               [r[9:17].hex() if r[8] & 2 else None for r in records])
+                               [t.get("sample") for t in reports])
     if diffs:
       raise ValueError(
           f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "

@@ -50,19 +50,6 @@ def allgather_bytes(comm, data: bytes) -> list[bytes]:
   return [out[d:d + c].tobytes() for d, c in zip(displs, counts)]
 
 
-def allgather_fixed(comm, data: bytes) -> list[bytes]:
-  """Gathers one byte string of the same length on every rank, in one MPI_Allgather.
-
-  The caller guarantees the length (a fixed-size record built by the same
-  code on every rank); unlike :func:`allgather_bytes` no lengths are sent.
-  """
-  MPI = import_mpi()
-  n = len(data)
-  out = np.empty(comm.size * n, np.uint8)
-  comm.Allgather([np.frombuffer(data, np.uint8), MPI.BYTE], [out, MPI.BYTE])
-  return [out[r * n:(r + 1) * n].tobytes() for r in range(comm.size)]
-
-
 def allgather_str(comm, text: str) -> list[str]:
   return [b.decode() for b in allgather_bytes(comm, text.encode())]
 

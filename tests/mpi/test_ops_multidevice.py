@@ -18,12 +18,14 @@ import mpijax
 from mpijax import ops
 
 
-def test_each_local_device_uses_its_own_subcommunicator():
+def _layout():
+  """(rank, ranks, local devices, a 1-D mesh "d" over this rank's devices)."""
   rt = mpijax.init()
-  r, n = rt.rank, rt.size
-  devs = rt.local_devices
-  L = len(devs)
-  mesh = Mesh(np.array(devs), ("d",))
+  return rt.rank, rt.size, len(rt.local_devices), Mesh(np.array(rt.local_devices), ("d",))
+
+
+def test_each_local_device_uses_its_own_subcommunicator():
+  r, n, L, mesh = _layout()
 
   def body(x):  # (1, 3) per device
     ring = [(i, (i + 1) % n) for i in range(n)]
@@ -49,11 +51,7 @@ def test_op_outside_shard_map_in_a_multi_device_jit_is_a_clear_error():
 
   import pytest
 
-  rt = mpijax.init()
-  r, n = rt.rank, rt.size
-  devs = rt.local_devices
-  L = len(devs)
-  mesh = Mesh(np.array(devs), ("d",))
+  r, n, L, mesh = _layout()
   x = jnp.arange(2.0 * L) + r
 
   def after_shard_map(x):
@@ -65,7 +63,7 @@ def test_op_outside_shard_map_in_a_multi_device_jit_is_a_clear_error():
     return mpijax.pmap(lambda v: v + 1)(x.reshape(L, 2))
 
   sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
-  partial = jax.jit(jax.shard_map(ops.allreduce, mesh=Mesh(np.array(devs).reshape(1, L), ("p", "q")),
+  partial = jax.jit(jax.shard_map(ops.allreduce, mesh=Mesh(mesh.devices.reshape(1, L), ("p", "q")),
                                   in_specs=P("p"), out_specs=P("p"), axis_names={"p"},
                                   check_vma=False))
   programs = [("allreduce", lambda: jax.jit(after_shard_map)(x)),
@@ -106,10 +104,7 @@ def test_order_token_runs_through_shard_map_bodies():
   """
   import re
 
-  rt = mpijax.init()
-  r, n = rt.rank, rt.size
-  L = mpijax.local_device_count()
-  mesh = Mesh(np.array(rt.local_devices), ("d",))
+  r, n, L, mesh = _layout()
   m = jnp.eye(64, dtype=jnp.float32)
 
   def slow(v, iters):  # rank-dependent work before the first body's collective

@@ -16,11 +16,11 @@ def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
   all-reduces go through node-local shared memory."""
 
 def register_comms(handles: list[int], check_handles: list[int], key: int,
-                   ordinals: list[int] = ...) -> int:
+                   ordinals: list[int]) -> int:
   """Registers one communicator (and one signature-check communicator) per
   local device index; ``key`` is the id all its ranks agreed on; ``ordinals``
   are XLA's device ordinals (jax device ids) of the local devices in index
-  order (default 0, 1, ...). Returns the id used as the ops' ``comm``
+  order. Returns the id used as the ops' ``comm``
   attribute."""
 
 def register_site(text: str, slot: int) -> int:

@@ -2005,15 +2005,13 @@ NB_MODULE(_mpijax_ffi, m) {
                              const std::vector<uintptr_t>& check_handles,
                              int64_t key, const std::vector<int64_t>& ordinals) {
     if (handles.size() != check_handles.size() ||
-        (!ordinals.empty() && ordinals.size() != handles.size())) {
+        ordinals.size() != handles.size()) {
       throw nb::value_error("register_comms: one check communicator and one "
                             "device ordinal per communicator are needed");
     }
     CommEntry entry;
     entry.key = key;
     entry.ordinals = ordinals;
-    for (size_t i = ordinals.size(); i < handles.size(); ++i)
-      entry.ordinals.push_back(static_cast<int64_t>(i));
     for (size_t i = 0; i < handles.size(); ++i) {
       auto dev = std::make_unique<DevComm>();
       dev->comm = HandleToComm(handles[i]);
@@ -2030,12 +2028,11 @@ NB_MODULE(_mpijax_ffi, m) {
     g_comms.push_back(std::move(entry));
     return static_cast<int64_t>(g_comms.size() - 1);
   }, nb::arg("handles"), nb::arg("check_handles"), nb::arg("key"),
-  nb::arg("ordinals") = std::vector<int64_t>(),
+  nb::arg("ordinals"),
   "Registers one communicator (and one signature-check communicator) per "
   "local device index (mpi4py handles from MPI._handleof); `key` is the id "
   "all ranks of the communicator agreed on; `ordinals` are XLA's device "
-  "ordinals (jax device ids) of the local devices in index order (default: "
-  "0, 1, ...). Returns the id used as the ops' 'comm' attribute.");
+  "ordinals (jax device ids) of the local devices in index order. Returns the id used as the ops' 'comm' attribute.");
 
   m.def("unregister_comms", [](int64_t comm_id) {
     std::lock_guard<std::mutex> lock(g_comms_mu);
