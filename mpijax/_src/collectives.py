@@ -127,7 +127,7 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
       parts = jax.lax.all_to_all(flat.reshape(n_local, -1), local, 0, 0, tiled=True)
       part = parts.max(axis=0) if op == "max" else parts.min(axis=0)
     part = ops.allreduce(part, op, comm=comm)
-    full = jax.lax.all_gather(part, local, axis=0, tiled=True)
+    full = jax.lax.all_gather(part, local, axis=0, tiled=True, to="invarying")  # a psum: invariant
     return full[:x.size].reshape(x.shape)
   if local:
     x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
@@ -296,29 +296,44 @@ def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
   return mesh, axes[0]
 
 
-def _gather_one(x, mesh: GlobalMesh, a: AxisInfo):
+def _gather_one(x, mesh: GlobalMesh, a: AxisInfo, to: str = "varying"):
   """[size, *x.shape] ordered by the global index along ``a``."""
   if a.proc_size == 1:
-    return jax.lax.all_gather(x, a.local_name, axis=0)
+    return jax.lax.all_gather(x, a.local_name, axis=0, to=to)
   # MPI first, on each device's own sub-communicator: every shard crosses the
   # network once; the copies for the other local devices are made locally.
   y = ops.allgather(x, comm=mesh.process_comm([a.name]))  # [ps, ...]
   if a.local_size > 1:
-    y = jax.lax.all_gather(y, a.local_name, axis=1)  # [ps, ls, ...]
+    y = jax.lax.all_gather(y, a.local_name, axis=1, to=to)  # [ps, ls, ...]
   return y.reshape((a.size,) + x.shape)
 
 
-def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False):
+_GATHER_TO = ("varying", "invarying")
+
+
+def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
+               to: str = "varying"):
   """Gathers ``x`` from every device along ``axis_name``, like ``jax.lax.all_gather``.
 
   With ``axis_index_groups`` (groups of equal size) each device gathers from
-  its own group only, in the group's order.
+  its own group only, in the group's order. ``to='invarying'`` types the
+  result as the same on every device of the axis (``jax.lax``'s
+  ``all_gather_invariant``), which an ``out_specs`` of ``P()`` needs under
+  ``shard_map(..., check_vma=True)``; the values are the same either way.
   """
   env = mesh_lib.axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
     return _lax("all_gather", axis_name, lambda: jax.lax.all_gather(
-        x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled))
+        x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to))
+  if to not in _GATHER_TO:
+    raise ValueError(f"all_gather got to={to!r} over mpijax axis {axis_name!r}; use one of "
+                     f"{list(_GATHER_TO)} ('reduced' is for jax's explicit-sharding types, "
+                     "which mpijax axes do not carry).")
+  if axis_index_groups is not None and to != "varying":
+    raise NotImplementedError(f"all_gather with axis_index_groups and to={to!r}: as in "
+                              "jax.lax, groups give a result that varies over the axis; "
+                              "drop one of the two.")
   if axis_index_groups is not None:
     grp = _Groups("all_gather", axis_name, axis_index_groups, equal=True)
     mine = jnp.asarray(grp.members)[axis_index(axis_name)]
@@ -342,9 +357,9 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
     for n in reversed(names):
       if n in env:
         m, ax_info = env[n]
-        g = _gather_one(g, m, ax_info)
+        g = _gather_one(g, m, ax_info, to)
       else:
-        g = _lax("all_gather", n, lambda g=g: jax.lax.all_gather(g, n, axis=0))
+        g = _lax("all_gather", n, lambda g=g: jax.lax.all_gather(g, n, axis=0, to=to))
       # Explicit sizes: -1 cannot be inferred for a zero-size array.
       g = g.reshape((math.prod(g.shape[:g.ndim - v.ndim]),) + v.shape)
     g = jnp.moveaxis(g, 0, ax)

@@ -214,6 +214,28 @@ def test_two_axis_mesh():
   np.testing.assert_array_equal(np.asarray(idx), [r * 10 + m for m in range(L)])
 
 
+def test_check_vma_and_all_gather_to():
+  # Under shard_map(check_vma=True) an out_specs of P() needs a result typed
+  # invariant over the axis: psum's (also on the hierarchical path, 80 KB per
+  # device) and all_gather(to='invarying')'s, as with jax.lax.
+  n, L = mpijax.process_count() * mpijax.local_device_count(), mpijax.local_device_count()
+  mesh = mpijax.make_mesh((n,), ("x",))
+  g = _global((20000,), np.float32, 9)
+
+  def f(x):
+    return mlax.psum(x, "x"), mlax.all_gather(x, "x", tiled=True, to="invarying")
+
+  total, gathered = jax.jit(mpijax.shard_map(f, mesh=mesh, in_specs=P("x"),
+                                             out_specs=(P(), P()), check_vma=True))(_mine(g))
+  np.testing.assert_allclose(np.asarray(total)[0], g.sum(0), rtol=1e-4, atol=1e-3)
+  np.testing.assert_array_equal(np.asarray(gathered), g)
+  out = mpijax.pmap(lambda x: mlax.all_gather(x, "i", to="invarying"), axis_name="i")(
+      _mine(g[:, :3]))
+  np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(g[:, :3], (L,) + g[:, :3].shape))
+  with pytest.raises(ValueError, match="to='reduced'"):
+    mpijax.pmap(lambda x: mlax.all_gather(x, "i", to="reduced"), axis_name="i")(np.ones(L))
+
+
 def test_unbound_axis_is_a_clear_error():
   with pytest.raises(NameError, match="axis_name 'j'"):
     mpijax.pmap(lambda x: mlax.psum(x, "j"), axis_name="i")(np.ones(mpijax.local_device_count()))
