@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import glob
 import os
+import re
 import shutil
 import uuid
 from typing import Any
@@ -81,7 +83,10 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
     path: the checkpoint directory (created; on a filesystem every rank sees).
     tree: the pytree to save.
     overwrite: replace an existing checkpoint at ``path`` (the old one is
-      moved aside, the new one renamed in, then the old one removed).
+      moved aside to ``path.old-<uuid>``, the new one renamed in, then the
+      old one removed; if the job dies between the two renames, :func:`load`
+      of ``path`` names the old copy). Only a directory holding nothing but an
+      mpijax checkpoint is replaced; any other file or directory is an error.
 
   Returns:
     ``path`` as an absolute path.
@@ -95,9 +100,11 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
   token, error = "", ""
   if rt.rank == 0:
     try:
-      if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it, or save to "
-                              "a new path")
+      if os.path.lexists(path):
+        if not overwrite:
+          raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it, or save "
+                                "to a new path")
+        _check_replaceable(path)
       token = uuid.uuid4().hex
       os.makedirs(f"{path}.tmp-{token}")
     except OSError as e:
@@ -157,6 +164,29 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
   return path
 
 
+_CHECKPOINT_FILE = re.compile(r"(metadata\.json|a\d+\.(\d+|full))")
+
+
+def _check_replaceable(path: str) -> None:
+  """Raises unless ``path`` is a directory holding only an mpijax array checkpoint.
+
+  ``overwrite=True`` deletes the old directory, so it must never be a user's
+  file or a directory with anything else in it (a typo'd path, a home directory).
+  """
+  if os.path.islink(path) or not os.path.isdir(path):
+    raise FileExistsError(f"{path!r} exists and is not a checkpoint directory; overwrite=True "
+                          "only replaces an mpijax checkpoint. Remove it yourself or save to "
+                          "another path.")
+  entries = os.listdir(path)
+  other = sorted(e for e in entries if not _CHECKPOINT_FILE.fullmatch(e))
+  if METADATA not in entries or other:
+    what = (f"it holds {other[:5]}{' ...' if len(other) > 5 else ''}" if other
+            else f"it has no {METADATA}")
+    raise FileExistsError(f"{path!r} is not an mpijax checkpoint ({what}); overwrite=True only "
+                          "replaces an mpijax checkpoint. Remove it yourself or save to another "
+                          "path.")
+
+
 def _publish(tmp: str, path: str, token: str) -> None:
   _fsync_dir(tmp)
   old = None
@@ -185,7 +215,7 @@ def _save_leaf(rt, tmp: str, i: int, kpath: str, leaf: Any) -> tuple[dict, list[
       data = np.ascontiguousarray(np.asarray(shards[g].data))
       raw = data.reshape(-1).view(np.uint8)
       name = f"a{i}.{k}"
-      _write_atomic(os.path.join(tmp, name), [raw.tobytes()])
+      _write_atomic(os.path.join(tmp, name), [raw])  # no bytes copy of a large shard
       files.append({"leaf": i, "file": name, "index": [list(b) for b in key],
                     "nbytes": int(raw.size), "sha256": _sha256(raw)})
     meta = {"path": kpath, "kind": "global", "shape": list(leaf.shape),
@@ -199,7 +229,7 @@ def _save_leaf(rt, tmp: str, i: int, kpath: str, leaf: Any) -> tuple[dict, list[
   if rt.rank == 0:
     raw = arr.reshape(-1).view(np.uint8)
     name = f"a{i}.full"
-    _write_atomic(os.path.join(tmp, name), [raw.tobytes()])
+    _write_atomic(os.path.join(tmp, name), [raw])
     files.append({"leaf": i, "file": name, "index": [[0, n] for n in arr.shape],
                   "nbytes": int(raw.size), "sha256": _sha256(raw)})
   meta = {"path": kpath, "kind": kind, "shape": list(arr.shape), "dtype": arr.dtype.name,
@@ -220,7 +250,12 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
   path = os.fspath(path)
   meta_path = os.path.join(path, METADATA)
   if not os.path.isdir(path):
-    raise CheckpointError(f"no checkpoint directory at {path!r}")
+    # An overwrite that died between its two renames leaves the previous
+    # checkpoint complete under path.old-<token>: point at it.
+    old = sorted(glob.glob(glob.escape(path) + ".old-*"), key=os.path.getmtime)
+    hint = (f"; an interrupted mpijax.save(overwrite=True) left the previous checkpoint at "
+            f"{old[-1]!r}: rename it to {path!r} to use it" if old else "")
+    raise CheckpointError(f"no checkpoint directory at {path!r}{hint}")
   try:
     with open(meta_path, "rb") as f:
       doc = json.loads(f.read())

@@ -23,7 +23,8 @@ def fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
-def write_atomic(path: str, parts: list[bytes]) -> None:
+def write_atomic(path: str, parts: list) -> None:
+  """Writes ``parts`` (bytes or any buffer, e.g. a NumPy array: not copied) to ``path`` atomically."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=directory)

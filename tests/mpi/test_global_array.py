@@ -291,3 +291,29 @@ def test_load_refuses_corrupt_or_partial_checkpoints(meshes, shared_dir):
     mpijax.load(partial, like=like)
   with pytest.raises(CheckpointError, match="no checkpoint"):
     mpijax.load(os.path.join(shared_dir, "p"), like=like)
+
+
+def test_overwrite_replaces_only_a_checkpoint(meshes, shared_dir):
+  comm = runtime.get().comm
+  tree = {"w": GlobalArray.from_global(np.arange(_n(), dtype=np.float32), meshes["x"], P("x"))}
+  mine, afile = os.path.join(shared_dir, "user"), os.path.join(shared_dir, "notes.txt")
+  if comm.rank == 0:
+    os.makedirs(mine)
+    open(os.path.join(mine, "precious.txt"), "w").write("keep")
+    open(afile, "w").write("keep")
+  comm.Barrier()
+  # overwrite=True used to move these aside and delete them.
+  with pytest.raises(OSError, match=r"not an mpijax checkpoint \(it holds \['precious.txt'\]\)"):
+    mpijax.save(mine, tree, overwrite=True)
+  with pytest.raises(OSError, match="is not a checkpoint directory"):
+    mpijax.save(afile, tree, overwrite=True)
+  assert open(os.path.join(mine, "precious.txt")).read() == open(afile).read() == "keep"
+  assert sorted(os.listdir(shared_dir)) == ["notes.txt", "user"]
+  # An overwrite that died between its renames: load names the surviving old copy.
+  path = mpijax.save(os.path.join(shared_dir, "c"), tree)
+  comm.Barrier()
+  if comm.rank == 0:
+    os.rename(path, path + ".old-dead")
+  comm.Barrier()
+  with pytest.raises(CheckpointError, match=r"previous checkpoint at .*c\.old-dead"):
+    mpijax.load(path, like=tree)
