@@ -127,11 +127,22 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
       parts = jax.lax.all_to_all(flat.reshape(n_local, -1), local, 0, 0, tiled=True)
       part = parts.max(axis=0) if op == "max" else parts.min(axis=0)
     part = ops.allreduce(part, op, comm=comm)
-    full = jax.lax.all_gather(part, local, axis=0, tiled=True, to="invarying")  # a psum: invariant
+    # Typed invariant (as psum's result) only where jax tracks it, under
+    # shard_map(check_vma=True): there the invariant gather's transpose is
+    # right. Unchecked (every mpijax.pmap), the cotangent differs per device and
+    # only the plain gather's transpose sums it; 'invarying' lost a factor L.
+    to = "invarying" if _typed_varying(part) else "varying"
+    full = jax.lax.all_gather(part, local, axis=0, tiled=True, to=to)
     return full[:x.size].reshape(x.shape)
   if local:
     x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
   return ops.allreduce(x, op, comm=comm)
+
+
+def _typed_varying(x) -> bool:
+  """Whether JAX types ``x`` as varying over manual axes (only under check_vma=True)."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return bool(getattr(mat, "varying", None))
 
 
 _LAX_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}

@@ -67,6 +67,10 @@ def test_large_psum_takes_the_hierarchical_path():
   _compare(lambda x: mlax.pmax(x, "i"), g, exact=True)
   _compare(lambda x: mlax.pmin(x, "i"), g, exact=True)
   _compare(lambda x: mlax.psum(x, "i") * mlax.axis_index("i"), g, exact=False)
+  # Its gradient: every device's cotangent summed (L times too small with
+  # the local gather typed invariant outside check_vma).
+  w = np.arange(5000, dtype=np.float32)
+  _compare(jax.grad(lambda x: (mlax.psum(x, "i") * w).sum()), g, exact=False)
 
 
 def test_axis_index_and_size():
