@@ -422,7 +422,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     y = jnp.moveaxis(v, d, 0).reshape((total, n // total) + rest)
     # Outermost axis first: its block index is the major one.
     for name in names:
-      y = y.reshape((axis_size(name), -1) + y.shape[1:])
+      k = axis_size(name)  # explicit sizes: -1 cannot be inferred for a zero-size array
+      y = y.reshape((k, y.shape[0] // k) + y.shape[1:])
       if name in env:
         m, ax_info = env[name]
         y = _scatter_one(y, m, ax_info)

@@ -143,6 +143,9 @@ def test_bool_zero_size_and_extremum_gradients():
   for tiled in (False, True):
     _compare(lambda x: mlax.all_gather(x, "i", axis=1, tiled=tiled), z, exact=True)
   _compare(lambda x: mlax.ppermute(x, "i", [(i, (i + 1) % n) for i in range(n)]), z, exact=True)
+  for tiled in (False, True):  # a zero-size block per device (was a ZeroDivisionError)
+    _compare(lambda x: mlax.psum_scatter(x, "i", scatter_dimension=1, tiled=tiled),
+             np.zeros((n, 0, n), np.float32), exact=True)
   # pmax/pmin gradients (jax.lax has none under pmap or vmap), with ties
   # between devices: shared evenly by every device holding the extremum, as
   # jnp.max does; every device's loss counts (psum's transpose convention).
