@@ -252,11 +252,24 @@ def _is_spec(x) -> bool:
   return isinstance(x, PartitionSpec) or x is None
 
 
+def _is_pspec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
 def _broadcast_specs(specs, tree, what: str):
+  """One PartitionSpec per leaf of ``tree`` from ``specs``, a spec or a pytree prefix of it.
+
+  A spec given for a whole subtree (``out_specs=(P(), P("x"))`` for an output
+  ``((a, b), c)``) applies to each of its leaves, as in ``jax.shard_map``;
+  ``None`` subtrees of ``tree`` stay ``None``. Walk the result with
+  ``is_leaf=_is_pspec``.
+  """
   if _is_spec(specs):
-    return jax.tree.map(lambda _: _as_spec(specs), tree)
+    spec = _as_spec(specs)
+    return jax.tree.map(lambda _: spec, tree)
   try:
-    return jax.tree.map(lambda s, _: _as_spec(s), specs, tree, is_leaf=_is_spec)
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: _as_spec(s), sub), specs, tree,
+                        is_leaf=_is_spec)
   except ValueError as e:
     raise ValueError(f"shard_map {what} do not match the arguments' structure: {e}") from None
 
@@ -283,12 +296,12 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
   def local_body(*args):
     ins = _in_specs_tree(in_specs, args)
     args = jax.tree.map(lambda s, x: replication.mark_input(x, mesh, _unmentioned(mesh, s)),
-                        ins, tuple(args), is_leaf=_is_spec)
+                        ins, tuple(args), is_leaf=_is_pspec)
     with bind_axes(mesh, mesh.axis_names):
       out = f(*args)
-    specs = jax.tree.map(lambda _: out_specs, out) if _is_spec(out_specs) else out_specs
-    return jax.tree.map(lambda s, y: replication.mark_output(y, _copies(mesh, _as_spec(s))),
-                        specs, out, is_leaf=_is_spec)
+    specs = _broadcast_specs(out_specs, out, "out_specs")
+    return jax.tree.map(lambda s, y: replication.mark_output(y, _copies(mesh, s)),
+                        specs, out, is_leaf=_is_pspec)
 
   @functools.wraps(f)
   def wrapped(*args):
@@ -296,8 +309,8 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     args, metas, any_ga = ga.unwrap_args(args)
     ins = _in_specs_tree(in_specs, args)
     if any_ga:
-      ga.check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_spec))
-    local_ins = jax.tree.map(mesh.local_spec, ins, is_leaf=_is_spec)
+      ga.check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_pspec))
+    local_ins = jax.tree.map(mesh.local_spec, ins, is_leaf=_is_pspec)
     local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s)), out_specs,
                               is_leaf=_is_spec)
     _check_local_shapes(mesh, ins, args)
@@ -305,7 +318,7 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
                            out_specs=local_outs, check_vma=check_vma)
     out = mapped(*args)
     if any_ga:
-      specs = jax.tree.leaves(_broadcast_specs(out_specs, out, "out_specs"), is_leaf=_is_spec)
+      specs = jax.tree.leaves(_broadcast_specs(out_specs, out, "out_specs"), is_leaf=_is_pspec)
       out = ga.wrap_outputs(mesh, out, specs)
     return out
 
@@ -325,13 +338,11 @@ def _copies(mesh: GlobalMesh, spec: PartitionSpec) -> int:
 
 def _in_specs_tree(in_specs, args):
   if _is_spec(in_specs):
-    return tuple(_as_spec(in_specs) for _ in args)
+    return tuple(_broadcast_specs(in_specs, a, "in_specs") for a in args)
   if not isinstance(in_specs, (tuple, list)) or len(in_specs) != len(args):
     raise ValueError(f"shard_map got {len(args)} arguments but in_specs={in_specs!r}; give one "
                      "spec per argument (a tuple), or one spec for all.")
-  return tuple(jax.tree.map(lambda s, _: _as_spec(s), s, a, is_leaf=_is_spec)
-               if not _is_spec(s) else jax.tree.map(lambda _: _as_spec(s), a)
-               for s, a in zip(in_specs, args))
+  return tuple(_broadcast_specs(s, a, "in_specs") for s, a in zip(in_specs, args))
 
 
 def _check_local_shapes(mesh: GlobalMesh, specs, args) -> None:
@@ -348,7 +359,7 @@ def _check_local_shapes(mesh: GlobalMesh, specs, args) -> None:
             f"dimension {d} of this rank's part (shape {shape}) is sharded by {spec} over "
             f"{n_local} local devices, but {shape[d]} is not divisible by {n_local}. "
             "Pad the data or choose another spec.")
-  jax.tree.map(check, specs, tuple(args), is_leaf=_is_spec)
+  jax.tree.map(check, specs, tuple(args), is_leaf=_is_pspec)
 
 
 # --- pmap ---------------------------------------------------------------------------

@@ -278,6 +278,35 @@ def test_shard_map_under_grad_and_vmap():
   np.testing.assert_allclose(np.asarray(batched), [(g * g).sum(), 4 * (g * g).sum()], rtol=1e-5)
 
 
+def test_shard_map_spec_prefixes_and_none_leaves():
+  """A spec may cover a whole subtree (a pytree prefix, as in jax.shard_map); None leaves pass."""
+  n = mpijax.process_count() * mpijax.local_device_count()
+  mesh = mpijax.make_mesh((n,), ("x",))
+  L, r = mpijax.local_device_count(), mpijax.process_index()
+  g = np.arange(n * 2, dtype=np.float32)
+  mine = g[r * L * 2:(r + 1) * L * 2]
+  out = mpijax.shard_map(
+      lambda d, t: {"s": mlax.psum(d["a"].sum(), "x"), "t": (t[0] * 2, None)}, mesh=mesh,
+      in_specs=({"a": P("x"), "b": P()}, (P("x"), None)),
+      out_specs={"s": P(), "t": (P("x"), None)})({"a": mine, "b": np.float32(3)}, (mine, None))
+  assert float(out["s"]) == g.sum() and out["t"][1] is None
+  np.testing.assert_array_equal(np.asarray(out["t"][0]), 2 * mine)
+  (total, top), same = mpijax.shard_map(
+      lambda b: ((mlax.psum(b.sum(), "x"), mlax.pmax(b.max(), "x")), b), mesh=mesh,
+      in_specs=P("x"), out_specs=(P(), P("x")))(mine)  # P() for a (replicated) pair
+  assert (float(total), float(top)) == (g.sum(), g.max())
+  np.testing.assert_array_equal(np.asarray(same), mine)
+  nested = mpijax.shard_map(lambda t: t[0] + t[1]["k"] + t[2], mesh=mesh,
+                            in_specs=((P("x"), P("x"), P()),), out_specs=P("x"))
+  np.testing.assert_array_equal(np.asarray(nested((mine, {"k": mine}, np.float32(1)))),
+                                2 * mine + 1)
+  # One spec for a tuple of replicated inputs: each gets every device's cotangent.
+  loss = lambda w: mpijax.shard_map(lambda b, w: mlax.psum((b * w[0] + w[1]).sum(), "x"),
+                                    mesh=mesh, in_specs=(P("x"), P()), out_specs=P())(mine, w)
+  gw = jax.grad(loss)((np.float32(2), np.float32(1)))
+  np.testing.assert_allclose([float(gw[0]), float(gw[1])], [g.sum(), g.size], rtol=1e-6)
+
+
 def _groups(n: int):
   """Groups that partition range(n): uneven (evens, odds) and equal-sized, reordered."""
   uneven = [g for g in (list(range(0, n, 2)), list(range(1, n, 2))) if g]
