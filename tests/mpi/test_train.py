@@ -98,7 +98,7 @@ def shared_dir(rt, tmp_path):
 def _tree(value):
   return {"f32": jnp.full((3, 2), value, jnp.float32), "bf16": jnp.full(4, value, jnp.bfloat16),
           "i8": np.full(2, value, np.int8), "key": jax.random.key(value), "n": int(value),
-          "empty": jnp.zeros((0, 3))}
+          "empty": jnp.zeros((0, 3)), "np_scalar": np.int16(value)}
 
 
 def test_broadcast_any_pytree_and_dtypes(rt):
@@ -107,6 +107,7 @@ def test_broadcast_any_pytree_and_dtypes(rt):
   want = _tree(root + 1)
   assert out["n"] == want["n"] and type(out["n"]) is int
   assert out["bf16"].dtype == jnp.bfloat16 and isinstance(out["i8"], np.ndarray)
+  assert type(out["np_scalar"]) is np.int16 and out["np_scalar"] == root + 1
   np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(want["key"]))
   for k in ("f32", "bf16", "i8", "empty"):
     np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(want[k]))
@@ -121,6 +122,14 @@ def test_broadcast_structure_mismatch_raises_everywhere(rt):
     return
   with pytest.raises(ValueError, match=r"\['f32'\].*float32\[3, 3\].*float32\[3, 2\]"):
     train.broadcast(tree, root=0)
+
+
+def test_unsendable_leaf_on_one_rank_raises_everywhere(rt):
+  # The bad rank used to raise alone, before the Bcast the others waited in.
+  bad = rt.size - 1
+  tree = {"w": jnp.ones(2), "name": "adam" if rt.rank == bad else 0}
+  with pytest.raises(ValueError, match=rf"rank {bad}: leaf \['name'\]: cannot store a leaf of type str"):
+    train.broadcast(tree)
 
 
 # --- fused all-reduce ---------------------------------------------------------

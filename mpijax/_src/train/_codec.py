@@ -64,7 +64,10 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[np.ndarray], Any]:
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
   specs, arrays = [], []
   for path, leaf in with_paths:
-    arr, kind, impl = leaf_to_numpy(leaf)
+    try:
+      arr, kind, impl = leaf_to_numpy(leaf)
+    except TypeError as e:
+      raise TypeError(f"leaf {jax.tree_util.keystr(path)}: {e}") from None
     # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
     arr = arr if arr.flags.c_contiguous else arr.copy(order="C")
     specs.append(LeafSpec(jax.tree_util.keystr(path), kind, arr.dtype.name, tuple(arr.shape), impl))
@@ -109,6 +112,10 @@ def rebuild(arr: np.ndarray, spec: LeafSpec, like: Any = None) -> Any:
   if kind == "python":
     value = arr.item()
     return type(like)(value) if like is not None else value
+  if isinstance(like, np.generic):
+    # A NumPy scalar (np.float32(1.0), an int counter) stays a scalar, not a
+    # 0-d array, so every rank gets the same type the root passed.
+    return arr[()]
   return arr
 
 

@@ -18,7 +18,10 @@ def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec])
   """'' when both leaf lists agree, else a sentence naming the first leaf that differs."""
   for a, b in zip(mine, theirs):
     if a.signature() != b.signature():
-      return f"leaf {a.path} is {a.signature()} here but {b.signature()} on the reference"
+      if a.path == b.path:  # name it once: "leaf ['w'] is float32[3] here but bfloat16[3] ..."
+        return (f"leaf {a.path} is {a.signature()[len(a.path) + 2:]} here but "
+                f"{b.signature()[len(b.path) + 2:]} on the reference")
+      return f"leaf {a.signature()} here but {b.signature()} on the reference"
   if len(mine) != len(theirs):
     longer, which = (mine, "here") if len(mine) > len(theirs) else (theirs, "on the reference")
     extra = longer[min(len(mine), len(theirs))]
@@ -44,16 +47,16 @@ def bcast_array(comm: Any, buf: np.ndarray, root: int) -> None:
     comm.Bcast([buf[start:start + chunk], MPI.BYTE], root=root)
 
 
-def _unsendable(specs: list[_codec.LeafSpec]) -> str:
-  """The first leaf whose bytes do not mean anything on another rank, or ''."""
+def _unsendable(specs: list[_codec.LeafSpec], what: str = "broadcast cannot send") -> str:
+  """The first leaf whose bytes do not mean anything on another rank (or in a file), or ''."""
   for s in specs:
     try:
       kind = np.dtype(s.dtype).kind
     except TypeError:  # e.g. 'str64': no dtype of that name
       kind = "U"
     if kind in "OUSMm":
-      return (f"leaf {s.path} has dtype {s.dtype}, which broadcast cannot send (object, "
-              "string and time dtypes): send numbers, e.g. text as "
+      return (f"leaf {s.path} has dtype {s.dtype}, which {what} (object, "
+              "string and time dtypes): use numbers, e.g. text as "
               "np.frombuffer(s.encode(), np.uint8)")
   return ""
 
@@ -84,12 +87,22 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
   size = comm.Get_size()
   if not 0 <= root < size:
     raise ValueError(f"broadcast got root={root}, but the communicator has {size} ranks (0..{size - 1})")
-  specs, arrays, treedef = _codec.flatten(tree)
   is_root = comm.Get_rank() == root
+  try:
+    specs, arrays, treedef = _codec.flatten(tree)
+    problem = _unsendable(specs)
+  except TypeError as e:
+    # Reported through the collectives below, not raised here: a rank that
+    # left now would leave the others waiting in the Bcast.
+    specs, problem = None, str(e)
+  # The root sends null when its own tree cannot be sent (its problem is
+  # reported below); the others then have nothing to compare against.
   root_json = mpi_util.bcast_str(
-      comm, json.dumps([s.to_json() for s in specs]) if is_root else None, root)
-  root_specs = [_codec.LeafSpec.from_json(d) for d in json.loads(root_json)]
-  problem = _unsendable(specs) or ("" if is_root else first_difference(specs, root_specs))
+      comm, json.dumps(None if specs is None else [s.to_json() for s in specs]) if is_root else None,
+      root)
+  root_list = json.loads(root_json)
+  if not problem and not is_root and root_list is not None:
+    problem = first_difference(specs, [_codec.LeafSpec.from_json(d) for d in root_list])
   agree_or_raise(comm, problem, f"mpijax.train.broadcast(root={root})")
   if size == 1:
     return tree
