@@ -346,3 +346,11 @@ def test_corrupt_checkpoint_refused_on_every_rank(rt, shared_dir):
   rt.comm.Barrier()
   with pytest.raises(train.CheckpointError, match="corrupt or truncated"):
     train.restore_checkpoint(path, like={"w": jnp.zeros(100)})
+
+
+def test_unstorable_state_on_one_rank_raises_everywhere_and_writes_nothing(rt, shared_dir):
+  path = os.path.join(shared_dir, "never")
+  bad = rt.size - 1
+  with pytest.raises(TypeError, match=rf"wrote nothing:\n  rank {bad}: leaf \['tag'\]"):
+    train.save_checkpoint(path, {"w": jnp.ones(2), "tag": np.array(["x"]) if rt.rank == bad else 0})
+  assert not os.path.exists(path)

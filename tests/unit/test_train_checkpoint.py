@@ -117,3 +117,18 @@ def test_overwrite_replaces_atomically(tmp_path):
   save_checkpoint(path, _state(0))
   save_checkpoint(path, _state(1))
   _assert_same(restore_checkpoint(path, like=_state(0)), _state(1))
+
+
+@pytest.mark.parametrize("leaf", [np.array(["text"]), 2**70, "name"])
+def test_unstorable_leaf_is_refused_at_save_naming_it(tmp_path, leaf):
+  # A string array used to be written and then fail at restore time.
+  path = str(tmp_path / "ck")
+  with pytest.raises(TypeError, match=r"wrote nothing.*leaf \['bad'\]"):
+    save_checkpoint(path, {"w": jnp.ones(2), "bad": leaf})
+  assert not os.path.exists(path)
+
+
+def test_numpy_scalar_leaf_stays_a_scalar(tmp_path):
+  save_checkpoint(str(tmp_path / "ck"), {"n": np.int64(5)})
+  out = restore_checkpoint(str(tmp_path / "ck"), {"n": np.int64(0)})
+  assert type(out["n"]) is np.int64 and out["n"] == 5

@@ -89,12 +89,14 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], list[_code
   try:
     header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
     specs = [_codec.LeafSpec.from_json(d) for d in header["leaves"]]
-  except (ValueError, KeyError) as e:
+    expected = sum(s.nbytes for s in specs)  # also checks every dtype name is known
+    payload_bytes = header["payload_bytes"]
+  except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f"checkpoint {path!r} has an unreadable header: {e}") from None
   payload = np.frombuffer(body, np.uint8, offset=_PREFIX.size + header_len)
-  if payload.size != header["payload_bytes"] or payload.size != sum(s.nbytes for s in specs):
+  if payload.size != payload_bytes or payload.size != expected:
     raise CheckpointError(f"checkpoint {path!r}: payload has {payload.size} bytes, "
-                          f"header says {header['payload_bytes']}")
+                          f"header says {payload_bytes}")
   return header, specs, payload, digest.hex()
 
 
@@ -124,16 +126,39 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
   path = os.fspath(path)
   comm = _comm_or_none(comm)
   rank = comm.Get_rank() if comm is not None else 0
-  specs, arrays, _ = _codec.flatten(state)
-  payload = _codec.pack(arrays)
-  json.dumps(metadata or {})  # fail early, on every rank, if metadata is not JSON
-  if comm is not None and comm.Get_size() > 1 and check_replicated:
-    digests = mpi_util.allgather_str(comm, hashlib.sha256(payload.data).hexdigest())
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differ and rank == 0:
+  size = comm.Get_size() if comm is not None else 1
+  problem, payload = "", None
+  try:
+    specs, arrays, _ = _codec.flatten(state)
+    # Object/string/time leaves would be written as pointers or in a dtype
+    # the reader cannot rebuild: refuse them now, not at restore time.
+    problem = _bcast._unsendable(specs, "a checkpoint cannot store")
+  except TypeError as e:
+    problem = str(e)
+  if not problem:
+    try:
+      json.dumps(metadata or {})
+    except (TypeError, ValueError) as e:
+      problem = f"metadata is not JSON-serializable: {e}"
+  if not problem:
+    payload = _codec.pack(arrays)
+  if size > 1:
+    # One small allgather: any rank's problem stops every rank (a rank that
+    # raised alone would leave the others waiting), and the state hashes
+    # show replicas that drifted apart.
+    digest = hashlib.sha256(payload.data).hexdigest() if check_replicated and not problem else ""
+    reports = mpi_util.allgather_str(comm, ("error:" + problem) if problem else ("ok:" + digest))
+    bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
+    if bad:
+      raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n" +
+                      "\n".join(f"  rank {r}: {p}" for r, p in bad[:8]))
+    differ = [r for r, d in enumerate(reports) if d != reports[0]]
+    if check_replicated and differ and rank == 0:
       warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
                     "saving rank 0's. Replicated state should be identical on every rank "
                     "(did every rank apply the same all-reduced update?).", RuntimeWarning)
+  elif problem:
+    raise TypeError(f"save_checkpoint({path!r}) wrote nothing: {problem}")
   error = ""
   if rank == 0:
     try:
@@ -184,6 +209,8 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
         _codec.rebuild(a, s, l) for a, s, l in zip(_codec.unpack(payload, specs), specs, leaves)])
   except CheckpointError as e:
     problem = str(e)
+  except Exception as e:  # e.g. rebuilding a leaf on its device: still report it on every rank
+    problem = f"checkpoint {path!r}: {type(e).__name__}: {e}"
   if comm is not None and comm.Get_size() > 1:
     reports = mpi_util.allgather_str(comm, ("error:" + problem) if problem else ("ok:" + digest))
     bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
