@@ -192,8 +192,36 @@ def test_mean_metrics_eager_and_jitted(rt):
   got = train.mean_metrics({"r": float(rt.rank), "v": np.full(2, rt.rank, np.float32)})
   assert got["r"] == pytest.approx((rt.size - 1) / 2)
   np.testing.assert_allclose(got["v"], (rt.size - 1) / 2)
-  jitted = jax.jit(train.mean_metrics)({"r": jnp.float32(rt.rank)})
+  jitted = jax.jit(train.mean_metrics)({"r": jnp.float32(rt.rank), "n": jnp.int32(rt.rank),
+                                        "ok": jnp.bool_(rt.rank == 0)})
   assert float(jitted["r"]) == pytest.approx((rt.size - 1) / 2)
+  # Counts and flags average to fractions (they used to be floored / refused).
+  assert jitted["n"].dtype == jnp.float32 and float(jitted["n"]) == pytest.approx((rt.size - 1) / 2)
+  assert float(jitted["ok"]) == pytest.approx(1 / rt.size)
+
+
+def test_mean_metrics_non_number_on_one_rank_raises_everywhere(rt):
+  bad = rt.size - 1
+  with pytest.raises((ValueError, TypeError), match=r"leaf \['acc'\] = 'n/a' is not a number"):
+    train.mean_metrics({"acc": "n/a" if rt.rank == bad else 0.5})
+
+
+def test_bool_gradient_leaf_is_refused_naming_it(rt):
+  with pytest.raises(TypeError, match=r"leaf \['mask'\] is bool\[2\]"):
+    jax.eval_shape(train.fused_allreduce, {"w": jnp.ones(2), "mask": jnp.ones(2, bool)})
+
+
+def test_mpijax_pmap_axis_as_local_axis_name(rt):
+  """Under mpijax.pmap the user's axis spans every device of every rank (JAX only
+  knows its local part); floats and integers are averaged over all devices."""
+  L = mpijax.local_device_count()
+  gid = jnp.arange(L, dtype=jnp.float32) + rt.rank * L  # the global device index
+  tx = train.allreduce_gradients(local_axis_name="i")
+  out = mpijax.pmap(lambda g: tx.update(g, optax.EmptyState())[0], axis_name="i")(
+      {"f": gid, "i": gid.astype(jnp.int32)})
+  devices = rt.size * L
+  np.testing.assert_allclose(np.asarray(out["f"]), (devices - 1) / 2)
+  np.testing.assert_array_equal(np.asarray(out["i"]), (devices - 1) // 2)  # floor of the mean
 
 
 # --- equivalence: P ranks == 1 process on the global batch ---------------------

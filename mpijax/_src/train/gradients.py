@@ -76,6 +76,29 @@ def plan_buckets(shapes_dtypes: list[tuple[tuple[int, ...], Any]], bucket_bytes:
   return buckets
 
 
+def _jax_local_axis(name: Any, nranks: int) -> Any:
+  """The JAX axis to reduce over locally for ``local_axis_name=name``.
+
+  Under ``mpijax.pmap``/``mpijax.shard_map`` the user's axis name spans the
+  ranks, and JAX knows only its local part (a private name): reduce over that
+  part, and the MPI sum covers the ranks. A plain ``jax.pmap``/``shard_map``
+  axis over this rank's devices is used as it is.
+  """
+  if name is None:
+    return None
+  from mpijax._src import mesh as _mesh  # layer 4; imported late (layers stay loosely coupled)
+  bound = _mesh.axis_env().get(name) if isinstance(name, str) else None
+  if bound is None:
+    return name
+  info = bound[1]
+  if info.proc_size != nranks:
+    raise ValueError(
+        f"allreduce_gradients(local_axis_name={name!r}): mpijax axis {name!r} spans "
+        f"{info.proc_size} of the {nranks} ranks, but the gradients are summed over every rank; "
+        f"use mpijax.lax.pmean(grads, {name!r}) for a mean over that axis only")
+  return info.local_name
+
+
 def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None = None,
                     compression: str | None = None, local_axis_name: Any = None,
                     comm: Any | None = None, fuse_leaf_bytes: int | None = None) -> Any:
@@ -101,13 +124,22 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
   # The user's communicator (or None = the runtime's) goes to the transport
   # unchanged; here it only tells how many ranks share the sum.
   nranks = _host.get_comm(comm, "mpijax.train.allreduce_gradients").Get_size()
+  local_axis_name = _jax_local_axis(local_axis_name, nranks)
 
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  leaves = [jnp.asarray(x) for x in leaves]
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = [jnp.asarray(x) for _, x in with_paths]
+  for (path, _), x in zip(with_paths, leaves):
+    if x.dtype == jnp.bool_:
+      # MPI has no sum of booleans; say which leaf, not just which dtype.
+      raise TypeError(
+          f"fused_allreduce/allreduce_gradients: leaf {jax.tree_util.keystr(path)} is bool{list(x.shape)}, "
+          "which cannot be summed or averaged over ranks; cast it to a number first "
+          "(x.astype(jnp.float32) for a fraction, jnp.int32 for a count)")
   if nranks == 1 and local_axis_name is None:
     # A single rank's sum and mean are the tree itself: nothing to pack or send.
     return jax.tree_util.tree_unflatten(treedef, leaves)
   out = list(leaves)
+  n_local = 1 if local_axis_name is None else jax.lax.psum(1, local_axis_name)
   plan = plan_buckets([(x.shape, x.dtype) for x in leaves], bucket_bytes, fuse_leaf_bytes)
   if not plan:
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -150,7 +182,9 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     if average and inexact and sent_as_is:
       summed = summed / jnp.asarray(nranks, dtype)
     elif average and not inexact:
-      summed = summed // nranks  # integer leaves: floor of the mean, dtype kept
+      # Integer leaves: floor of the mean, dtype kept. They were summed (not
+      # averaged) over the local devices too, so divide by every device.
+      summed = summed // (nranks * n_local)
     if len(bucket) == 1:
       out[bucket[0]] = summed
       continue
@@ -188,6 +222,8 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
       over this rank's local devices, the name of that axis: the gradient is
       first averaged over the local devices (``jax.lax.pmean``), then
       all-reduced over ranks, giving the mean over every device of every rank.
+      Under ``mpijax.pmap`` (an axis over every device of every rank) pass
+      its axis name.
     comm: an mpi4py communicator; default mpijax's.
     fuse_leaf_bytes: leaves at least this big skip packing and are
       all-reduced on their own (default ``config.get("fuse_leaf_bytes")``,

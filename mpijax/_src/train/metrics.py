@@ -6,6 +6,7 @@ import sys
 from typing import Any, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpijax._src import mpi_util
@@ -23,7 +24,8 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   leaves packed as float64; returns Python floats for scalars and float64
   NumPy arrays otherwise. Inside ``jax.jit``: the fused
   :func:`mpijax.train.allreduce_gradients` machinery (one ``mpijax.ops.allreduce``
-  per dtype), dtypes kept.
+  per dtype); float leaves keep their dtype, integer and bool leaves (counts,
+  flags) give float32 means rather than a floored integer.
 
   Args:
     tree: a pytree of numbers or arrays (same structure on every rank).
@@ -35,10 +37,25 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if _is_traced(leaves):
     from mpijax._src.train import gradients
-    return gradients.fused_allreduce(tree, average=True, comm=comm)
+    # A metric's mean is a fraction: integer and bool leaves (counts, flags)
+    # are averaged as float32, not floored in their own dtype.
+    leaves = [x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
+              for x in leaves]
+    return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
+                                     average=True, comm=comm)
   comm = _host.get_comm(comm, "mpijax.train.mean_metrics")
-  arrays = [np.asarray(x, dtype=np.float64) for x in leaves]
-  _check_same_tree(comm, treedef, arrays)
+  arrays, problem = [], ""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    try:
+      arrays.append(np.asarray(x, dtype=np.float64))
+    except (TypeError, ValueError) as e:
+      # Not raised here: the other ranks would wait in the check below.
+      problem = (f"leaf {jax.tree_util.keystr(path)} = {x!r:.60} is not a number ({e}); "
+                 "pass numbers or numeric arrays")
+      break
+  _check_same_tree(comm, treedef, arrays, problem)
+  if problem:  # the same on every rank, so every rank raises it
+    raise TypeError(f"mpijax.train.mean_metrics: {problem}")
   flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
   total = np.empty_like(flat)
   MPI = mpi_util.import_mpi()
@@ -52,10 +69,11 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray]) -> None:
+def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray], problem: str = "") -> None:
   """Every rank raises if the ranks' trees differ (keys or shapes): the sum
-  that follows would otherwise mix up different metrics silently."""
-  diff = mpi_util.first_difference(comm, f"{treedef} shapes={[a.shape for a in arrays]}")
+  that follows would otherwise mix up different metrics silently. A rank
+  whose tree could not be converted passes its ``problem`` instead."""
+  diff = mpi_util.first_difference(comm, problem or f"{treedef} shapes={[a.shape for a in arrays]}")
   if diff is not None:
     first, rank, other = diff
     raise ValueError(
