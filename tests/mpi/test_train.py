@@ -382,3 +382,19 @@ def test_unstorable_state_on_one_rank_raises_everywhere_and_writes_nothing(rt, s
   with pytest.raises(TypeError, match=rf"wrote nothing:\n  rank {bad}: leaf \['tag'\]"):
     train.save_checkpoint(path, {"w": jnp.ones(2), "tag": np.array(["x"]) if rt.rank == bad else 0})
   assert not os.path.exists(path)
+
+
+def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
+  # The bad rank used to raise alone while the others waited for it.
+  dp = train.DataParallel(per_example_loss, optax.sgd(0.1))
+  state = dp.init(init_params(jax.random.key(0)))
+  x, y = dataset()
+  bad = rt.size - 1
+  x = x[:4, :D - 1] if rt.rank == bad else x[:4]  # one feature short on one rank
+  with pytest.raises(Exception, match="dot_general") as info:
+    dp.step(state, (x, y[:4]))
+  if rt.rank != bad:
+    assert isinstance(info.value, RuntimeError) and f"rank {bad}: TypeError" in str(info.value)
+  per_feature = lambda p, b: (per_example_loss(p, b), {"p": jnp.ones((4, 2))})
+  with pytest.raises(ValueError, match=r"aux\['p'\] has shape \(4, 2\)"):
+    train.DataParallel(per_feature, optax.sgd(0.1), has_aux=True).step(state, (dataset()[0][:4], y[:4]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -10,11 +11,37 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpijax._src import mpi_util
 from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import data as _data
 from mpijax._src.train import gradients as _grads
 from mpijax._src.train import metrics as _metrics
+
+
+@contextlib.contextmanager
+def _all_ranks_or_none(comm: Any, what: str):
+  """Runs the block on every rank, then waits (sleeping) for all of them; if
+  the block raised on any rank, every rank raises, naming the ranks and errors.
+
+  The block is local work (tracing, compiling); without this, a rank whose
+  input does not fit would raise alone and leave the others waiting in MPI.
+  """
+  error: BaseException | None = None
+  try:
+    yield
+  except Exception as e:  # reported to every rank below
+    error = e
+  _host.idle_barrier(comm)
+  problem = "" if error is None else f"{type(error).__name__}: {error}".split("\n")[0][:500]
+  bad = mpi_util.rank_problems(comm, problem) if comm.Get_size() > 1 else []
+  if error is not None:
+    raise error
+  if bad:
+    lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
+    raise RuntimeError(f"{what} failed on other ranks, so every rank stops here:\n{lines}\n"
+                       "Every rank must pass data of the same structure, shapes and dtypes "
+                       "(shard_batches gives every rank the same).")
 
 
 class TrainState(NamedTuple):
@@ -92,10 +119,19 @@ class DataParallel:
       raise TypeError("DataParallel(has_aux=True): loss_fn must return (losses, aux) with aux "
                       f"a dict of per-example metrics; got {jax.tree.map(jnp.shape, out)!r} "
                       "(shapes). Return a pair, or use has_aux=False.")
+    if not self.has_aux and isinstance(out, (tuple, list)):
+      raise TypeError(f"DataParallel(has_aux=False): loss_fn returned a {type(out).__name__} of "
+                      f"{len(out)} ({jax.tree.map(jnp.shape, out)!r} shapes); return the per-example "
+                      "losses alone, or (losses, aux) with has_aux=True")
     losses, aux = out if self.has_aux else (out, {})
     if jnp.ndim(losses) != 1:
       raise ValueError(f"DataParallel: loss_fn must return per-example losses of shape [batch], "
                        f"got shape {jnp.shape(losses)}; return the unreduced loss vector")
+    for k, v in aux.items():
+      if jnp.shape(v) != jnp.shape(losses):
+        raise ValueError(f"DataParallel(has_aux=True): aux[{k!r}] has shape {jnp.shape(v)}, but aux "
+                         f"values must be per-example metrics shaped like the losses "
+                         f"{jnp.shape(losses)} (they are averaged with the batch weights)")
     return losses, dict(aux)
 
   def _step_impl(self, state: TrainState, data: Any, weight: jax.Array):
@@ -146,9 +182,16 @@ class DataParallel:
     if compiled is None:
       # Compile ahead of time, then wait for every rank without spinning, so
       # ranks that compile faster do not busy-wait in the first all-reduce on
-      # cores the slower ranks need (oversubscribed CPU runs).
-      compiled = self._step.lower(*args).compile()
-      _host.idle_barrier(_host.get_comm(self.comm, "mpijax.train.DataParallel.step"))
+      # cores the slower ranks need (oversubscribed CPU runs). A rank whose
+      # batch does not fit the model fails here, and every rank hears of it.
+      comm = _host.get_comm(self.comm, "mpijax.train.DataParallel.step")
+      # The first trace of an mpijax op on a communicator registers it, a
+      # collective: do it here, on every rank, so that a rank whose trace
+      # fails early cannot leave the others in that collective.
+      from mpijax._src.ops import _base as _ops_base
+      _ops_base.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
+      with _all_ranks_or_none(comm, "DataParallel.step: building the step"):
+        compiled = self._step.lower(*args).compile()
       self._compiled[signature] = compiled
     return compiled(*args)
 
@@ -176,12 +219,16 @@ class DataParallel:
     """
     batches = _data.shard_batches(arrays, batch_size, seed=None, epoch=0, comm=self.comm)
     totals, count = None, 0.0
-    for batch in batches:
-      sums, n = self._eval(state.params, batch.data, batch.mask)
-      totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
-      count = count + n
-    # Ranks finish at different times (the first call compiles): wait idly,
-    # not in a spinning all-reduce.
-    _host.idle_barrier(_host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate"))
+    # Ranks finish at different times (the first call compiles): they wait
+    # idly, not in a spinning all-reduce, and a rank whose evaluation failed
+    # makes every rank raise instead of leaving them waiting.
+    with _all_ranks_or_none(_host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate"),
+                            "DataParallel.evaluate"):
+      for batch in batches:
+        sums, n = self._eval(state.params, batch.data, batch.mask)
+        totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+        count = count + n
+    if totals is None:
+      raise ValueError(f"DataParallel.evaluate got no samples (arrays with {batches.num_samples} samples)")
     means = _metrics.mean_metrics({"sums": totals, "count": count}, comm=self.comm)
     return {k: v / means["count"] for k, v in means["sums"].items()}
