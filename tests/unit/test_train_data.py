@@ -97,3 +97,9 @@ def test_eval_order_without_seed():
   batches = list(shard_batches(np.arange(10), 4, seed=None, epoch=0, process_index=1, process_count=2))
   assert [b.data.tolist() for b in batches][:2] == [[2, 3], [6, 7]]
   assert batches[2].mask.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("seed,epoch", [(-1, 0), (0, -2), (1.5, 0)])
+def test_bad_seed_or_epoch_is_named(seed, epoch):
+  with pytest.raises(ValueError, match="must be a non-negative integer"):
+    shard_batches(np.zeros(8), 2, seed=seed, epoch=epoch, process_index=0, process_count=1)

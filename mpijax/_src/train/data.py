@@ -77,6 +77,12 @@ class ShardedBatches:
           f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
           f"every rank must get the same number of samples per step: use a multiple of "
           f"{process_count} (e.g. {hint})")
+    for name, value in (("seed", seed), ("epoch", epoch)):
+      # NumPy's own message ("expected non-negative integer") names neither.
+      if not (value is None and name == "seed") and (
+          not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"shard_batches: {name}={value!r} must be a non-negative integer"
+                         + (" (or None to keep the data order)" if name == "seed" else ""))
     if not 0 <= process_index < process_count:
       raise ValueError(f"process_index={process_index} is outside 0..{process_count - 1}")
     self.global_batch_size = int(global_batch_size)
