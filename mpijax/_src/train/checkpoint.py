@@ -158,7 +158,7 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
                     "saving rank 0's. Replicated state should be identical on every rank "
                     "(did every rank apply the same all-reduced update?).", RuntimeWarning)
   elif problem:
-    raise TypeError(f"save_checkpoint({path!r}) wrote nothing: {problem}")
+    raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n  rank {rank}: {problem}")
   error = ""
   if rank == 0:
     try:
