@@ -297,13 +297,12 @@ def axis_index(axis_name):
 
 
 def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
+  """(mesh, axis) for one mpijax axis; (mesh, None) for several names; (None, None) for none."""
   mesh, axes, others = _resolve(fn, axis_name)
   if mesh is None:
     return None, None
   if others or len(axes) != 1:
-    raise NotImplementedError(
-        f"{fn} over several axes {axis_name!r} is done one axis at a time; "
-        "mpijax resolves a tuple of axes for reductions only")
+    return mesh, None
   return mesh, axes[0]
 
 
@@ -453,7 +452,8 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
   """Exchanges chunks between all devices of ``axis_name``, like ``jax.lax.all_to_all``.
 
   With ``axis_index_groups`` (groups of equal size) chunks go between the
-  members of each group only.
+  members of each group only. Over a tuple of axes (indices row-major over
+  the names) the chunks come from a gather of the whole axis.
   """
   mesh, a = _single("all_to_all", axis_name)
   if mesh is None:
@@ -465,17 +465,28 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
     _check_axis("all_to_all", "concat_axis", concat_axis, np.ndim(v), np.ndim(v))
   if axis_index_groups is not None:
     return _grouped_all_to_all(x, axis_name, split_axis, concat_axis, axis_index_groups, tiled)
+  S = axis_size(axis_name)
+
+  def check_split(v):
+    sa = split_axis % np.ndim(v)  # checked above
+    if np.shape(v)[sa] % S or (not tiled and np.shape(v)[sa] != S):
+      raise ValueError(
+          f"all_to_all over {axis_name!r} (size {S}) got split_axis {sa} of size "
+          f"{np.shape(v)[sa]}; it must be {'divisible by' if tiled else 'equal to'} {S}.")
+
+  if a is None:
+    # Several axes (their combined index is row-major over the names, as in
+    # jax.lax): the whole axis as one group, from a gather of it (axis_size
+    # times the data of one axis's exchange).
+    jax.tree.map(check_split, x)
+    return _grouped_all_to_all(x, axis_name, split_axis, concat_axis, [list(range(S))], tiled)
   if a.is_local:
     return jax.lax.all_to_all(x, a.local_name, split_axis, concat_axis, tiled=tiled)
-  S = a.size
 
   def leaf(v):
     v = jnp.asarray(v)
     sa, ca = split_axis % v.ndim, concat_axis % v.ndim  # checked above
-    if v.shape[sa] % S or (not tiled and v.shape[sa] != S):
-      raise ValueError(
-          f"all_to_all over {axis_name!r} (size {S}) got split_axis {sa} of size "
-          f"{v.shape[sa]}; it must be {'divisible by' if tiled else 'equal to'} {S}.")
+    check_split(v)
     # Chunks by destination: [S, ...] where chunk j goes to device j.
     chunks = jnp.moveaxis(v.reshape(v.shape[:sa] + (S, v.shape[sa] // S) + v.shape[sa + 1:]), sa, 0)
     b = chunks.reshape((a.proc_size, a.local_size) + chunks.shape[1:])
@@ -528,7 +539,9 @@ def _grouped_all_to_all(x, axis_name, split_axis: int, concat_axis: int, groups,
 def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
   """Sends ``x`` from device ``src`` to device ``dst`` for each pair, like ``jax.lax.ppermute``.
 
-  Devices that receive nothing get zeros.
+  Devices that receive nothing get zeros. Over a tuple of axes the indices
+  are row-major over the names, and each device picks its value from a
+  gather of the whole axis.
   """
   mesh, a = _single("ppermute", axis_name)
   if mesh is None:
@@ -539,12 +552,28 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
     raise TypeError(f"ppermute over {axis_name!r} got perm={perm!r}; expected a sequence of "
                     "(source, destination) pairs of integer indices along the axis.") from None
   srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
-  bad = [i for i in srcs + dsts if not 0 <= i < a.size]
+  size = axis_size(axis_name)
+  bad = [i for i in srcs + dsts if not 0 <= i < size]
   if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
     raise ValueError(
-        f"ppermute over {axis_name!r} (size {a.size}) got perm={list(perm)}, which is not a "
+        f"ppermute over {axis_name!r} (size {size}) got perm={list(perm)}, which is not a "
         "permutation: every source and every destination must be distinct indices in "
-        f"[0, {a.size}).")
+        f"[0, {size}).")
+  if a is None:
+    # Several axes (combined index row-major over the names, as in jax.lax):
+    # each device picks its source's value from a gather of the whole axis
+    # (axis_size times the data of one axis's ppermute).
+    source = np.full(size, -1, np.int32)
+    for s, d in perm:
+      source[d] = s
+    mine = jnp.asarray(source)[axis_index(axis_name)]
+
+    def picked(v):
+      v = jnp.asarray(v)
+      full = all_gather(v, axis_name)
+      return jnp.where(mine >= 0, jnp.take(full, jnp.maximum(mine, 0), axis=0), jnp.zeros_like(v))
+
+    return jax.tree.map(picked, x)
   if a.is_local:
     return jax.lax.ppermute(x, a.local_name, perm)
   if a.is_process:

@@ -221,6 +221,31 @@ def test_two_axis_mesh():
   np.testing.assert_array_equal(np.asarray(idx), [r * 10 + m for m in range(L)])
 
 
+def test_ppermute_and_all_to_all_over_a_tuple_of_axes():
+  """Indices row-major over the names, as axis_index and all_gather number them."""
+  Pn, L = mpijax.process_count(), mpijax.local_device_count()
+  n = Pn * L
+  mesh = mpijax.make_mesh((Pn, L), ("data", "model"))
+  for names in (("data", "model"), ("model", "data")):
+    ring = [(j, (j + 1) % n) for j in range(n)]
+
+    def f(x):
+      i = mlax.axis_index(names)
+      a2a = mlax.all_to_all(i * 100 + jnp.arange(n), names, 0, 0)  # chunk i of every j
+      ok = (mlax.ppermute(i, names, ring) == (i - 1) % n) & jnp.all(a2a == jnp.arange(n) * 100 + i)
+      # The gradient of x_j is the weight at its destination, (j + 1) % n + 1.
+      grad = jax.grad(lambda v: (mlax.ppermute(v, names, ring) * (i + 1.0)).sum())(x)
+      return ok[None], grad
+
+    ok, grad = mpijax.shard_map(f, mesh=mesh, in_specs=P(("data", "model")),
+                                out_specs=P(("data", "model")))(np.ones(L, np.float32))
+    assert np.asarray(ok).all(), (names, ok)
+    i = np.asarray(mpijax.shard_map(lambda x: mlax.axis_index(names)[None], mesh=mesh,
+                                    in_specs=P(("data", "model")),
+                                    out_specs=P(("data", "model")))(np.ones(L)))
+    np.testing.assert_array_equal(np.asarray(grad), (i + 1) % n + 1)
+
+
 def test_check_vma_and_all_gather_to():
   # Under shard_map(check_vma=True) an out_specs of P() needs a result typed
   # invariant over the axis: psum's (also on the hierarchical path, 80 KB per
