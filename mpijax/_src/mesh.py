@@ -404,33 +404,33 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(axes) != len(args):
       raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {len(args)} arguments")
-    dyn_axes = [axes[i] for i in dyn_idx]
     dyn, metas, any_ga = ga.unwrap_args(tuple(args[i] for i in dyn_idx))
-    dyn = list(dyn)
+    treedef = jax.tree.structure(tuple(dyn))
+    # One mapped axis (made non-negative) or None per leaf; in_axes may be a
+    # pytree prefix of each argument, as in jax.pmap.
+    leaf_axes = tuple(_mapped_axis(ax, leaf, L, "in_axes")
+                      for i, x in zip(dyn_idx, dyn)
+                      for ax, leaf in zip(_per_leaf(axes[i], x, "in_axes"), jax.tree.leaves(x)))
     if any_ga:  # a GlobalArray must be sharded over the pmap axis along its mapped axis
-      global_spec = lambda ax: P() if ax is None else P(*([None] * ax + [axis_name]))
-      ga.check_arg_specs("mpijax.pmap", mesh, metas, jax.tree.leaves(
-          [jax.tree.map(lambda _, ax=ax: global_spec(ax), x) for x, ax in zip(dyn, dyn_axes)],
-          is_leaf=_is_spec))
+      ga.check_arg_specs("mpijax.pmap", mesh, metas,
+                         [_pmap_global_spec(ax, axis_name) for ax in leaf_axes])
+    for ax, leaf in zip(leaf_axes, jax.tree.leaves(tuple(dyn))):
+      if ax is not None and np.shape(leaf)[ax] != L:
+        raise ValueError(
+            f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
+            f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
+            f"has size local_device_count() = {L}.")
     static_vals = tuple((i, args[i]) for i in static)
-    key = (static_vals, tuple(dyn_axes), jax.tree.structure(tuple(dyn)))
+    key = (static_vals, treedef, leaf_axes)
     fn = cache.get(key)
     if fn is None:
-      fn = cache[key] = _build_pmap(fun, mesh, axis_name, dyn_idx, dyn_axes, static_vals,
-                                    out_axes, len(args), donate_argnums, L)
-    for x, ax in zip(dyn, dyn_axes):
-      if ax is None:
-        continue
-      for leaf in jax.tree.leaves(x):
-        if np.ndim(leaf) <= ax or np.shape(leaf)[ax] != L:
-          raise ValueError(
-              f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
-              f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
-              f"has size local_device_count() = {L}.")
+      fn = cache[key] = _build_pmap(fun, mesh, axis_name, dyn_idx, treedef, leaf_axes,
+                                    static_vals, out_axes, len(args), donate_argnums)
     out = fn(*dyn)
     if any_ga:
-      out_spec = P() if out_axes is None else P(*([None] * out_axes + [axis_name]))
-      out = ga.wrap_outputs(mesh, out, [out_spec] * len(jax.tree.leaves(out)))
+      specs = [_pmap_global_spec(None if ax is None else ax % np.ndim(leaf), axis_name)
+               for ax, leaf in zip(_per_leaf(out_axes, out, "out_axes"), jax.tree.leaves(out))]
+      out = ga.wrap_outputs(mesh, out, specs)
     return out
 
   return wrapped
@@ -439,31 +439,73 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
 _pmap_meshes: dict[Any, GlobalMesh] = {}
 
 
-def _build_pmap(fun, mesh: GlobalMesh, axis_name, dyn_idx, dyn_axes, static_vals, out_axes,
-                nargs, donate_argnums, L):
+def _per_leaf(axes, tree, what: str) -> list:
+  """``axes`` (an int, None, or a pytree prefix of ``tree``) as a list, one per leaf."""
+  try:
+    full = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), axes, tree,
+                        is_leaf=lambda v: v is None)
+    return jax.tree.structure(tree).flatten_up_to(full)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"mpijax.pmap got {what}={axes!r}, which is not an int, None or a pytree "
+                     f"prefix of the {'arguments' if what == 'in_axes' else 'outputs'}: "
+                     f"{e}") from None
+
+
+def _mapped_axis(ax, leaf, L: int, what: str) -> int | None:
+  """``ax`` of ``leaf``, checked and made non-negative (None: not mapped)."""
+  if ax is None:
+    return None
+  if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
+    raise TypeError(f"mpijax.pmap got {what} entry {ax!r}; each must be an int or None.")
+  shape = np.shape(leaf)
+  if not -len(shape) <= ax < len(shape):
+    raise ValueError(
+        f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
+        f"argument has shape {shape}. Give each rank arrays whose axis {ax} "
+        f"has size local_device_count() = {L}.")
+  return int(ax) % len(shape)
+
+
+def _pmap_global_spec(ax: int | None, axis_name) -> PartitionSpec:
+  return P() if ax is None else P(*([None] * ax + [axis_name]))
+
+
+def _build_pmap(fun, mesh: GlobalMesh, axis_name, dyn_idx, treedef, leaf_axes, static_vals,
+                out_axes, nargs, donate_argnums):
   local = mesh.axes[axis_name].local_name
   statics = dict(static_vals)
+  none_leaf = lambda v: v is None
 
+  # The body maps axis 0 of every mapped leaf: the jitted wrapper moves each
+  # in_axes/out_axes there and back (no copy for the usual axis 0), so the
+  # specs do not depend on the outputs' shapes, which are known only inside.
   def body(*dyn):
+    leaves = jax.tree.leaves(dyn)
+    leaves = [a if ax is None else jnp.squeeze(a, 0) for a, ax in zip(leaves, leaf_axes)]
     full = [None] * nargs
     for i, v in statics.items():
       full[i] = v
-    for i, v, ax in zip(dyn_idx, dyn, dyn_axes):
-      full[i] = v if ax is None else jax.tree.map(lambda a: jnp.squeeze(a, ax), v)
+    for i, v in zip(dyn_idx, treedef.unflatten(leaves)):
+      full[i] = v
     with bind_axes(mesh, (axis_name,)):
       out = fun(*full)
-    if out_axes is None:  # replicated result: returned once, not per device
-      return out
-    return jax.tree.map(lambda a: jnp.expand_dims(a, out_axes), out)
+    # out_axes None: a replicated result, returned once, not per device.
+    return jax.tree.map(lambda ax, sub: sub if ax is None else jax.tree.map(
+        lambda a: jnp.expand_dims(a, 0), sub), out_axes, out, is_leaf=none_leaf)
 
-  def spec_for(ax):
-    if ax is None:
-      return P()
-    return P(*([None] * ax + [local]))
-
-  in_specs = tuple(spec_for(ax) for ax in dyn_axes)
-  out_spec = spec_for(out_axes)
-  mapped = jax.shard_map(body, mesh=mesh.local_mesh, in_specs=in_specs, out_specs=out_spec,
+  in_specs = treedef.unflatten([P() if ax is None else P(local) for ax in leaf_axes])
+  out_specs = jax.tree.map(lambda ax: P() if ax is None else P(local), out_axes,
+                           is_leaf=none_leaf)
+  mapped = jax.shard_map(body, mesh=mesh.local_mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
+
+  def run(*dyn):
+    leaves = [a if not ax else jnp.moveaxis(a, ax, 0)
+              for a, ax in zip(jax.tree.leaves(dyn), leaf_axes)]
+    out = mapped(*treedef.unflatten(leaves))
+    return jax.tree.map(lambda ax, sub: jax.tree.map(
+        lambda a: a if not ax else jnp.moveaxis(a, 0, ax), sub), out_axes, out,
+        is_leaf=none_leaf)
+
   donate = tuple(dyn_idx.index(i) for i in donate_argnums if i in dyn_idx)
-  return jax.jit(mapped, donate_argnums=donate)
+  return jax.jit(run, donate_argnums=donate)

@@ -124,6 +124,17 @@ def test_all_to_all(tiled):
   _compare(lambda x: mlax.all_to_all(x, "i", 1, 0, tiled=tiled), g, exact=True)
 
 
+def test_pmap_in_and_out_axes_pytrees_and_negative():
+  """in_axes/out_axes as pytree prefixes with negative and None entries, as jax.pmap/vmap."""
+  n, L = mpijax.process_count() * mpijax.local_device_count(), mpijax.local_device_count()
+  g = _global((2, 3), np.float32, 13)
+  pm = mpijax.pmap(lambda d, c: (mlax.psum(d["a"] * c, "i"), {"g": mlax.all_gather(d["b"], "i")}),
+                   axis_name="i", in_axes=({"a": -1, "b": 0}, None), out_axes=(None, {"g": -1}))
+  total, out = pm({"a": np.moveaxis(_mine(g), 0, -1), "b": _mine(g)}, np.float32(2))
+  np.testing.assert_allclose(np.asarray(total), 2 * g.sum(0), rtol=1e-5)  # None: once
+  np.testing.assert_array_equal(np.asarray(out["g"]), np.broadcast_to(g[..., None], g.shape + (L,)))
+
+
 def test_pbroadcast():
   n = mpijax.process_count() * mpijax.local_device_count()
   g = _global((2,), np.float32, 8)
