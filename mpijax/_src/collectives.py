@@ -267,10 +267,15 @@ def _grouped_reduction(op: str, x, axis_name, grp: _Groups):
 
 def axis_size(axis_name) -> int:
   """Number of devices along ``axis_name`` (every rank's devices)."""
-  mesh, axes, others = _resolve("axis_size", axis_name)
+  return _axis_size("axis_size", axis_name)
+
+
+def _axis_size(fn: str, axis_name) -> int:
+  """axis_size whose unbound-axis error names the collective ``fn`` the user called."""
+  mesh, axes, others = _resolve(fn, axis_name)
   size = math.prod(a.size for a in axes)
   if others:
-    size *= _lax("axis_size", axis_name, lambda: jax.lax.axis_size(others))
+    size *= _lax(fn, axis_name, lambda: jax.lax.axis_size(others))
   return size
 
 
@@ -614,7 +619,7 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
 
 def pbroadcast(x, axis_name, source: int):
   """Every device along ``axis_name`` gets the value of device ``source``."""
-  size = axis_size(axis_name)
+  size = _axis_size("pbroadcast", axis_name)
   if not 0 <= int(source) < size:
     raise ValueError(f"pbroadcast got source={source} for axis {axis_name!r} of size {size}; "
                      f"it must be in [0, {size}).")

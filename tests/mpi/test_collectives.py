@@ -284,6 +284,9 @@ def test_unbound_axis_is_a_clear_error():
     mpijax.pmap(lambda x: mlax.psum(x, "j"), axis_name="i")(np.ones(mpijax.local_device_count()))
   with pytest.raises(NameError, match="no mpijax.pmap"):
     jax.jit(lambda x: mlax.psum(x, "i"))(1.0)
+  with pytest.raises(NameError, match="pbroadcast got axis_name 'j'"):  # not 'axis_size'
+    mpijax.pmap(lambda x: mlax.pbroadcast(x, "j", 0), axis_name="i")(
+        np.ones(mpijax.local_device_count()))
 
 
 def test_shard_map_under_grad_and_vmap():
