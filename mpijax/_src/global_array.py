@@ -43,7 +43,21 @@ Index = tuple[slice, ...]
 def _as_spec(spec) -> PartitionSpec:
   if spec is None:
     return P()
-  return spec if isinstance(spec, PartitionSpec) else P(*spec)
+  if isinstance(spec, PartitionSpec):
+    return spec
+  # A tuple/list of entries is accepted as P(*spec); a bare string would be
+  # split into letters (P(*"data") names axes 'd', 'a', ...), so it is refused.
+  if isinstance(spec, (tuple, list)):
+    return P(*spec)
+  hint = f"P({spec!r})" if isinstance(spec, str) else "P('x'), P(None, 'x') or P()"
+  raise TypeError(f"expected a jax.sharding.PartitionSpec, got {type(spec).__name__} {spec!r}. "
+                  f"Pass e.g. {hint} (from jax.sharding import PartitionSpec as P).")
+
+
+def _check_mesh(mesh, what: str) -> None:
+  if not isinstance(mesh, GlobalMesh):
+    raise TypeError(f"{what} needs a mpijax.GlobalMesh (made by mpijax.make_mesh), got "
+                    f"{type(mesh).__name__}: {mesh!r}")
 
 
 def normalize_spec(spec, ndim: int, mesh: GlobalMesh) -> PartitionSpec:
@@ -53,6 +67,7 @@ def normalize_spec(spec, ndim: int, mesh: GlobalMesh) -> PartitionSpec:
     ValueError: ``spec`` is longer than ``ndim``, names an unknown axis, or uses
       an axis twice.
   """
+  _check_mesh(mesh, "GlobalArray")
   spec = _as_spec(spec)
   if len(spec) > ndim:
     raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the array has {ndim} "
@@ -122,6 +137,13 @@ def process_index_of(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec
 
 def _index_shape(index: Index) -> tuple[int, ...]:
   return tuple(s.stop - s.start for s in index)
+
+
+@functools.lru_cache(maxsize=1024)
+def local_shape_of(shape: tuple[int, ...], mesh: GlobalMesh, spec: PartitionSpec,
+                   process: int) -> tuple[int, ...]:
+  """The shape of rank ``process``'s part (cached: checked on every pytree rebuild)."""
+  return _index_shape(process_index_of(shape, mesh, spec, process))
 
 
 def _local_sharding(mesh: GlobalMesh, spec: PartitionSpec) -> NamedSharding:
@@ -290,6 +312,19 @@ class GlobalArray:
         dtype = np.dtype(local.dtype)
       except TypeError:
         pass
+      # A function that changes the shape (jnp.sum, a reshape, an index) applied
+      # to the local part says nothing about the global array: without this
+      # check the result claims the old global shape and gather() reads garbage.
+      want = local_shape_of(shape, mesh, spec, runtime.get("GlobalArray").rank)
+      got = tuple(local.shape) if isinstance(local.shape, (tuple, list)) else None
+      if got is not None and got != want:
+        raise ValueError(
+            f"jax.tree.map/jax.jit on a GlobalArray (global shape {shape}, spec {spec}) gave "
+            f"this rank's part shape {got}, but it must keep shape {want}: a GlobalArray "
+            "leaf only takes shape-preserving (element-wise) functions, e.g. "
+            "jax.tree.map(jnp.tanh, ga). For reductions, reshapes or indexing use "
+            "mpijax.shard_map (with mpijax.lax collectives), mpijax.reshard, or work on "
+            "ga.local (this rank's part) or ga.gather() (NumPy, collective).")
     return cls(local, shape, dtype, mesh, spec)
 
   # --- attributes ---
@@ -371,6 +406,40 @@ class GlobalArray:
       raise TypeError("len() of a 0-d GlobalArray")
     return self._shape[0]
 
+  def __getitem__(self, index):
+    raise TypeError(
+        f"a GlobalArray cannot be indexed (ga[{index!r}]): each rank holds only its part. "
+        "Index ga.local (this rank's part; ga.local_index says where it sits), ga.gather() "
+        "(NumPy, collective), or slice inside mpijax.shard_map.")
+
+  def __iter__(self):
+    raise TypeError("a GlobalArray cannot be iterated over: each rank holds only its part. "
+                    "Iterate over ga.local or ga.gather() (collective).")
+
+  def __copy__(self) -> GlobalArray:
+    return GlobalArray(self._local, self._shape, self._dtype, self._mesh, self._spec)
+
+  def __deepcopy__(self, memo) -> GlobalArray:
+    # The mesh (and its MPI communicators) is shared, as jax.Array shares its devices.
+    local = self._local.copy() if hasattr(self._local, "copy") else self._local
+    return GlobalArray(local, self._shape, self._dtype, self._mesh, self._spec)
+
+  def __reduce__(self):
+    raise TypeError(
+        "a GlobalArray cannot be pickled: it is one rank's part of an array spread over MPI "
+        "ranks, tied to the job's devices and communicators. Save it with mpijax.save(path, "
+        "tree) (collective), or pickle ga.local (this rank's part) or ga.gather() (NumPy).")
+
+  def block_until_ready(self) -> GlobalArray:
+    """Waits until this rank's part is computed (local only: no communication)."""
+    jax.block_until_ready(self._local)
+    return self
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole global array (as ``jax.Array.nbytes``)."""
+    return self.size * self._dtype.itemsize
+
   # --- derived arrays ---
 
   def with_local(self, local: Any) -> GlobalArray:
@@ -442,7 +511,7 @@ class GlobalArray:
               f"{per_rank} local devices sharding it (PartitionSpec {nspec})")
       status = {"shape": [n * c for n, c in zip(lshape, counts)],
                 "dtype": np.dtype(data.dtype).name}
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
       status = {"error": str(e)}
     if "error" not in status and rt.size > 1:  # one rank: nothing to compare with
       if check:
@@ -515,7 +584,7 @@ class GlobalArray:
       check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
       _check_contiguous(mesh, nspec)
       box = process_index_of(host.shape, mesh, nspec, rt.rank)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
       error = e
     status: dict[str, Any] = {"shape": shape_text, "check": check}
     if rt.size > 1 and error is None:  # one rank: nothing to compare with
@@ -674,11 +743,20 @@ class GlobalArray:
     counts = [math.prod(_index_shape(boxes[r])) * item if r in senders else 0
               for r in range(rt.size)]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-    mine = np.ascontiguousarray(np.asarray(self._local)) if rt.rank in senders else None
-    send = (mine.reshape(-1).view(np.uint8) if mine is not None and mine.size
-            else np.zeros(0, np.uint8))
     if root is not None and not 0 <= root < rt.size:
       raise ValueError(f"gather(root={root}) but the job has ranks 0..{rt.size - 1}")
+    if tuple(np.shape(self._local)) != _index_shape(boxes[rt.rank]):
+      # Sending it would make MPI read past it or mix up the ranks' bytes.
+      raise ValueError(
+          f"GlobalArray.gather: this rank's part has shape {tuple(np.shape(self._local))}, but "
+          f"its part of the global {self._shape} array (spec {self._spec}) is "
+          f"{_index_shape(boxes[rt.rank])}; the GlobalArray was built around a local array of "
+          "the wrong shape")
+    # A zero-size part is never read from the devices (JAX may hold it in shards
+    # of the wrong shape, see full()).
+    mine = (np.ascontiguousarray(np.asarray(self._local))
+            if rt.rank in senders and counts[rt.rank] else None)
+    send = mine.reshape(-1).view(np.uint8) if mine is not None else np.zeros(0, np.uint8)
     want = root is None or rt.rank == root
     buf = np.empty(int(sum(counts)), np.uint8) if want else None
     recv = [buf, (counts, displs), MPI.BYTE] if want else None
@@ -747,6 +825,29 @@ def jax_mesh(mesh: GlobalMesh):
                    mesh.local_device_count)
 
 
+def _unsupported_operator(name: str):
+  def op(self, *args, **kwargs):
+    raise TypeError(
+        f"GlobalArray does not implement {name}: each rank holds only its part, so NumPy-style "
+        "operators on the global array are not defined. For element-wise math use "
+        "jax.tree.map(f, ga) or jax.tree.map(jnp.add, a, b) (same mesh and spec; inside "
+        "jax.jit too); for reductions or anything that mixes blocks use mpijax.shard_map with "
+        "mpijax.lax collectives; ga.local is this rank's part, ga.gather() the whole array "
+        "(collective).")
+  op.__name__ = name
+  return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+              "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__",
+              "__pos__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__",
+              "__xor__", "__rxor__", "__lt__", "__le__", "__gt__", "__ge__", "__float__",
+              "__int__", "__complex__", "__index__"):
+  setattr(GlobalArray, _name, _unsupported_operator(_name))
+del _name
+
+
 # --- constructors ---------------------------------------------------------------------
 
 
@@ -761,8 +862,14 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
   _check_contiguous(mesh, nspec)
   local_shape = _index_shape(process_index_of(shape, mesh, nspec,
                                               runtime.get("mpijax.zeros/full").rank))
-  local = jax.jit(lambda: jnp.full(local_shape, fill_value, dtype),
-                  out_shardings=_local_sharding(mesh, nspec))()
+  sharding = _local_sharding(mesh, nspec)
+  if math.prod(local_shape) == 0:
+    # jax.jit gives each device a zero-size output of the *whole* local shape
+    # (jax 0.10: shards (0, 4) for a (0, 4) array split over 2 devices), which
+    # breaks np.asarray and reshard; device_put cuts the shards right.
+    local = jax.device_put(np.zeros(local_shape, dtype), sharding)
+  else:
+    local = jax.jit(lambda: jnp.full(local_shape, fill_value, dtype), out_shardings=sharding)()
   return GlobalArray(local, shape, dtype, mesh, nspec)
 
 

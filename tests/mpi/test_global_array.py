@@ -7,7 +7,9 @@ count.
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import shutil
 import tempfile
 
@@ -108,6 +110,26 @@ def test_attributes_repr_and_pytree(meshes):
   assert b.shape == a.shape and b.spec == a.spec and b.mesh == a.mesh
   with pytest.raises(TypeError, match="gather"):
     np.asarray(a)
+  # Shape-changing functions used to give a GlobalArray claiming the old global
+  # shape around a scalar part (gather() then read garbage).
+  with pytest.raises(ValueError, match=r"gave this rank's part shape \(\), but it must keep"):
+    jax.tree.map(jnp.sum, a)
+  with pytest.raises(ValueError, match="shape-preserving"):
+    jax.jit(lambda t: jax.tree.map(lambda u: u.reshape(-1), t))(a)
+  with pytest.raises(TypeError, match=r"does not implement __add__.*jax.tree.map"):
+    a + 1
+  with pytest.raises(TypeError, match=r"cannot be indexed.*ga.local"):
+    a[0]
+  with pytest.raises(TypeError, match="mpijax.save"):
+    pickle.dumps(a)
+  c = copy.deepcopy(a)  # used to fail pickling the mesh's communicators
+  assert c.mesh is a.mesh and c.local is not a.local
+  np.testing.assert_array_equal(c.block_until_ready().gather(), a.gather())
+  assert a.nbytes == 2 * _n() * 2 * 4
+  with pytest.raises(TypeError, match=r"Pass e.g. P\('x'\)"):
+    GlobalArray.zeros((_n(),), mesh=mesh, spec="x")  # was P('x'); "xy" became P('x', 'y')
+  with pytest.raises(TypeError, match="needs a mpijax.GlobalMesh"):
+    GlobalArray.zeros((_n(),), mesh=mesh.local_mesh, spec=P())
 
 
 def test_from_process_local_mismatch_raises_on_every_rank(meshes):
@@ -125,6 +147,16 @@ def test_from_process_local_mismatch_raises_on_every_rank(meshes):
       GlobalArray.from_process_local(np.zeros((2, cols), np.float32), mesh, P(None, "x"))
   ok = GlobalArray.from_process_local(np.zeros((2 * L, 3), np.float32), mesh, P("x"))
   assert ok.shape == (2 * L * size, 3)
+
+
+def test_zero_size_arrays(meshes):
+  n = _n()
+  z = GlobalArray.zeros((0, 2 * n), mesh=meshes["x"], spec=P(None, "x"))
+  t = jax.tree.map(jnp.tanh, z)  # jax.jit hands each device a (0, 2n) shard here
+  for a in [z, t, mpijax.reshard(t, P())]:
+    # gather used to read the wrongly cut shards: "could not broadcast (0,4) into (0,2)".
+    assert a.gather().shape == (0, 2 * n)
+  assert [s.data.shape for s in z.addressable_shards] == [(0, 2)] * mpijax.local_device_count()
 
 
 def test_not_divisible_is_a_clear_error(meshes):
@@ -307,8 +339,10 @@ def test_overwrite_replaces_only_a_checkpoint(meshes, shared_dir):
     mpijax.save(mine, tree, overwrite=True)
   with pytest.raises(OSError, match="is not a checkpoint directory"):
     mpijax.save(afile, tree, overwrite=True)
-  assert open(os.path.join(mine, "precious.txt")).read() == open(afile).read() == "keep"
-  assert sorted(os.listdir(shared_dir)) == ["notes.txt", "user"]
+  seen = (open(os.path.join(mine, "precious.txt")).read(), open(afile).read(),
+          sorted(os.listdir(shared_dir)))
+  comm.Barrier()  # before rank 0 starts the next save in shared_dir
+  assert seen == ("keep", "keep", ["notes.txt", "user"]), seen
   # An overwrite that died between its renames: load names the surviving old copy.
   path = mpijax.save(os.path.join(shared_dir, "c"), tree)
   comm.Barrier()
