@@ -313,6 +313,7 @@ def _load_global(path: str, meta: dict, like: GlobalArray, rank: int) -> GlobalA
     block_sel = tuple(slice(l - s.start, h - s.start) for l, h, s in zip(lo, hi, src))
     out_sel = tuple(slice(l - r.start, h - r.start) for l, h, r in zip(lo, hi, region))
     out[out_sel] = block[block_sel]
+    del block  # before the next shard is read: at most one shard in memory at a time
     covered += int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64))
   if covered != out.size:
     raise CheckpointError(f"leaf {meta['path']}: the saved shards cover {covered} of the "
