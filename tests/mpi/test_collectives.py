@@ -272,6 +272,15 @@ def test_check_vma_and_all_gather_to():
                                              out_specs=(P(), P()), check_vma=True))(_mine(g))
   np.testing.assert_allclose(np.asarray(total)[0], g.sum(0), rtol=1e-4, atol=1e-3)
   np.testing.assert_array_equal(np.asarray(gathered), g)
+  # jax.grad of the map: each P() output counts once, as with jax.shard_map
+  # (every device's gradient: w1 plus its own block of w2).
+  w1 = np.linspace(0, 1, 20000, dtype=np.float32)
+  w2 = np.linspace(-1, 1, n * 20000, dtype=np.float32).reshape(n, 20000)
+  mapped = mpijax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=(P(), P()),
+                            check_vma=True)
+  grad = jax.jit(jax.grad(lambda x: (lambda t, a: (t * w1).sum() + (a * w2).sum())(
+      *mapped(x))))(_mine(g))
+  np.testing.assert_allclose(np.asarray(grad), _mine(w1 + w2), rtol=1e-6)
   out = mpijax.pmap(lambda x: mlax.all_gather(x, "i", to="invarying"), axis_name="i")(
       _mine(g[:, :3]))
   np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(g[:, :3], (L,) + g[:, :3].shape))
