@@ -1815,6 +1815,20 @@ ffi::Error JoinImpl(ffi::AnyBuffer /*token_in*/, ffi::AnyBuffer /*after*/,
   return ffi::Error::Success();
 }
 
+// The binding every one-buffer operation starts with, in its handler's
+// argument order: the device, the input and the order token in, the result and
+// the order token out, the communicator id. Each handler adds its own
+// attributes, then "site" and "sig".
+auto OneBufferOp() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()  // order token in
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()  // order token out
+      .Attr<int64_t>("comm");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
@@ -1823,13 +1837,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
                                   .Arg<ffi::AnyBuffer>()  // a result of the op to wait for
                                   .Ret<ffi::AnyBuffer>());  // order token out
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("divisor")
                                   .Attr<int64_t>("site")
@@ -1844,67 +1852,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduceMany, AllreduceManyImpl,
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter, ReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAlltoall, AlltoallImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBcast, BcastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("root")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduce, ReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("root")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPpermute, PpermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
+                              OneBufferOp()
                                   .Attr<ffi::Span<const int64_t>>("srcs")
                                   .Attr<ffi::Span<const int64_t>>("dsts")
                                   .Attr<int64_t>("site")
