@@ -80,6 +80,11 @@ def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   x = jnp.asarray(x)
   if op == "sum" and x.dtype == jnp.bool_:
     x = x.astype(jnp.int32)  # as jax.lax.psum: a count (MPI has no bool sum)
+  if op != "sum" and jnp.issubdtype(x.dtype, jnp.complexfloating):
+    # MPI has no order on complex numbers; jax.lax compares them
+    # lexicographically (real part, then imaginary), as jnp.max does here.
+    full = all_gather(x, tuple(a.name for a in axes))
+    return full.max(axis=0) if op == "max" else full.min(axis=0)
   if op != "sum" and jnp.issubdtype(x.dtype, jnp.inexact):
     return _extremum_leaf(x, mesh, axes, op)
   return _reduce_leaf_impl(x, mesh, axes, op)

@@ -150,6 +150,11 @@ def test_bool_zero_size_and_extremum_gradients():
   _compare(lambda x: mlax.pmean(x, "i"), b, exact=False)
   _compare(lambda x: mlax.psum(x, "i"), _global((70000,), np.int32, 11) > 0, exact=True)
   _compare(lambda x: mlax.pbroadcast(x, "i", n - 1), b, exact=True)  # stays bool
+  # Complex pmax/pmin: lexicographic as in jax.lax (real parts tie on purpose).
+  c = (np.round(_global((3,), np.float32, 13)) + 1j * _global((3,), np.float32, 14)).astype(
+      np.complex64)
+  _compare(lambda x: mlax.pmax(x, "i"), c, exact=True)
+  _compare(lambda x: mlax.pmin(x, "i"), c, exact=True)
   z = np.zeros((n, 2, 0), np.float32)
   for tiled in (False, True):
     _compare(lambda x: mlax.all_gather(x, "i", axis=1, tiled=tiled), z, exact=True)
