@@ -386,6 +386,7 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     donate_argnums = (donate_argnums,)
   static = tuple(static_broadcasted_argnums)
   cache: dict[Any, Callable] = {}
+  with_keywords: dict[Any, Callable] = {}
 
   def _mesh() -> GlobalMesh:
     rt = runtime.get("mpijax.pmap")
@@ -396,7 +397,23 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     return m
 
   @functools.wraps(fun)
-  def wrapped(*args):
+  def wrapped(*args, **kwargs):
+    if kwargs:
+      # As jax.pmap: keyword arguments are mapped over their leading axis.
+      # They become trailing positional arguments of one cached pmap per set
+      # of names.
+      n, names = len(args), tuple(sorted(kwargs))
+      sub = with_keywords.get((n, names))
+      if sub is None:
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * n
+        if len(axes) != n:
+          raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {n} positional "
+                           "arguments")
+        sub = with_keywords[(n, names)] = pmap(
+            lambda *a: fun(*a[:n], **dict(zip(names, a[n:]))), axis_name,
+            in_axes=tuple(axes) + (0,) * len(names), out_axes=out_axes,
+            static_broadcasted_argnums=static, donate_argnums=donate_argnums)
+      return sub(*args, *(kwargs[k] for k in names))
     from mpijax._src import global_array as ga  # GlobalArray in/out; ga imports this module
     mesh = _mesh()
     L = mesh.local_device_count

@@ -133,6 +133,11 @@ def test_pmap_in_and_out_axes_pytrees_and_negative():
   total, out = pm({"a": np.moveaxis(_mine(g), 0, -1), "b": _mine(g)}, np.float32(2))
   np.testing.assert_allclose(np.asarray(total), 2 * g.sum(0), rtol=1e-5)  # None: once
   np.testing.assert_array_equal(np.asarray(out["g"]), np.broadcast_to(g[..., None], g.shape + (L,)))
+  # Keyword arguments are mapped over their leading axis, as in jax.pmap.
+  kw = mpijax.pmap(lambda c, *, d: mlax.psum(d * c, "i"), axis_name="i", in_axes=None)
+  for _ in range(2):  # the second call reuses the compiled map
+    np.testing.assert_allclose(np.asarray(kw(np.float32(3), d=_mine(g))),
+                               np.broadcast_to(3 * g.sum(0), (L, 2, 3)), rtol=1e-5)
 
 
 def test_pbroadcast():
