@@ -210,10 +210,12 @@ def main(argv=None) -> int:
     n_epoch = len(x_train)
     train_loss, train_acc = float(sums["loss"]) / n_epoch, float(sums["accuracy"]) / n_epoch
     test = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
-    if epoch > start_epoch or args.epochs - start_epoch == 1:
-      # The first epoch of a run includes compilation; leave it out of samples/s.
+    if epoch > start_epoch:
       train_samples += n_epoch
       train_seconds += seconds
+    else:  # the run's first step compiled: count only the steps after it
+      train_samples += n_epoch - min(args.batch_size, n_epoch)
+      train_seconds += t_epoch + seconds - t_first_step
     history["train_loss"].append(train_loss)
     history["train_accuracy"].append(train_acc)
     history["test_loss"].append(test["loss"])

@@ -1,0 +1,36 @@
+"""The README's main job, as a user runs it: 4-rank training on the bundled digits.
+
+Then a resume of its checkpoint under another rank count (2), one epoch on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests._launch import run_mpi, tail
+
+
+def _digits(out, *args: str) -> list[str]:
+  return [sys.executable, "-m", "mpijax.examples.digits", "--out", str(out), "--no-progress",
+          "--min-accuracy", "0.97", *args]
+
+
+def test_main_job_then_resume_at_another_rank_count(tmp_path):
+  out = tmp_path / "digits"
+  result, seconds = run_mpi(4, _digits(out), timeout=300)
+  assert result.returncode == 0, tail(result.stdout)
+  summary = json.loads((out / "metrics.json").read_text())["summary"]
+  assert summary["ranks"] == 4 and summary["test_accuracy"] >= 0.97, summary
+  assert summary["train_samples_per_s"] > 0, summary
+  assert (out / "checkpoint.ckpt").is_file() and (out / "curves.png").stat().st_size > 0
+  assert "final test accuracy" in result.stdout, tail(result.stdout)
+
+  resumed, _ = run_mpi(2, _digits(out, "--epochs", str(summary["epochs"] + 1), "--resume"),
+                       timeout=300)
+  assert resumed.returncode == 0, tail(resumed.stdout)
+  assert f"at epoch {summary['epochs']}" in resumed.stdout, tail(resumed.stdout)
+  after = json.loads((out / "metrics.json").read_text())
+  assert after["summary"]["ranks"] == 2 and after["summary"]["steps"] > summary["steps"]
+  assert len(after["history"]["test_accuracy"]) == summary["epochs"] + 1
+  assert after["summary"]["test_accuracy"] >= 0.97, after["summary"]
