@@ -580,8 +580,7 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
 
     def picked(v):
       v = jnp.asarray(v)
-      full = all_gather(v, axis_name)
-      return jnp.where(mine >= 0, jnp.take(full, jnp.maximum(mine, 0), axis=0), jnp.zeros_like(v))
+      return _take_source(all_gather(v, axis_name), mine, jnp.zeros_like(v))
 
     return jax.tree.map(picked, x)
   if a.is_local:
@@ -616,10 +615,15 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
         continue       # every mpijax primitive is kept by JAX's dead-code rule)
       here = jax.lax.all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
       mine = jnp.asarray(src)[me]
-      out = jnp.where(mine >= 0, jnp.take(here, jnp.maximum(mine, 0), axis=0), out)
+      out = _take_source(here, mine, out)
     return out
 
   return jax.tree.map(leaf, x)
+
+
+def _take_source(gathered, source, otherwise):
+  """``gathered[source]`` (``source`` this device's index into it), or ``otherwise`` if -1."""
+  return jnp.where(source >= 0, jnp.take(gathered, jnp.maximum(source, 0), axis=0), otherwise)
 
 
 def pbroadcast(x, axis_name, source: int):

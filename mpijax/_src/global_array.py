@@ -628,7 +628,7 @@ class GlobalArray:
     nspec = normalize_spec(spec, len(shape), mesh)
     check_divisible(shape, mesh, nspec, "GlobalArray.from_global_part")
     _check_contiguous(mesh, nspec)
-    want = _index_shape(process_index_of(shape, mesh, nspec, runtime.get("GlobalArray").rank))
+    want = local_shape_of(tuple(shape), mesh, nspec, runtime.get("GlobalArray").rank)
     if tuple(np.shape(part)) != want:
       raise ValueError(f"GlobalArray.from_global_part: this rank's part of the global {shape} "
                        f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}")
@@ -665,7 +665,7 @@ class GlobalArray:
     indices = device_indices(shape, mesh, nspec)[rt.rank * L:(rt.rank + 1) * L]
     offset = [s.start for s in process_index_of(shape, mesh, nspec, rt.rank)]
     sharding = _local_sharding(mesh, nspec)
-    local_shape = _index_shape(process_index_of(shape, mesh, nspec, rt.rank))
+    local_shape = local_shape_of(tuple(shape), mesh, nspec, rt.rank)
     cache: dict[Any, np.ndarray] = {}
     arrays = []
     for l, index in enumerate(indices):
@@ -716,7 +716,7 @@ class GlobalArray:
       array = jax.device_put(array, want)  # another device order: let JAX move the data
     by_device = {s.device: s.data for s in array.addressable_shards}
     local_sharding = _local_sharding(mesh, nspec)
-    local_shape = _index_shape(process_index_of(array.shape, mesh, nspec, rt.rank))
+    local_shape = local_shape_of(tuple(array.shape), mesh, nspec, rt.rank)
     local_map = local_sharding.addressable_devices_indices_map(local_shape)
     local = jax.make_array_from_single_device_arrays(
         local_shape, local_sharding, [by_device[d] for d in local_map])
@@ -860,8 +860,7 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
   nspec = normalize_spec(spec, len(shape), mesh)
   check_divisible(shape, mesh, nspec, "mpijax full/zeros")
   _check_contiguous(mesh, nspec)
-  local_shape = _index_shape(process_index_of(shape, mesh, nspec,
-                                              runtime.get("mpijax.zeros/full").rank))
+  local_shape = local_shape_of(tuple(shape), mesh, nspec, runtime.get("mpijax.zeros/full").rank)
   sharding = _local_sharding(mesh, nspec)
   if math.prod(local_shape) == 0:
     # jax.jit gives each device a zero-size output of the *whole* local shape

@@ -256,6 +256,14 @@ def _is_pspec(x) -> bool:
   return isinstance(x, PartitionSpec)
 
 
+def _expand_prefix(prefix, tree, is_leaf):
+  """``prefix`` (a pytree prefix of ``tree``) with each of its leaves repeated on every
+  leaf of the subtree of ``tree`` it stands for (as jax.shard_map/jax.pmap read specs
+  and axes)."""
+  return jax.tree.map(lambda p, sub: jax.tree.map(lambda _: p, sub), prefix, tree,
+                      is_leaf=is_leaf)
+
+
 def _broadcast_specs(specs, tree, what: str):
   """One PartitionSpec per leaf of ``tree`` from ``specs``, a spec or a pytree prefix of it.
 
@@ -268,8 +276,7 @@ def _broadcast_specs(specs, tree, what: str):
     spec = _as_spec(specs)
     return jax.tree.map(lambda _: spec, tree)
   try:
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: _as_spec(s), sub), specs, tree,
-                        is_leaf=_is_spec)
+    return _expand_prefix(jax.tree.map(_as_spec, specs, is_leaf=_is_spec), tree, _is_pspec)
   except ValueError as e:
     raise ValueError(f"shard_map {what} do not match the arguments' structure: {e}") from None
 
@@ -398,6 +405,9 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    if len(axes) != len(args):
+      raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {len(args)} arguments")
     if kwargs:
       # As jax.pmap: keyword arguments are mapped over their leading axis.
       # They become trailing positional arguments of one cached pmap per set
@@ -405,10 +415,6 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
       n, names = len(args), tuple(sorted(kwargs))
       sub = with_keywords.get((n, names))
       if sub is None:
-        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * n
-        if len(axes) != n:
-          raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {n} positional "
-                           "arguments")
         sub = with_keywords[(n, names)] = pmap(
             lambda *a: fun(*a[:n], **dict(zip(names, a[n:]))), axis_name,
             in_axes=tuple(axes) + (0,) * len(names), out_axes=out_axes,
@@ -418,9 +424,6 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     mesh = _mesh()
     L = mesh.local_device_count
     dyn_idx = [i for i in range(len(args)) if i not in static]
-    axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-    if len(axes) != len(args):
-      raise ValueError(f"mpijax.pmap got in_axes={in_axes!r} for {len(args)} arguments")
     dyn, metas, any_ga = ga.unwrap_args(tuple(args[i] for i in dyn_idx))
     treedef = jax.tree.structure(tuple(dyn))
     # One mapped axis (made non-negative) or None per leaf; in_axes may be a
@@ -459,9 +462,8 @@ _pmap_meshes: dict[Any, GlobalMesh] = {}
 def _per_leaf(axes, tree, what: str) -> list:
   """``axes`` (an int, None, or a pytree prefix of ``tree``) as a list, one per leaf."""
   try:
-    full = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), axes, tree,
-                        is_leaf=lambda v: v is None)
-    return jax.tree.structure(tree).flatten_up_to(full)
+    return jax.tree.structure(tree).flatten_up_to(
+        _expand_prefix(axes, tree, lambda v: v is None))
   except (ValueError, TypeError) as e:
     raise ValueError(f"mpijax.pmap got {what}={axes!r}, which is not an int, None or a pytree "
                      f"prefix of the {'arguments' if what == 'in_axes' else 'outputs'}: "
