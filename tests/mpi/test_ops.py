@@ -237,6 +237,28 @@ def test_unsupported_dtype_and_op_errors():
         op(bad)
 
 
+def test_gpu_and_tpu_lowering_is_a_clear_error():
+  # No GPU here: jax.export lowers for another platform without one. mpijax
+  # has CPU handlers only, so the error names the call and the fix instead of
+  # JAX's "MLIR translation rule ... not found for platform cuda".
+  from mpijax.train import allreduce_gradients
+  spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+  grads = allreduce_gradients()
+  calls = [(lambda x: ops.allreduce(x), "mpijax.ops.allreduce"),
+           (lambda x: ops.ppermute(x, [(0, 0)]), "mpijax.ops.ppermute")]
+  if N > 1:  # one rank's fused all-reduce sends nothing
+    calls.append((lambda x: grads.update({"w": x}, grads.init({"w": x}))[0]["w"],
+                  "mpijax.train's fused allreduce"))
+  for platform in ("cuda", "rocm", "tpu"):
+    for f, name in calls:
+      with pytest.raises(NotImplementedError,
+                         match=rf"{name}.*test_ops.py:\d+.*platform '{platform}'.*CPU handlers "
+                               r"only.*JAX_PLATFORMS=cpu"):
+        jax.export.export(jax.jit(f), platforms=[platform])(spec)
+  # The CPU lowering is unchanged.
+  assert "mpijax_allreduce" in jax.jit(calls[0][0]).lower(spec).as_text()
+
+
 # --- the other primitives, per dtype family ------------------------------------------
 
 FAMILIES = ["float32", "bfloat16", "complex128", "int16", "uint64", "bool"]

@@ -610,6 +610,14 @@ def register_ffi_lowering(prim: Primitive, target: str,
   # site) and outside the caller's block (so outside its order-token chain).
   mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
 
+  def other_platform(ctx, *args, **params):
+    raise _platform_error(ctx, kind, params)
+
+  # Every other platform (cuda, rocm, tpu) gets this rule: without it JAX's
+  # own error ("MLIR translation rule ... not found for platform cuda") names
+  # neither mpijax nor a fix.
+  mlir.register_lowering(prim, other_platform)
+
 
 # Multi-device computations. A jax.jit whose computation spans several devices
 # (a multi-device shard_map or mpijax.pmap inside it, or an argument sharded or
@@ -636,6 +644,21 @@ def _auto_devices(axis_context) -> int:
     return math.prod(size for name, size in axis_context.mesh.shape.items()
                      if name not in manual)
   return 1  # jax.pmap replicas and other contexts: one device per computation
+
+
+def _platform_error(ctx, kind: str, params: dict[str, Any]) -> NotImplementedError:
+  """The error for a call lowered for a platform without mpijax handlers (GPU, TPU)."""
+  human, _ = _describe(kind, ctx.avals_in, params)
+  name = ("mpijax.train's fused " + human if kind == "allreduce_many"
+          else "mpijax.ops." + human)
+  platforms = ", ".join(ctx.module_context.platforms)
+  return NotImplementedError(
+      f"{name} at {_user_location(ctx)} (primitive mpijax_{kind}) is compiled for "
+      f"platform {platforms!r}, but mpijax's MPI transport has CPU handlers only (the GPU "
+      "handler is a build option that is not implemented yet; see the README, 'The "
+      "transport'). Fix: run the program on CPU devices (JAX_PLATFORMS=cpu, or "
+      "jax.config.update('jax_platforms', 'cpu') before any JAX call), or, on GPUs, use "
+      "JAX's own collectives (jax.distributed with jax.lax.psum over a global mesh).")
 
 
 def _multi_device_error(ctx, kind: str, params: dict[str, Any]) -> ValueError:
