@@ -11,7 +11,8 @@ Layout of a checkpoint directory ``path``::
 Writing is atomic: every rank writes into ``path.tmp-<uuid>`` (fsynced),
 the ranks meet (an allgather of what each wrote), rank 0 writes the metadata
 last and renames the directory to ``path``. A crash before the rename leaves
-only the ``.tmp-`` directory, which :func:`load` refuses (no metadata). Each
+only the ``.tmp-`` directory, which :func:`load` refuses (no metadata) and
+the next save to ``path`` deletes. Each
 distinct block is written once, by the lowest global device that holds it.
 
 Loading reads, on each rank, the saved shard files that overlap its part of
@@ -43,6 +44,7 @@ from mpijax._src.train import _codec
 # The training checkpoint's atomic file write, directory fsync and error type.
 from mpijax._src.fileio import CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
 
 FORMAT = "mpijax-array-checkpoint"
@@ -105,6 +107,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
           raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it, or save "
                                 "to a new path")
         _check_replaceable(path)
+      # A save that was killed left its '.tmp-' directory (load refuses it):
+      # remove it now, or every crash would leave a checkpoint's worth of disk.
+      remove_stale_temps(path, r"[0-9a-f]{32}", _is_partial_checkpoint)
       token = uuid.uuid4().hex
       os.makedirs(f"{path}.tmp-{token}")
     except OSError as e:
@@ -165,6 +170,12 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
 
 
 _CHECKPOINT_FILE = re.compile(r"(metadata\.json|a\d+\.(\d+|full))")
+
+
+def _is_partial_checkpoint(path: str) -> bool:
+  """A save's '.tmp-' directory: shard files, metadata and their temporaries only."""
+  return os.path.isdir(path) and all(
+      _CHECKPOINT_FILE.fullmatch(e.split(".tmp-")[0]) for e in os.listdir(path))
 
 
 def _check_replaceable(path: str) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
+from typing import Callable
 
 
 class CheckpointError(ValueError):
@@ -21,6 +24,40 @@ def fsync_dir(directory: str) -> None:
     pass
   finally:
     os.close(fd)
+
+
+def remove_stale_temps(path: str, suffix: str, is_ours: Callable[[str], bool]) -> list[str]:
+  """Deletes ``<path>.tmp-<suffix>`` siblings that a killed write left behind.
+
+  A killed atomic write leaves its temporary (the published ``path`` is
+  intact); the next write of the same path calls this, so repeated crashes
+  cannot fill the disk with checkpoint-sized leftovers. Only names of the
+  exact temporary pattern for which ``is_ours`` holds (the format's magic
+  bytes, say) are touched: a user's file that merely looks alike stays.
+
+  Returns:
+    The paths removed.
+  """
+  directory = os.path.dirname(os.path.abspath(path))
+  pattern = re.compile(re.escape(os.path.basename(path)) + r"\.tmp-" + suffix)
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  removed = []
+  for name in names:
+    stale = os.path.join(directory, name)
+    try:
+      if not pattern.fullmatch(name) or os.path.islink(stale) or not is_ours(stale):
+        continue
+      if os.path.isdir(stale):
+        shutil.rmtree(stale)
+      else:
+        os.unlink(stale)
+      removed.append(stale)
+    except OSError:
+      pass  # gone already, or not ours to delete: leave it
+  return removed
 
 
 def write_atomic(path: str, parts: list) -> None:

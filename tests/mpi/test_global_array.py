@@ -323,6 +323,25 @@ def test_load_refuses_corrupt_or_partial_checkpoints(meshes, shared_dir):
     mpijax.load(partial, like=like)
   with pytest.raises(CheckpointError, match="no checkpoint"):
     mpijax.load(os.path.join(shared_dir, "p"), like=like)
+  # The next save to that path deletes such leftovers (named like its own
+  # temporaries), so repeated crashes cannot fill the disk; other names stay.
+  stale = os.path.join(shared_dir, "p.tmp-" + "0123456789abcdef" * 2)
+  if comm.rank == 0:
+    shutil.copytree(partial, stale)
+  comm.Barrier()
+  mpijax.save(os.path.join(shared_dir, "p"), tree)
+  comm.Barrier()
+  assert not os.path.exists(stale) and os.path.isdir(partial)
+  assert sorted(f for f in os.listdir(shared_dir) if f.startswith("p")) == ["p", "p.tmp-dead"]
+  # The right name around a user's files is not ours: kept.
+  theirs = os.path.join(shared_dir, "p.tmp-" + "f" * 32)
+  if comm.rank == 0:
+    os.makedirs(theirs)
+    open(os.path.join(theirs, "notes.txt"), "w").close()
+  comm.Barrier()
+  mpijax.save(os.path.join(shared_dir, "p"), tree, overwrite=True)
+  comm.Barrier()
+  assert os.path.exists(os.path.join(theirs, "notes.txt"))
 
 
 def test_overwrite_replaces_only_a_checkpoint(meshes, shared_dir):

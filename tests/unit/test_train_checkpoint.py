@@ -83,6 +83,22 @@ def test_half_written_temp_file_is_never_under_the_name(tmp_path, monkeypatch):
     restore_checkpoint(path, like=_state(0))
 
 
+def test_next_save_removes_a_killed_writes_temp_file(tmp_path):
+  # What a writer killed inside write_atomic leaves: mkstemp's name, partial bytes.
+  path = tmp_path / "ckpt"
+  stale = [tmp_path / "ckpt.tmp-a1b2_c3d", tmp_path / "ckpt.tmp-killed00"]
+  stale[0].write_bytes(ckpt_mod.MAGIC + b"half a checkpoint")
+  stale[1].write_bytes(b"")  # killed before its first byte
+  # Look-alike names, or the right name with a user's bytes, are not ours.
+  keep = [tmp_path / "ckpt.tmp-notes.txt", tmp_path / "other.tmp-a1b2_c3d",
+          tmp_path / "ckpt.tmp-backup01"]
+  for p in keep:
+    p.write_bytes(b"not ours")
+  save_checkpoint(path, _state(0))
+  assert not any(p.exists() for p in stale) and all(p.exists() for p in keep)
+  _assert_same(restore_checkpoint(path, like=_state(5)), _state(0))
+
+
 @pytest.mark.parametrize("cut", [1, 40, 100, -1])
 def test_truncated_file_is_refused(tmp_path, cut):
   path = tmp_path / "ckpt"
