@@ -11,6 +11,12 @@ from mpijax._src import heap as _heap
 # Before MPI and JAX start their threads: see mpijax/_src/heap.py.
 _heap.configure()
 
+from mpijax._src import ffi as _ffi  # noqa: E402
+
+# Before the modules that lower with JAX internals: a too old JAX fails here,
+# with the versions, instead of with a TypeError from deep inside them.
+_ffi.check_jax()
+
 from mpijax._src.array_checkpoint import load as load
 from mpijax._src.array_checkpoint import save as save
 from mpijax._src.global_array import GlobalArray as GlobalArray

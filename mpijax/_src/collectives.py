@@ -137,7 +137,7 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     # right. Unchecked (every mpijax.pmap), the cotangent differs per device and
     # only the plain gather's transpose sums it; 'invarying' lost a factor L.
     to = "invarying" if _typed_varying(part) else "varying"
-    full = jax.lax.all_gather(part, local, axis=0, tiled=True, to=to)
+    full = _lax_all_gather(part, local, axis=0, tiled=True, to=to)
     return full[:x.size].reshape(x.shape)
   if local:
     x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
@@ -146,7 +146,10 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
 
 def _typed_varying(x) -> bool:
   """Whether JAX types ``x`` as varying over manual axes (only under check_vma=True)."""
-  mat = getattr(jax.typeof(x), "mat", None)
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  if mat is None:  # JAX < 0.10: the varying manual axes are the aval's `vma`
+    return bool(getattr(aval, "vma", None))
   return bool(getattr(mat, "varying", None))
 
 
@@ -319,16 +322,34 @@ def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
 def _gather_one(x, mesh: GlobalMesh, a: AxisInfo, to: str = "varying"):
   """[size, *x.shape] ordered by the global index along ``a``."""
   if a.proc_size == 1:
-    return jax.lax.all_gather(x, a.local_name, axis=0, to=to)
+    return _lax_all_gather(x, a.local_name, axis=0, to=to)
   # MPI first, on each device's own sub-communicator: every shard crosses the
   # network once; the copies for the other local devices are made locally.
   y = ops.allgather(x, comm=mesh.process_comm([a.name]))  # [ps, ...]
   if a.local_size > 1:
-    y = jax.lax.all_gather(y, a.local_name, axis=1, to=to)  # [ps, ls, ...]
+    y = _lax_all_gather(y, a.local_name, axis=1, to=to)  # [ps, ls, ...]
   return y.reshape((a.size,) + x.shape)
 
 
 _GATHER_TO = ("varying", "invarying")
+
+
+def _lax_all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0,
+                    tiled: bool = False, to: str = "varying"):
+  """``jax.lax.all_gather(..., to=to)``, also on JAX < 0.10.
+
+  JAX 0.10 added ``to='invarying'``; before, the same gather is
+  ``all_gather_invariant`` (which takes no groups, as 'invarying' does not).
+  JAX 0.7's all_gather has no ``to`` at all: its gather is the 'varying' one.
+  """
+  if to == "invarying" and jax.__version_info__ < (0, 10):
+    if axis_index_groups is not None:
+      raise NotImplementedError("all_gather with axis_index_groups and to='invarying'")
+    from jax._src.lax.parallel import all_gather_invariant
+    return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+  kw = {} if to == "varying" else {"to": to}
+  return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                            tiled=tiled, **kw)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
@@ -344,7 +365,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
   env = mesh_lib.axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
-    return _lax("all_gather", axis_name, lambda: jax.lax.all_gather(
+    return _lax("all_gather", axis_name, lambda: _lax_all_gather(
         x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to))
   if to not in _GATHER_TO:
     raise ValueError(f"all_gather got to={to!r} over mpijax axis {axis_name!r}; use one of "
@@ -379,7 +400,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
         m, ax_info = env[n]
         g = _gather_one(g, m, ax_info, to)
       else:
-        g = _lax("all_gather", n, lambda g=g: jax.lax.all_gather(g, n, axis=0, to=to))
+        g = _lax("all_gather", n, lambda g=g: _lax_all_gather(g, n, axis=0, to=to))
       # Explicit sizes: -1 cannot be inferred for a zero-size array.
       g = g.reshape((math.prod(g.shape[:g.ndim - v.ndim]),) + v.shape)
     g = jnp.moveaxis(g, 0, ax)
@@ -613,7 +634,7 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
       src = rounds.get(k)
       if src is None:  # nothing for this rank's devices (the MPI call still runs:
         continue       # every mpijax primitive is kept by JAX's dead-code rule)
-      here = jax.lax.all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
+      here = _lax_all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
       mine = jnp.asarray(src)[me]
       out = _take_source(here, mine, out)
     return out

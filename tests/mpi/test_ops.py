@@ -21,6 +21,11 @@ import pytest
 import mpijax
 from mpijax import ops
 
+try:
+  from jax import enable_x64
+except ImportError:  # JAX 0.7 has it in jax.experimental only
+  from jax.experimental import enable_x64
+
 
 RT = mpijax.init()
 R, N = RT.rank, RT.size
@@ -63,7 +68,7 @@ def x64(request):
   dtype = getattr(request.node, "callspec", None)
   dtype = dtype.params.get("dtype", "") if dtype else ""
   if "64" in dtype or dtype == "complex128":
-    with jax.enable_x64(True):
+    with enable_x64(True):
       yield
   else:
     yield

@@ -9,11 +9,15 @@ import hashlib
 import os
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+try:
+  from jax.extend.core import jaxprs_in_params
+except ImportError:  # JAX < 0.10 exports it only from its internals
+  from jax._src.core import jaxprs_in_params
 
 import mpijax
 from mpijax import train
@@ -139,7 +143,7 @@ def _allreduce_eqns(jaxpr) -> list:
   for eqn in jaxpr.eqns:
     if "allreduce" in eqn.primitive.name:
       found.append(eqn)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in jaxprs_in_params(eqn.params):
       found += _allreduce_eqns(sub)
   return found
 

@@ -8,7 +8,10 @@ order, compares the MPI family and major version recorded at build time with
 ``MPI.Get_library_version()``, and registers the FFI targets with JAX once.
 
 Loading is lazy (first collective), so ``import mpijax`` never initializes MPI
-before ``mpijax.init()`` chose the thread level.
+before ``mpijax.init()`` chose the thread level. What ``import mpijax`` does
+check, with :func:`check_jax`, is that JAX is new enough: mpijax lowers its
+calls with JAX internals, and an older JAX would otherwise fail with an
+unrelated TypeError at import or at the first jit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,34 @@ from types import ModuleType
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
+
+# The oldest jax and jaxlib mpijax runs on; pyproject.toml declares the same.
+# Older JAX lacks internals mpijax lowers with: JAX 0.7.0 and 0.7.1 the
+# public-enough mlir.ir_consts and jaxpr_subcomp's const_lowering (nested jits
+# lowered inline), JAX 0.6 also uncached lowering rules (register_lowering's
+# `cacheable`), lowering-rule tracebacks (call sites in mismatch reports) and
+# MLIR's Operation.block (the order token's chain).
+MIN_JAX = (0, 7, 2)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+  """(0, 10, 2) from '0.10.2' (also from '0.10.2.dev20260101' or '0.10.2rc1')."""
+  return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:3]
+               if re.match(r"\d+", part))
+
+
+def check_jax() -> None:
+  """Raises ImportError naming the installed and the required version if jax
+  or jaxlib is older than :data:`MIN_JAX` (e.g. installed with --no-deps)."""
+  import jax
+  import jaxlib
+  need = ".".join(map(str, MIN_JAX))
+  for module in (jax, jaxlib):
+    if _version_tuple(module.__version__) < MIN_JAX:
+      raise ImportError(
+          f"mpijax needs {module.__name__}>={need}, but {module.__name__} "
+          f"{module.__version__} is installed ({os.path.dirname(module.__file__)}). "
+          f"Upgrade both: pip install -U 'jax>={need}' 'jaxlib>={need}'")
 
 
 def _parse_family(version: str) -> tuple[str, int]:
@@ -102,7 +133,33 @@ def load() -> ModuleType:
             + _rebuild_hint()) from None
       raise
     import jax
-    for name, capsule in ext.registrations().items():
-      jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    try:
+      for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    except Exception as e:  # jaxlib's XlaRuntimeError
+      if "API version" not in str(e):
+        raise
+      raise ImportError(_jaxlib_mismatch(e)) from None
     _module = ext
     return ext
+
+
+def _jaxlib_mismatch(error: Exception) -> str:
+  """The message for an extension built with a newer jaxlib's XLA FFI headers.
+
+  XLA accepts handlers built against its own or an older FFI API version
+  only. pyproject.toml builds against the oldest supported jaxlib for that
+  reason; a --no-build-isolation build uses the jaxlib installed at the time.
+  """
+  import jaxlib
+  from mpijax._src.ffi import _build_info
+  built = getattr(_build_info, "JAXLIB_VERSION", "unknown")
+  source = _source_dir()
+  target = f"-e {source}" if os.path.isabs(source) else "--no-binary mpijax mpijax"
+  return (
+      f"mpijax's extension was built against jaxlib {built}, whose XLA FFI API is newer "
+      f"than that of the jaxlib {jaxlib.__version__} it runs on ({error}). Rebuild it "
+      "against the installed jaxlib:\n"
+      "  pip install scikit-build-core nanobind\n"
+      f"  pip install --no-build-isolation --no-deps --force-reinstall {target}\n"
+      f"or upgrade jax and jaxlib to {built}.")
