@@ -246,6 +246,8 @@ def test_gpu_and_tpu_lowering_is_a_clear_error():
   # No GPU here: jax.export lowers for another platform without one. mpijax
   # has CPU handlers only, so the error names the call and the fix instead of
   # JAX's "MLIR translation rule ... not found for platform cuda".
+  from jax import export  # a submodule that JAX < 0.8 does not import with jax
+
   from mpijax.train import allreduce_gradients
   spec = jax.ShapeDtypeStruct((4,), jnp.float32)
   grads = allreduce_gradients()
@@ -259,7 +261,7 @@ def test_gpu_and_tpu_lowering_is_a_clear_error():
       with pytest.raises(NotImplementedError,
                          match=rf"{name}.*test_ops.py:\d+.*platform '{platform}'.*CPU handlers "
                                r"only.*JAX_PLATFORMS=cpu"):
-        jax.export.export(jax.jit(f), platforms=[platform])(spec)
+        export.export(jax.jit(f), platforms=[platform])(spec)
   # The CPU lowering is unchanged.
   assert "mpijax_allreduce" in jax.jit(calls[0][0]).lower(spec).as_text()
 
