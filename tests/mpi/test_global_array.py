@@ -335,6 +335,7 @@ def test_load_refuses_corrupt_or_partial_checkpoints(meshes, shared_dir):
   assert sorted(f for f in os.listdir(shared_dir) if f.startswith("p")) == ["p", "p.tmp-dead"]
   # The right name around a user's files is not ours: kept.
   theirs = os.path.join(shared_dir, "p.tmp-" + "f" * 32)
+  comm.Barrier()  # every rank has listed the directory above
   if comm.rank == 0:
     os.makedirs(theirs)
     open(os.path.join(theirs, "notes.txt"), "w").close()

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import math
 import os
 import threading
@@ -30,13 +31,17 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from jax.extend import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from jax.interpreters import partial_eval as pe
 from jax._src import sharding_impls
 from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
+
+try:
+  from jax.extend.core import jaxprs_in_params
+except ImportError:  # JAX < 0.10 exports it only from its internals
+  from jax._src.core import jaxprs_in_params
 
 from mpijax._src import config
 from mpijax._src import ffi as _ffi
@@ -396,7 +401,7 @@ def _calls_mpi(jaxpr) -> bool:
   hit = _calls_mpi_cache.get(jaxpr)
   if hit is None:
     hit = any(eqn.primitive in _PRIMITIVES
-              or any(_calls_mpi(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+              or any(_calls_mpi(sub) for sub in jaxprs_in_params(eqn.params))
               for eqn in jaxpr.eqns)
     _calls_mpi_cache[jaxpr] = hit
   return hit
@@ -427,6 +432,10 @@ def _inline_calls() -> None:
       custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
       shard_map.shard_map_p))
 
+  # JAX < 0.9 has no `outer_traceback` (the caller's frames, appended to the
+  # inlined equations' tracebacks).
+  takes_outer_tb = "outer_traceback" in inspect.signature(mlir_internal.jaxpr_subcomp).parameters
+
   def make_rule(default, jaxpr_param, plain):
     def rule(ctx, *args, **params):
       closed = params[jaxpr_param]
@@ -435,10 +444,10 @@ def _inline_calls() -> None:
       if isinstance(closed, core_internal.Jaxpr):
         closed = core_internal.ClosedJaxpr(closed, ())
       consts = mlir_internal.ir_consts(closed.consts, [v.aval for v in closed.jaxpr.constvars])
+      extra = {"outer_traceback": ctx.traceback} if takes_outer_tb else {}
       out, tokens = mlir_internal.jaxpr_subcomp(
           ctx.module_context, closed.jaxpr, ctx.name_stack, ctx.tokens_in, consts, *args,
-          dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
-          outer_traceback=ctx.traceback)
+          dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering, **extra)
       ctx.set_tokens_out(tokens)
       return out
     return rule
@@ -492,13 +501,14 @@ def _thread_shard_maps() -> None:
   mlir.register_lowering(token_in_p, token_in_rule, cacheable=False)
   mlir.register_lowering(token_out_p, token_out_rule, cacheable=False)
 
-  def rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma, newly_manual_axes,
-           **params):
-    manual = math.prod(mesh.shape[a] for a in newly_manual_axes)
+  def rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma, **params):
+    # The axes this shard_map makes manual: `newly_manual_axes` since JAX 0.10,
+    # `manual_axes` before.
+    newly = params.get("newly_manual_axes", params.get("manual_axes"))
+    manual = math.prod(mesh.shape[a] for a in newly)
     if manual == 1 or not _calls_mpi(jaxpr):
       return default(ctx, *args, jaxpr=jaxpr, mesh=mesh, in_specs=in_specs,
-                     out_specs=out_specs, check_vma=check_vma,
-                     newly_manual_axes=newly_manual_axes, **params)
+                     out_specs=out_specs, check_vma=check_vma, **params)
     chain = _chain_for(ctx)
     block = ir.InsertionPoint.current.block
     token = _token(chain, block)
@@ -513,8 +523,7 @@ def _thread_shard_maps() -> None:
                       avals_out=[*ctx.avals_out, _TOKEN_AVAL])
     outs = default(sub, *args, token, jaxpr=threaded, mesh=mesh,
                    in_specs=(*in_specs, PartitionSpec()),
-                   out_specs=(*out_specs, PartitionSpec()), check_vma=check_vma,
-                   newly_manual_axes=newly_manual_axes, **params)
+                   out_specs=(*out_specs, PartitionSpec()), check_vma=check_vma, **params)
     if sub.tokens_out is not None:
       ctx.set_tokens_out(sub.tokens_out)
     outs = list(outs)
