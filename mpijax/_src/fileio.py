@@ -26,7 +26,11 @@ def fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
-def remove_stale_temps(path: str, suffix: str, is_ours: Callable[[str], bool]) -> list[str]:
+# What tempfile.mkstemp appends to write_atomic's "<name>.tmp-" prefix.
+WRITE_ATOMIC_SUFFIX = r"[a-z0-9_]{8}"
+
+
+def remove_stale_temps(path: str, suffix: str, is_ours: Callable[[str], bool]) -> None:
   """Deletes ``<path>.tmp-<suffix>`` siblings that a killed write left behind.
 
   A killed atomic write leaves its temporary (the published ``path`` is
@@ -34,17 +38,13 @@ def remove_stale_temps(path: str, suffix: str, is_ours: Callable[[str], bool]) -
   cannot fill the disk with checkpoint-sized leftovers. Only names of the
   exact temporary pattern for which ``is_ours`` holds (the format's magic
   bytes, say) are touched: a user's file that merely looks alike stays.
-
-  Returns:
-    The paths removed.
   """
   directory = os.path.dirname(os.path.abspath(path))
   pattern = re.compile(re.escape(os.path.basename(path)) + r"\.tmp-" + suffix)
   try:
     names = os.listdir(directory)
   except OSError:
-    return []
-  removed = []
+    return
   for name in names:
     stale = os.path.join(directory, name)
     try:
@@ -54,10 +54,8 @@ def remove_stale_temps(path: str, suffix: str, is_ours: Callable[[str], bool]) -
         shutil.rmtree(stale)
       else:
         os.unlink(stale)
-      removed.append(stale)
     except OSError:
       pass  # gone already, or not ours to delete: leave it
-  return removed
 
 
 def write_atomic(path: str, parts: list) -> None:

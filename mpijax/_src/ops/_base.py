@@ -655,11 +655,16 @@ def _auto_devices(axis_context) -> int:
   return 1  # jax.pmap replicas and other contexts: one device per computation
 
 
+def _call_name(ctx, kind: str, params: dict[str, Any]) -> str:
+  """The call as the user wrote it, e.g. "mpijax.ops.allreduce(float32[4], sum)"."""
+  human, _ = _describe(kind, ctx.avals_in, params)
+  return ("mpijax.train's fused " + human if kind == "allreduce_many"
+          else "mpijax.ops." + human)
+
+
 def _platform_error(ctx, kind: str, params: dict[str, Any]) -> NotImplementedError:
   """The error for a call lowered for a platform without mpijax handlers (GPU, TPU)."""
-  human, _ = _describe(kind, ctx.avals_in, params)
-  name = ("mpijax.train's fused " + human if kind == "allreduce_many"
-          else "mpijax.ops." + human)
+  name = _call_name(ctx, kind, params)
   platforms = ", ".join(ctx.module_context.platforms)
   return NotImplementedError(
       f"{name} at {_user_location(ctx)} (primitive mpijax_{kind}) is compiled for "
@@ -674,9 +679,7 @@ def _multi_device_error(ctx, kind: str, params: dict[str, Any]) -> ValueError:
   """The error for a call lowered where XLA partitions it over several devices."""
   axis_context = ctx.module_context.axis_context
   n = _auto_devices(axis_context)
-  human, _ = _describe(kind, ctx.avals_in, params)
-  name = ("mpijax.train's fused " + human if kind == "allreduce_many"
-          else "mpijax.ops." + human)
+  name = _call_name(ctx, kind, params)
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     auto = tuple(a for a in axis_context.mesh.axis_names if a not in axis_context.manual_axes)
     where = (f"inside a shard_map that leaves mesh axes {auto} unmapped, so the call is "

@@ -31,6 +31,7 @@ from mpijax._src import mpi_util
 from mpijax._src import runtime
 from mpijax._src.fileio import CheckpointError as CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src.train import _codec
@@ -171,9 +172,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
   error = ""
   if rank == 0:
     try:
-      # A write that was killed left its mkstemp temporary (8 random
-      # characters): empty or starting with MAGIC. The next save removes it.
-      remove_stale_temps(path, r"[a-z0-9_]{8}", _is_checkpoint_or_empty)
+      # A write that was killed left its temporary, empty or starting with
+      # MAGIC. The next save removes it.
+      remove_stale_temps(path, WRITE_ATOMIC_SUFFIX, _is_checkpoint_or_empty)
       _write_atomic(path, _encode(specs, payload, metadata or {}))
     except Exception as e:  # reported to every rank below, then raised
       error = f"{type(e).__name__}: {e}"
