@@ -335,6 +335,16 @@ def test_uneven_data_every_sample_once_and_no_hang(rt):
   assert total * rt.size == pytest.approx(sum(counts))
 
 
+def test_uneven_data_bad_leaves_on_one_rank_raise_everywhere(rt):
+  # The bad rank used to raise alone while the others waited in the allgather of the counts.
+  bad = rt.size - 1
+  data = {"x": np.zeros(4), "y": np.zeros(5 if rt.rank == bad else 4)}
+  match = r"different numbers of samples" if rt.rank == bad else \
+      rf"failed on other ranks.*\n  rank {bad}: ValueError: .*different numbers of samples"
+  with pytest.raises(ValueError, match=match):
+    train.shard_batches(data, 2 * rt.size, seed=0, epoch=0, replicated=False)
+
+
 # --- checkpoints --------------------------------------------------------------------
 
 def _run(dp, state, epochs_steps):

@@ -67,37 +67,46 @@ class ShardedBatches:
       rank, size = _host.rank_and_size(comm)
       process_index = rank if process_index is None else process_index
       process_count = size if process_count is None else process_count
-    if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
-      raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer")
-    if global_batch_size % process_count:
-      lower = global_batch_size // process_count * process_count
-      upper = lower + process_count
-      hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
-      raise ValueError(
-          f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
-          f"every rank must get the same number of samples per step: use a multiple of "
-          f"{process_count} (e.g. {hint})")
-    for name, value in (("seed", seed), ("epoch", epoch)):
-      # NumPy's own message ("expected non-negative integer") names neither.
-      if not (value is None and name == "seed") and (
-          not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"shard_batches: {name}={value!r} must be a non-negative integer"
-                         + (" (or None to keep the data order)" if name == "seed" else ""))
-    if not 0 <= process_index < process_count:
-      raise ValueError(f"process_index={process_index} is outside 0..{process_count - 1}")
-    self.global_batch_size = int(global_batch_size)
-    self.local_batch_size = self.global_batch_size // process_count
-    self.process_index, self.process_count = process_index, process_count
-    self.replicated = replicated
-    # Host copies once: indexing NumPy is cheap and keeps device memory free.
-    self._arrays = jax.tree_util.tree_map(np.asarray, arrays)
-    n_local = _leading_size(self._arrays)
-    B, G = self.local_batch_size, self.global_batch_size
+    # With replicated=False the ranks meet in an allgather below; a rank whose
+    # arguments or data are bad must still take part, or the others would wait
+    # there forever. Its error is raised after the exchange, on every rank.
+    error: Exception | None = None
+    try:
+      if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+      if global_batch_size % process_count:
+        lower = global_batch_size // process_count * process_count
+        upper = lower + process_count
+        hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
+            f"every rank must get the same number of samples per step: use a multiple of "
+            f"{process_count} (e.g. {hint})")
+      for name, value in (("seed", seed), ("epoch", epoch)):
+        # NumPy's own message ("expected non-negative integer") names neither.
+        if not (value is None and name == "seed") and (
+            not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0):
+          raise ValueError(f"shard_batches: {name}={value!r} must be a non-negative integer"
+                           + (" (or None to keep the data order)" if name == "seed" else ""))
+      if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside 0..{process_count - 1}")
+      self.global_batch_size = int(global_batch_size)
+      self.local_batch_size = self.global_batch_size // process_count
+      self.process_index, self.process_count = process_index, process_count
+      self.replicated = replicated
+      # Host copies once: indexing NumPy is cheap and keeps device memory free.
+      self._arrays = jax.tree_util.tree_map(np.asarray, arrays)
+      n_local = _leading_size(self._arrays)
+    except (ValueError, TypeError) as e:
+      if replicated or process_count == 1:
+        raise
+      error, n_local = e, -1
 
     if replicated:
       n = n_local
       order = (np.arange(n) if seed is None
                else np.random.default_rng([int(seed), int(epoch)]).permutation(n))
+      G = self.global_batch_size
       steps = n // G if drop_remainder else -(-n // G)
       self._order = order
       self.num_samples = n
@@ -108,10 +117,18 @@ class ShardedBatches:
       if comm is None and process_count > 1:
         comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
       counts = mpi_util.allgather_int(comm, n_local) if process_count > 1 else [n_local]
+      if error is not None or min(counts) < 0:
+        bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+          raise error
+        lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
+        raise ValueError(f"shard_batches(replicated=False) failed on other ranks, so every rank "
+                         f"stops here:\n{lines}")
       if len(counts) != process_count:
         raise ValueError(f"process_count={process_count} but the communicator has {len(counts)} ranks")
       self.counts = counts
       self.num_samples = sum(counts)
+      B = self.local_batch_size
       steps = (min(c // B for c in counts) if drop_remainder
                else max(-(-c // B) for c in counts))
       self._order = (np.arange(n_local) if seed is None else np.random.default_rng(
