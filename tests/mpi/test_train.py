@@ -409,6 +409,14 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
     dp.step(state, (x, y[:4]))
   if rt.rank != bad:
     assert isinstance(info.value, RuntimeError) and f"rank {bad}: TypeError" in str(info.value)
+  # Leaves with different sample counts on one rank, in a plain first step and in
+  # evaluate: the bad rank used to raise before the collectives the others waited in.
+  y_short = y[:3] if rt.rank == bad else y[:4]
+  for call, what in ((lambda: dp.step(state, (dataset()[0][:4], y_short)), "DataParallel.step"),
+                     (lambda: dp.evaluate(state, (dataset()[0][:4], y_short), rt.size), "shard_batches")):
+    with pytest.raises(Exception, match=rf"{what}: leaves have different numbers of samples") as info:
+      call()
+    assert (rt.rank == bad) != isinstance(info.value, RuntimeError)
   per_feature = lambda p, b: (per_example_loss(p, b), {"p": jnp.ones((4, 2))})
   with pytest.raises(ValueError, match=r"aux\['p'\] has shape \(4, 2\)"):
     train.DataParallel(per_feature, optax.sgd(0.1), has_aux=True).step(state, (dataset()[0][:4], y[:4]))

@@ -37,19 +37,20 @@ class Batch(NamedTuple):
   weight: np.ndarray
 
 
-def _leading_size(arrays: Any) -> int:
+def _leading_size(arrays: Any, what: str = "shard_batches") -> int:
+  """The common leading (sample) dimension of every leaf; ``what`` names the caller in errors."""
   with_paths = jax.tree_util.tree_flatten_with_path(arrays)[0]
   if not with_paths:
-    raise ValueError("shard_batches got an empty tree of arrays")
+    raise ValueError(f"{what} got an empty tree of arrays")
   sizes = {}
   for path, leaf in with_paths:
     shape = np.shape(leaf)
     if len(shape) == 0:
-      raise ValueError(f"shard_batches: leaf {jax.tree_util.keystr(path)} is a scalar; "
+      raise ValueError(f"{what}: leaf {jax.tree_util.keystr(path)} is a scalar; "
                        "every leaf needs a leading sample dimension")
     sizes[jax.tree_util.keystr(path)] = shape[0]
   if len(set(sizes.values())) != 1:
-    raise ValueError(f"shard_batches: leaves have different numbers of samples: {sizes}; "
+    raise ValueError(f"{what}: leaves have different numbers of samples: {sizes}; "
                      "every leaf must have the same leading dimension")
   return next(iter(sizes.values()))
 

@@ -169,16 +169,24 @@ class DataParallel:
       ``(new_state, metrics)``: metrics are global means over the real samples
       of the global batch (``"loss"`` and the ``aux`` keys), as jax scalars.
     """
+    error: Exception | None = None
     if isinstance(batch, _data.Batch):
       data, weight = batch.data, batch.weight
     else:
-      data = batch
-      weight = np.ones(_data._leading_size(data), np.float32)
+      data, weight = batch, None
+      try:
+        weight = np.ones(_data._leading_size(data, "DataParallel.step"), np.float32)
+      except ValueError as e:
+        # Raised below, with the other ranks: alone, this rank would leave
+        # them waiting in the first step's collectives.
+        error = e
     args = (state, data, weight)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    signature = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                                 getattr(x, "sharding", None)) for x in leaves))
-    compiled = self._compiled.get(signature)
+    compiled = signature = None
+    if error is None:
+      leaves, treedef = jax.tree_util.tree_flatten(args)
+      signature = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
+                                   getattr(x, "sharding", None)) for x in leaves))
+      compiled = self._compiled.get(signature)
     if compiled is None:
       # Compile ahead of time, then wait for every rank without spinning, so
       # ranks that compile faster do not busy-wait in the first all-reduce on
@@ -191,6 +199,8 @@ class DataParallel:
       from mpijax._src.ops import _base as _ops_base
       _ops_base.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
       with _all_ranks_or_none(comm, "DataParallel.step: building the step"):
+        if error is not None:
+          raise error
         compiled = self._step.lower(*args).compile()
       self._compiled[signature] = compiled
     return compiled(*args)
@@ -217,13 +227,20 @@ class DataParallel:
     Returns:
       ``{"loss": ..., **aux}`` as Python floats, identical on every rank.
     """
-    batches = _data.shard_batches(arrays, batch_size, seed=None, epoch=0, comm=self.comm)
+    comm = _host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate")
+    # A rank whose arrays are unusable (e.g. leaves with different sample
+    # counts) must not raise alone: the others would wait for it in the
+    # collectives below.
+    with _all_ranks_or_none(comm, "DataParallel.evaluate"):
+      batches = _data.shard_batches(arrays, batch_size, seed=None, epoch=0, comm=self.comm)
+    # The check of the first batch (every rank holds as many samples), made
+    # here where every rank has its batches, not inside the block below.
+    batches._check_replicated_size()
     totals, count = None, 0.0
     # Ranks finish at different times (the first call compiles): they wait
     # idly, not in a spinning all-reduce, and a rank whose evaluation failed
     # makes every rank raise instead of leaving them waiting.
-    with _all_ranks_or_none(_host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate"),
-                            "DataParallel.evaluate"):
+    with _all_ranks_or_none(comm, "DataParallel.evaluate"):
       for batch in batches:
         sums, n = self._eval(state.params, batch.data, batch.mask)
         totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
