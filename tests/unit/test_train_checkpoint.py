@@ -124,7 +124,18 @@ def test_mismatched_target_names_the_leaf(tmp_path):
   save_checkpoint(path, _state(0))
   like = _state(0)
   like["params"]["w"] = jnp.zeros((3, 5))
-  with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\]"):
+  with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\] is float32\[3, 5\] in the target but "
+                     r"float32\[3, 4\] in the checkpoint"):
+    restore_checkpoint(path, like=like)
+  # A missing or added key names that key (leaves used to be paired by
+  # position: "['params']['w'] here but ['params']['b'] in the checkpoint").
+  like = _state(0)
+  del like["params"]["b"]
+  with pytest.raises(CheckpointError, match=r"leaves in the checkpoint but not in the target: \['params'\]\['b'\]\."):
+    restore_checkpoint(path, like=like)
+  like = _state(0)
+  like["params"]["a"] = jnp.zeros(2)
+  with pytest.raises(CheckpointError, match=r"leaves in the target but not in the checkpoint: \['params'\]\['a'\]\."):
     restore_checkpoint(path, like=like)
 
 

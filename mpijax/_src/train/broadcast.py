@@ -14,18 +14,39 @@ from mpijax._src.train import _codec
 from mpijax._src.train import _host
 
 
-def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec]) -> str:
-  """'' when both leaf lists agree, else a sentence naming the first leaf that differs."""
+def _some(paths: list[str], limit: int = 3) -> str:
+  more = f" (and {len(paths) - limit} more)" if len(paths) > limit else ""
+  return ", ".join(paths[:limit]) + more
+
+
+def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec], *,
+                     here: str = "here", there: str = "on the reference") -> str:
+  """'' when both leaf lists agree, else a sentence naming the first leaf that differs.
+
+  ``here`` and ``there`` name where ``mine`` and ``theirs`` come from.
+  """
+  # Trees of different structure: name the leaves one has and the other lacks.
+  # Pairing the leaves by position would name two unrelated leaves ("['w']
+  # here but ['b'] on the reference") when a key is missing or added.
+  mine_paths, their_paths = [s.path for s in mine], [s.path for s in theirs]
+  if mine_paths != their_paths:
+    only_mine = [p for p in mine_paths if p not in set(their_paths)]
+    only_theirs = [p for p in their_paths if p not in set(mine_paths)]
+    if only_mine or only_theirs:
+      parts = ([f"leaves {here} but not {there}: {_some(only_mine)}"] if only_mine else []) + \
+          ([f"leaves {there} but not {here}: {_some(only_theirs)}"] if only_theirs else [])
+      return (f"the trees have different structures ({len(mine)} leaves {here}, {len(theirs)} "
+              f"{there}); " + "; ".join(parts))
   for a, b in zip(mine, theirs):
     if a.signature() != b.signature():
       if a.path == b.path:  # name it once: "leaf ['w'] is float32[3] here but bfloat16[3] ..."
-        return (f"leaf {a.path} is {a.signature()[len(a.path) + 2:]} here but "
-                f"{b.signature()[len(b.path) + 2:]} on the reference")
-      return f"leaf {a.signature()} here but {b.signature()} on the reference"
+        return (f"leaf {a.path} is {a.signature()[len(a.path) + 2:]} {here} but "
+                f"{b.signature()[len(b.path) + 2:]} {there}")
+      return f"leaf {a.signature()} {here} but {b.signature()} {there}"
   if len(mine) != len(theirs):
-    longer, which = (mine, "here") if len(mine) > len(theirs) else (theirs, "on the reference")
+    longer, which = (mine, here) if len(mine) > len(theirs) else (theirs, there)
     extra = longer[min(len(mine), len(theirs))]
-    return (f"the trees have {len(mine)} leaves here and {len(theirs)} on the reference; "
+    return (f"the trees have {len(mine)} leaves {here} and {len(theirs)} {there}; "
             f"first extra leaf {which}: {extra.signature()}")
   return ""
 

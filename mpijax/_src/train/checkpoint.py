@@ -213,10 +213,11 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
   try:
     _, specs, payload, digest = read_checkpoint(path)
     like_specs, _, treedef = _codec.flatten(like)
-    diff = _bcast.first_difference(like_specs, specs)
+    diff = _bcast.first_difference(like_specs, specs, here="in the target", there="in the checkpoint")
     if diff:
-      raise CheckpointError(f"checkpoint {path!r} does not fit the target tree: "
-                            f"{diff.replace('on the reference', 'in the checkpoint')}")
+      raise CheckpointError(f"checkpoint {path!r} does not fit the target tree: {diff}. Pass as "
+                            "`like` a tree built like the saved one (same model, optimizer and "
+                            "extra entries).")
     leaves = jax.tree_util.tree_leaves(like)
     result = jax.tree_util.tree_unflatten(treedef, [
         _codec.rebuild(a, s, l) for a, s, l in zip(_codec.unpack(payload, specs), specs, leaves)])
