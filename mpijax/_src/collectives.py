@@ -512,7 +512,10 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
     jax.tree.map(check_split, x)
     return _grouped_all_to_all(x, axis_name, split_axis, concat_axis, [list(range(S))], tiled)
   if a.is_local:
-    return jax.lax.all_to_all(x, a.local_name, split_axis, concat_axis, tiled=tiled)
+    # jax.lax.all_to_all does not normalize negative dimensions (verifier
+    # errors, wrong shapes or a crash): pass them non-negative, checked above.
+    return jax.tree.map(lambda v: jax.lax.all_to_all(
+        v, a.local_name, split_axis % np.ndim(v), concat_axis % np.ndim(v), tiled=tiled), x)
 
   def leaf(v):
     v = jnp.asarray(v)

@@ -425,3 +425,34 @@ def test_axis_index_groups():
   if n > 2:  # uneven groups exist from 3 devices on
     with pytest.raises(ValueError, match="all_gather needs groups of equal size"):
       pm(lambda x: mlax.all_gather(x, "i", axis_index_groups=[[0], list(range(1, n))]))(_mine(g))
+
+
+def test_negative_split_and_concat_axes_on_every_kind_of_axis():
+  """all_to_all/psum_scatter take negative dimensions on a local, a process and a mixed axis.
+
+  On an axis inside a rank (``model`` at 2 ranks x 2 devices) all_to_all
+  once handed them to jax.lax, which does not normalize them (verifier
+  errors, wrong shapes, or a crash).
+  """
+  Pn, L = mpijax.process_count(), mpijax.local_device_count()
+  mesh = mpijax.make_mesh((Pn, L), ("data", "model"))
+  spec = P(("data", "model"))
+  for names in ("model", "data", ("data", "model")):
+    k = {"model": L, "data": Pn}.get(names, Pn * L)
+
+    def f(x):
+      x = x[0]  # [2, 2k, 3]: this device's block
+      out = []
+      for tiled in (False, True):
+        s = x[:, :k] if not tiled else x
+        out += [mlax.all_to_all(s, names, -2, -3, tiled=tiled) ==
+                mlax.all_to_all(s, names, 1, 0, tiled=tiled),
+                mlax.all_to_all(s, names, -2, -1, tiled=tiled) ==
+                mlax.all_to_all(s, names, 1, 2, tiled=tiled),
+                mlax.psum_scatter(s, names, scatter_dimension=-2, tiled=tiled) ==
+                mlax.psum_scatter(s, names, scatter_dimension=1, tiled=tiled)]
+      return jnp.stack([o.all() for o in out])[None]
+
+    x = np.arange(L * 2 * 2 * k * 3, dtype=np.int32).reshape(L, 2, 2 * k, 3)
+    ok = jax.jit(mpijax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    assert np.asarray(ok).all(), (names, np.asarray(ok))
