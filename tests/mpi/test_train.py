@@ -210,6 +210,20 @@ def test_mean_metrics_non_number_on_one_rank_raises_everywhere(rt):
     train.mean_metrics({"acc": "n/a" if rt.rank == bad else 0.5})
 
 
+def test_mean_of_narrow_integer_leaves_does_not_wrap_around(rt):
+  # The same value on every rank: its mean is that value. The sum used to be made in
+  # the leaf's own dtype, so 200 + 200 wrapped around in uint8 (mean 72, not 200).
+  g = {"u8": jnp.full(3, 200, jnp.uint8), "i8": jnp.full(2, -100, jnp.int8),
+       "i16": jnp.full(2, 30000, jnp.int16), "f": jnp.ones(2)}
+  out = jax.jit(train.fused_allreduce)(g)
+  for k in g:
+    assert out[k].dtype == g[k].dtype
+    np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(g[k]), err_msg=k)
+  # A sum (average=False) keeps the dtype's own arithmetic, as jax.lax.psum does.
+  summed = jax.jit(lambda t: train.fused_allreduce(t, average=False))({"u8": jnp.full(2, 200, jnp.uint8)})
+  np.testing.assert_array_equal(np.asarray(summed["u8"]), np.full(2, 200 * rt.size % 256, np.uint8))
+
+
 def test_bool_gradient_leaf_is_refused_naming_it(rt):
   with pytest.raises(TypeError, match=r"leaf \['mask'\] is bool\[2\]"):
     jax.eval_shape(train.fused_allreduce, {"w": jnp.ones(2), "mask": jnp.ones(2, bool)})

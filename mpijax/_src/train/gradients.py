@@ -157,6 +157,10 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     flat = jnp.concatenate([leaves[i].reshape(-1) for i in bucket]) if len(bucket) > 1 \
         else leaves[bucket[0]]
     inexact = jnp.issubdtype(dtype, jnp.inexact)
+    if average and not inexact and jnp.dtype(dtype).itemsize < 4:
+      # The mean of 8/16-bit integers is summed in int32: in the leaf's own
+      # dtype the sum wraps around (uint8: 200 + 200 = 144) before the division.
+      flat = flat.astype(jnp.int32)
     if local_axis_name is not None:
       # Several local devices per rank: reduce over them with XLA first, then
       # each device all-reduces over ranks on its own sub-communicator. After
@@ -164,7 +168,7 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       # sum over ranks of pmeans / nranks is the global mean.
       flat = jax.lax.pmean(flat, local_axis_name) if average and inexact \
           else jax.lax.psum(flat, local_axis_name)
-    wire = _wire_dtype(dtype, compression)
+    wire = _wire_dtype(flat.dtype, compression)
     if average and inexact and wire != dtype:
       # Divide before the cast so half-precision sums cannot overflow.
       flat = flat / nranks
@@ -178,13 +182,14 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     dtype = leaves[bucket[0]].dtype
     inexact = jnp.issubdtype(dtype, jnp.inexact)
     sent_as_is = summed.dtype == dtype  # not compressed, so not pre-scaled
-    summed = summed.astype(dtype)
-    if average and inexact and sent_as_is:
-      summed = summed / jnp.asarray(nranks, dtype)
-    elif average and not inexact:
+    if average and not inexact:
       # Integer leaves: floor of the mean, dtype kept. They were summed (not
       # averaged) over the local devices too, so divide by every device.
-      summed = summed // (nranks * n_local)
+      summed = (summed // (nranks * n_local)).astype(dtype)
+    else:
+      summed = summed.astype(dtype)
+      if average and inexact and sent_as_is:
+        summed = summed / jnp.asarray(nranks, dtype)
     if len(bucket) == 1:
       out[bucket[0]] = summed
       continue
