@@ -431,6 +431,10 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
     with pytest.raises(Exception, match=rf"{what}: leaves have different numbers of samples") as info:
       call()
     assert (rt.rank == bad) != isinstance(info.value, RuntimeError)
+  with pytest.raises(TypeError, match=r"DataParallel.step was called under a JAX transformation.*outside jax.jit"):
+    jax.jit(dp.step)(state, (dataset()[0][:4], y[:4]))
+  with pytest.raises(ValueError, match=r"DataParallel\(compression='int8'\) is not supported; use None, 'bf16' or 'fp16'"):
+    train.DataParallel(per_example_loss, optax.sgd(0.1), compression="int8")
   per_feature = lambda p, b: (per_example_loss(p, b), {"p": jnp.ones((4, 2))})
   with pytest.raises(ValueError, match=r"aux\['p'\] has shape \(4, 2\)"):
     train.DataParallel(per_feature, optax.sgd(0.1), has_aux=True).step(state, (dataset()[0][:4], y[:4]))

@@ -87,6 +87,10 @@ class DataParallel:
   def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
                has_aux: bool = False, with_rng: bool = False, bucket_bytes: int | None = None,
                compression: str | None = None, root: int = 0, comm: Any | None = None):
+    if compression is not None and compression not in _grads._COMPRESSION:
+      # Here, not at the first step after the data is loaded and the model traced.
+      raise ValueError(f"DataParallel(compression={compression!r}) is not supported; "
+                       "use None, 'bf16' or 'fp16'")
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.has_aux = has_aux
@@ -169,6 +173,14 @@ class DataParallel:
       ``(new_state, metrics)``: metrics are global means over the real samples
       of the global batch (``"loss"`` and the ``aux`` keys), as jax scalars.
     """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
+      # Same answer on every rank (every rank traces the same program), so no
+      # rank is left waiting. JAX's own error does not say what to do.
+      raise TypeError("DataParallel.step was called under a JAX transformation (jax.jit, vmap, "
+                      "grad, scan, ...) with traced arguments: it compiles and runs the whole "
+                      "step itself, so call it from Python, outside jax.jit. For a step inside "
+                      "your own jitted code, use optax.chain(mpijax.train.allreduce_gradients(), "
+                      "optimizer).")
     error: Exception | None = None
     if isinstance(batch, _data.Batch):
       data, weight = batch.data, batch.weight
