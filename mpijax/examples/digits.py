@@ -180,7 +180,10 @@ def main(argv=None) -> int:
   history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": [],
              "epoch_seconds": [], "ranks": ranks, "global_batch_size": args.batch_size}
   start_epoch = 0
-  if args.resume and os.path.exists(ckpt_path):
+  # Rank 0's view decides for every rank: with node-local disks a rank that
+  # does not see the file gets restore_checkpoint's error, on every rank,
+  # instead of training alone while the others wait in the restore.
+  if args.resume and train.broadcast(os.path.exists(ckpt_path)):
     saved = train.restore_checkpoint(ckpt_path, like={"state": state, "epoch": 0})
     state, start_epoch = saved["state"], saved["epoch"]
     history.update({k: v for k, v in train.checkpoint_metadata(ckpt_path)["history"].items()

@@ -438,3 +438,16 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
   per_feature = lambda p, b: (per_example_loss(p, b), {"p": jnp.ones((4, 2))})
   with pytest.raises(ValueError, match=r"aux\['p'\] has shape \(4, 2\)"):
     train.DataParallel(per_feature, optax.sgd(0.1), has_aux=True).step(state, (dataset()[0][:4], y[:4]))
+
+
+def test_digits_resume_when_ranks_see_different_files_raises_everywhere(rt, shared_dir):
+  # One --out per rank, as on node-local disks; only rank 0 has a (bad) checkpoint.
+  # Rank 0 used to restore (a collective) while the others started training: a hang.
+  from mpijax.examples import digits
+  out = os.path.join(shared_dir, f"digits-rank{rt.rank}")
+  if rt.rank == 0:
+    os.makedirs(out)
+    with open(os.path.join(out, "checkpoint.ckpt"), "wb") as f:
+      f.write(b"not a checkpoint")
+  with pytest.raises(train.CheckpointError, match="rank 0: .* is not an mpijax checkpoint"):
+    digits.main(["--out", out, "--resume", "--epochs", "1", "--no-progress"])
