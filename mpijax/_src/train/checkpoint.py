@@ -35,6 +35,7 @@ from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src.train import _codec
+from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 
 MAGIC = b"MPIJAXCK"
@@ -161,7 +162,7 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
     bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
     if bad:
       raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n" +
-                      "\n".join(f"  rank {r}: {p}" for r, p in bad[:8]))
+                      _host.rank_lines(bad))
     differ = [r for r, d in enumerate(reports) if d != reports[0]]
     if check_replicated and differ and rank == 0:
       warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
@@ -230,7 +231,7 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
     bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
     if bad:
       raise CheckpointError("restore_checkpoint failed:\n" +
-                            "\n".join(f"  rank {r}: {p}" for r, p in bad[:8]))
+                            _host.rank_lines(bad))
     if len(set(reports)) > 1:
       raise CheckpointError(
           f"ranks read different files at {path!r} (checksums differ: {sorted(set(reports))}); "

@@ -122,7 +122,7 @@ class ShardedBatches:
         bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
           raise error
-        lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
+        lines = _host.rank_lines(bad)
         raise ValueError(f"shard_batches(replicated=False) failed on other ranks, so every rank "
                          f"stops here:\n{lines}")
       if len(counts) != process_count:

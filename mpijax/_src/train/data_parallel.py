@@ -38,7 +38,7 @@ def _all_ranks_or_none(comm: Any, what: str):
   if error is not None:
     raise error
   if bad:
-    lines = "\n".join(f"  rank {r}: {p}" for r, p in bad[:8])
+    lines = _host.rank_lines(bad)
     raise RuntimeError(f"{what} failed on other ranks, so every rank stops here:\n{lines}\n"
                        "Every rank must pass data of the same structure, shapes and dtypes "
                        "(shard_batches gives every rank the same).")
