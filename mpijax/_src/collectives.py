@@ -424,6 +424,11 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     return _lax("psum_scatter", axis_name, lambda: jax.lax.psum_scatter(
         x, axis_name, scatter_dimension=scatter_dimension,
         axis_index_groups=axis_index_groups, tiled=tiled))
+  # jax.lax.psum_scatter has no bool sum (unlike psum, which counts); check it
+  # here, or the error would depend on the layout (none over a size-1 axis).
+  if any(jnp.result_type(v) == jnp.bool_ for v in jax.tree.leaves(x)):
+    raise TypeError(f"psum_scatter over {axis_name!r} got a bool array; as jax.lax.psum_scatter "
+                    "it sums integers and floats only. Cast first, e.g. x.astype(jnp.int32).")
   if axis_index_groups is not None:
     grp = _Groups("psum_scatter", axis_name, axis_index_groups, equal=True)
     k, n_g = jnp.asarray(grp.position)[axis_index(axis_name)], grp.group_size

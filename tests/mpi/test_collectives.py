@@ -419,6 +419,12 @@ def test_axis_index_groups():
   np.testing.assert_allclose(np.asarray(grad), _mine(np.array(
       [w[group_of(uneven, i)].sum() for i in range(n)])))
   bad = [[0]] if n > 1 else [[0, 0]]  # not a partition of range(n)
+  # Bools: jax.lax.psum_scatter has no sum for them, at every layout (a size-1
+  # axis, e.g. at 1 rank, used to return them unsummed).
+  with pytest.raises(TypeError, match="psum_scatter over 'i' got a bool array"):
+    pm(lambda x: mlax.psum_scatter(x, "i", axis_index_groups=equal))(_mine(s) > 0)
+  with pytest.raises(TypeError, match="psum_scatter over 'i' got a bool array"):
+    pm(lambda x: mlax.psum_scatter(x, "i", tiled=True))(_mine(s) > 0)
   with pytest.raises(ValueError, match=rf"psum got axis_index_groups={re.escape(str(bad))}; "
                      r"the groups must .* exactly once"):
     pm(lambda x: mlax.psum(x, "i", axis_index_groups=bad))(_mine(g))
