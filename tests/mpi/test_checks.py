@@ -174,6 +174,18 @@ def test_replicated_batches_of_different_sizes_raise_on_every_rank(rt):
     next(iter(batches))
 
 
+def test_replicated_batches_unusable_on_one_rank_raise_on_every_rank(rt):
+  # The bad rank used to raise alone at construction while the others waited
+  # forever in the size check of their first batch.
+  bad = rt.size - 1
+  data = {"x": np.zeros(8), "y": np.zeros(7 if rt.rank == bad else 8)}
+  match = r"different numbers of samples" if rt.rank == bad else \
+      rf"failed on other ranks.*\n  rank {bad}: ValueError: .*different numbers of samples"
+  with pytest.raises(ValueError, match=match):  # alone: at construction, else at the first batch
+    next(iter(mt.shard_batches(data, 2 * rt.size, seed=0, epoch=0)))
+  assert mt.broadcast({"n": np.array(rt.rank)})["n"] == 0  # nothing left pending
+
+
 def test_a_problem_found_on_one_rank_raises_on_every_rank(rt):
   from mpijax._src import runtime
   problem = "mpijax.init(): something is off here" if rt.rank == rt.size - 1 else ""

@@ -432,7 +432,8 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
                      (lambda: dp.evaluate(state, (dataset()[0][:4], y_short), rt.size), "shard_batches")):
     with pytest.raises(Exception, match=rf"{what}: leaves have different numbers of samples") as info:
       call()
-    assert (rt.rank == bad) != isinstance(info.value, RuntimeError)
+    if rt.rank != bad:  # the others name the bad rank
+      assert f"rank {bad}: ValueError" in str(info.value)
   with pytest.raises(TypeError, match=r"DataParallel.step was called under a JAX transformation.*outside jax.jit"):
     jax.jit(dp.step)(state, (dataset()[0][:4], y[:4]))
   with pytest.raises(ValueError, match=r"DataParallel\(compression='int8'\) is not supported; use None, 'bf16' or 'fp16'"):

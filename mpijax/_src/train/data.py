@@ -71,7 +71,11 @@ class ShardedBatches:
     # With replicated=False the ranks meet in an allgather below; a rank whose
     # arguments or data are bad must still take part, or the others would wait
     # there forever. Its error is raised after the exchange, on every rank.
+    # With replicated=True they meet at the first batch (the size check), so
+    # a rank whose own data is unusable keeps its error for that meeting.
     error: Exception | None = None
+    self._error: Exception | None = None
+    reading_data = False
     try:
       if not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
         raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer")
@@ -96,15 +100,20 @@ class ShardedBatches:
       self.process_index, self.process_count = process_index, process_count
       self.replicated = replicated
       # Host copies once: indexing NumPy is cheap and keeps device memory free.
+      reading_data = True
       self._arrays = jax.tree_util.tree_map(np.asarray, arrays)
       n_local = _leading_size(self._arrays)
     except (ValueError, TypeError) as e:
-      if replicated or process_count == 1:
+      if process_count == 1 or (replicated and not (
+          reading_data and self._will_check_size(comm, process_count))):
         raise
       error, n_local = e, -1
 
     if replicated:
-      n = n_local
+      # A rank whose data is unusable has no steps; its first batch raises
+      # the error, and every other rank's first batch names this rank.
+      self._error = error
+      n = max(n_local, 0)
       order = (np.arange(n) if seed is None
                else np.random.default_rng([int(seed), int(epoch)]).permutation(n))
       G = self.global_batch_size
@@ -179,16 +188,32 @@ class ShardedBatches:
         idx[take.size:] = take[0]  # padding repeats a real sample; the mask hides it
     return idx, mask, real_global
 
-  def _check_replicated_size(self) -> None:
-    self._size_checked = True
-    comm = self._comm
+  @staticmethod
+  def _size_check_comm(comm: Any | None, process_count: int) -> Any | None:
+    """The communicator of the replicated size check, None where none runs."""
     if comm is None:
       if not _host.runtime.is_initialized():
-        return  # process_index/process_count given by hand, no MPI job
+        return None  # process_index/process_count given by hand, no MPI job
       comm = _host.get_comm(None, "mpijax.train.shard_batches")
-    if comm.Get_size() != self.process_count:
+    return comm if comm.Get_size() == process_count else None
+
+  @classmethod
+  def _will_check_size(cls, comm: Any | None, process_count: int) -> bool:
+    return process_count > 1 and cls._size_check_comm(comm, process_count) is not None
+
+  def _check_replicated_size(self) -> None:
+    self._size_checked = True
+    comm = self._size_check_comm(self._comm, self.process_count)
+    if comm is None:
       return
-    counts = mpi_util.allgather_int(comm, self.num_samples)
+    error = self._error
+    counts = mpi_util.allgather_int(comm, -1 if error is not None else self.num_samples)
+    if min(counts) < 0:
+      bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
+      if error is not None:
+        raise error
+      raise ValueError(f"shard_batches failed on other ranks, so every rank stops here:\n"
+                       f"{_host.rank_lines(bad)}")
     if len(set(counts)) > 1:
       raise ValueError(
           f"shard_batches(replicated=True) expects the same full dataset on every rank, but "
@@ -231,6 +256,11 @@ def shard_batches(arrays: Any, global_batch_size: int, *, seed: int | None, epoc
   epoch and nobody leaves the all-reduce early. (``drop_remainder=True``:
   ``min(count // local_batch)`` full steps.) The local order is shuffled from
   ``(seed, epoch, rank)``.
+
+  Every rank raises together when one rank's data is unusable (e.g. leaves
+  with different sample counts): with ``replicated=False`` at construction,
+  with ``replicated=True`` at the first batch, where the ranks meet anyway
+  (the bad rank's ``len()`` is 0 until then).
 
   Args:
     arrays: a pytree of arrays with a common leading sample dimension.
