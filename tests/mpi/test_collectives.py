@@ -462,3 +462,14 @@ def test_negative_split_and_concat_axes_on_every_kind_of_axis():
     x = np.arange(L * 2 * 2 * k * 3, dtype=np.int32).reshape(L, 2, 2 * k, 3)
     ok = jax.jit(mpijax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(x)
     assert np.asarray(ok).all(), (names, np.asarray(ok))
+
+
+def test_narrow_int_sums_wrap():
+  """8/16-bit sums wrap as in jax.lax (Open MPI's AVX kernels saturate: 100 + 100 in int8
+  gave 127)."""
+  n = mpijax.process_count() * mpijax.local_device_count()
+  rng = np.random.default_rng(15)
+  for dtype, size in ((np.int8, 69000), (np.uint8, 12), (np.int16, 33000)):  # big: hierarchical
+    g = (rng.integers(90, 110, size=(n, size)) * (1 if dtype != np.int16 else 300)).astype(dtype)
+    _compare(lambda x: mlax.psum(x, "i"), g, exact=True)
+    _compare(lambda x: mlax.psum_scatter(x, "i", tiled=True), g[:, :size // n * n], exact=True)
