@@ -192,6 +192,14 @@ def test_compression_restores_dtype_and_is_close(rt, compression, rtol):
     assert sent == []  # one rank: nothing travels, so nothing is rounded
 
 
+def test_fp16_sum_does_not_overflow(rt):
+  # 60000 fits float16 but a sum of them over 2+ ranks does not: the sum used to be inf.
+  g = {"w": jnp.full(3, 60000.0, jnp.float32), "v": jnp.full(2, 1.5, jnp.float32)}
+  out = jax.jit(lambda g: train.fused_allreduce(g, average=False, compression="fp16"))(g)
+  np.testing.assert_allclose(out["w"], 60000.0 * rt.size, rtol=2e-3)
+  np.testing.assert_allclose(out["v"], 1.5 * rt.size, rtol=2e-3)
+
+
 def test_mean_metrics_eager_and_jitted(rt):
   got = train.mean_metrics({"r": float(rt.rank), "v": np.full(2, rt.rank, np.float32)})
   assert got["r"] == pytest.approx((rt.size - 1) / 2)

@@ -169,7 +169,7 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       flat = jax.lax.pmean(flat, local_axis_name) if average and inexact \
           else jax.lax.psum(flat, local_axis_name)
     wire = _wire_dtype(flat.dtype, compression)
-    if average and inexact and wire != dtype:
+    if _prescaled(average, inexact, dtype, wire):
       # Divide before the cast so half-precision sums cannot overflow.
       flat = flat / nranks
     sends.append(flat.astype(wire))
@@ -182,6 +182,7 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     dtype = leaves[bucket[0]].dtype
     inexact = jnp.issubdtype(dtype, jnp.inexact)
     sent_as_is = summed.dtype == dtype  # not compressed, so not pre-scaled
+    prescaled = _prescaled(average, inexact, dtype, summed.dtype)
     if average and not inexact:
       # Integer leaves: floor of the mean, dtype kept. They were summed (not
       # averaged) over the local devices too, so divide by every device.
@@ -190,6 +191,8 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       summed = summed.astype(dtype)
       if average and inexact and sent_as_is:
         summed = summed / jnp.asarray(nranks, dtype)
+      elif prescaled and not average:
+        summed = summed * jnp.asarray(nranks, dtype)  # the sum, from the mean sent
     if len(bucket) == 1:
       out[bucket[0]] = summed
       continue
@@ -199,6 +202,16 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
       out[i] = summed[offset:offset + n].reshape(leaves[i].shape)
       offset += n
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _prescaled(average: bool, inexact: bool, dtype: Any, wire: Any) -> bool:
+  """Whether a bucket is sent divided by the rank count (so the sum is the mean).
+
+  Compressed float buckets of a mean always are; a sum sent as float16 is
+  too (then multiplied back), since float16 overflows past 65504: a sum of
+  values that each fit may not.
+  """
+  return inexact and wire != dtype and (average or wire == jnp.float16)
 
 
 def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None,
@@ -222,7 +235,8 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
       (``MPIJAX_BUCKET_BYTES``, 64 MiB).
     compression: ``None``, ``"bf16"`` or ``"fp16"``: float32/float64 buckets
       travel in half precision (half the bytes) and are cast back; for
-      ``"fp16"`` the mean is pre-scaled by ``1/ranks`` to avoid overflow.
+      ``"fp16"`` they are pre-scaled by ``1/ranks`` (a sum is multiplied back
+      after) so the half-precision sum cannot overflow.
     local_axis_name: when the step runs under ``jax.shard_map``/``jax.pmap``
       over this rank's local devices, the name of that axis: the gradient is
       first averaged over the local devices (``jax.lax.pmean``), then
