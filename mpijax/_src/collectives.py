@@ -99,7 +99,11 @@ def _extremum_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   """
   @jax.custom_jvp
   def extremum(v):
-    return _reduce_leaf_impl(v, mesh, axes, op)
+    # As XLA's all-reduce (jax.pmap, jax.shard_map): NaN is skipped and an
+    # all-NaN element gives the identity (-inf for max). MPI's MAX/MIN compare
+    # with '>'/'<', so a NaN won or lost by the order of the operands, which
+    # depends on the ranks and the path: non-extremal values came out.
+    return _reduce_leaf_impl(_nan_to_identity(v, op), mesh, axes, op)
 
   @extremum.defjvp
   def extremum_jvp(primals, tangents):
@@ -110,6 +114,12 @@ def _extremum_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     return out, _reduce_leaf_impl(jnp.where(hit, t, jnp.zeros_like(t)), mesh, axes, "sum") / count
 
   return extremum(x)
+
+
+def _nan_to_identity(x, op: str):
+  """``x`` with NaN replaced by the identity of max (-inf) or min (+inf)."""
+  fill = jnp.asarray(-jnp.inf if op == "max" else jnp.inf, x.dtype)
+  return jnp.where(jnp.isnan(x), fill, x)
 
 
 # Open MPI's AVX reduction kernels (op/avx, on by default on x86) add 8- and
@@ -278,6 +288,7 @@ def _grouped_reduction(op: str, x, axis_name, grp: _Groups):
     # Others' values become the identity of the max / min (no false ties).
     if jnp.issubdtype(v.dtype, jnp.inexact):
       fill = -jnp.inf if op == "max" else jnp.inf
+      mask = mask & ~jnp.isnan(full)  # NaN skipped, as the ungrouped pmax/pmin
     elif v.dtype == jnp.bool_:
       fill = op != "max"
     else:

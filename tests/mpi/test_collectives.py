@@ -464,12 +464,28 @@ def test_negative_split_and_concat_axes_on_every_kind_of_axis():
     assert np.asarray(ok).all(), (names, np.asarray(ok))
 
 
-def test_narrow_int_sums_wrap():
-  """8/16-bit sums wrap as in jax.lax (Open MPI's AVX kernels saturate: 100 + 100 in int8
-  gave 127)."""
+def test_narrow_int_sums_wrap_and_pmax_pmin_skip_nan():
+  """8/16-bit sums wrap as in jax.lax; pmax/pmin skip NaN as XLA's all-reduce does.
+
+  Open MPI's AVX kernels saturate 8/16-bit sums (100 + 100 in int8 gave 127),
+  and MPI's MAX/MIN let a NaN win or lose by the order of the operands.
+  """
   n = mpijax.process_count() * mpijax.local_device_count()
   rng = np.random.default_rng(15)
   for dtype, size in ((np.int8, 69000), (np.uint8, 12), (np.int16, 33000)):  # big: hierarchical
     g = (rng.integers(90, 110, size=(n, size)) * (1 if dtype != np.int16 else 300)).astype(dtype)
     _compare(lambda x: mlax.psum(x, "i"), g, exact=True)
     _compare(lambda x: mlax.psum_scatter(x, "i", tiled=True), g[:, :size // n * n], exact=True)
+  pm = lambda f: mpijax.pmap(f, axis_name="i")
+  uneven, _ = _groups(n)
+  for size in (5, 20000):
+    g = np.round(_global((size,), np.float32, 16))
+    g[0, 0] = g[:, 1] = g[n - 1, 2] = np.nan
+    for fn, red, fill in ((mlax.pmax, np.fmax, -np.inf), (mlax.pmin, np.fmin, np.inf)):
+      want = lambda rows: np.where(np.isnan(rows).all(0), fill, red.reduce(rows, axis=0))
+      out = pm(lambda x: fn(x, "i"))(_mine(g))
+      np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(want(g), out.shape))
+      if size == 5:
+        out = pm(lambda x: fn(x, "i", axis_index_groups=uneven))(_mine(g))
+        ref = np.stack([want(g[next(grp for grp in uneven if i in grp)]) for i in range(n)])
+        np.testing.assert_array_equal(np.asarray(out), _mine(ref))
