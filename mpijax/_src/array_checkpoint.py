@@ -68,7 +68,7 @@ def _agree(comm, what: str, error: str, exc=OSError) -> None:
   """Raises ``exc`` on every rank if any rank reports an error."""
   bad = mpi_util.rank_problems(comm, error)
   if bad:
-    raise exc(f"{what} failed:\n" + "\n".join(f"  rank {r}: {e}" for r, e in bad[:8]))
+    raise exc(f"{what} failed:\n" + mpi_util.rank_lines(bad))
 
 
 # --- save ------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
       error = f"{type(e).__name__}: {e}"
   if bad:
     raise OSError(f"mpijax.save({path!r}) failed (nothing was published):\n" +
-                  "\n".join(f"  rank {r}: {e}" for r, e in bad[:8]))
+                  mpi_util.rank_lines(bad))
   error = mpi_util.bcast_str(comm, error if rt.rank == 0 else None, 0)
   if error:
     raise OSError(f"mpijax.save({path!r}) failed on rank 0: {error}")
@@ -389,8 +389,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
   reports = mpi_util.allgather_str(rt.comm, ("error:" + error) if error else ("ok:" + digest))
   bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
   if bad:
-    raise CheckpointError(f"mpijax.load({path!r}) failed:\n" +
-                          "\n".join(f"  rank {r}: {p}" for r, p in bad[:8]))
+    raise CheckpointError(f"mpijax.load({path!r}) failed:\n" + mpi_util.rank_lines(bad))
   if len(set(reports)) > 1:
     raise CheckpointError(f"ranks read different metadata at {path!r}; put checkpoints on a "
                           "filesystem every rank sees")

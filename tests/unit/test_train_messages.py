@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpijax._src.train._host import rank_lines
+from mpijax._src.mpi_util import rank_lines
 
 
 def test_ranks_with_the_same_problem_share_a_line():

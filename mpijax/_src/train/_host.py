@@ -41,30 +41,3 @@ def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:
   req = comm.Ibarrier()
   while not req.Test():
     time.sleep(poll_seconds)
-
-
-def _rank_ranges(ranks: list[int]) -> str:
-  """[0, 1, 2, 5] -> '0-2, 5'."""
-  parts, start = [], 0
-  for i in range(1, len(ranks) + 1):
-    if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
-      a, b = ranks[start], ranks[i - 1]
-      parts.append(str(a) if a == b else f"{a}-{b}")
-      start = i
-  return ", ".join(parts)
-
-
-def rank_lines(bad: list[tuple[int, str]], limit: int = 8) -> str:
-  """Indented '  rank r: problem' lines, one per distinct problem.
-
-  Ranks that report the same problem share a line ('  ranks 0-3: no
-  checkpoint at ...'): a mistake made everywhere reads once, not once per rank.
-  """
-  by_text: dict[str, list[int]] = {}
-  for r, text in bad:
-    by_text.setdefault(text, []).append(r)
-  lines = [f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
-           for text, rs in list(by_text.items())[:limit]]
-  if len(by_text) > limit:
-    lines.append(f"  ... and {len(by_text) - limit} more different problems")
-  return "\n".join(lines)

@@ -55,7 +55,7 @@ def agree_or_raise(comm: Any, problem: str, what: str) -> None:
   """Every rank raises if any rank found a problem (so no rank is left waiting in MPI)."""
   bad = mpi_util.rank_problems(comm, problem)
   if bad:
-    lines = _host.rank_lines(bad)
+    lines = mpi_util.rank_lines(bad)
     raise ValueError(f"{what}: the ranks' trees cannot be broadcast\n{lines}\n"
                      "Every rank must pass a tree with the same structure, shapes and dtypes.")
 

@@ -162,7 +162,7 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
     bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
     if bad:
       raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n" +
-                      _host.rank_lines(bad))
+                      mpi_util.rank_lines(bad))
     differ = [r for r, d in enumerate(reports) if d != reports[0]]
     if check_replicated and differ and rank == 0:
       warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
@@ -231,7 +231,7 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
     bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
     if bad:
       raise CheckpointError("restore_checkpoint failed:\n" +
-                            _host.rank_lines(bad))
+                            mpi_util.rank_lines(bad))
     if len(set(reports)) > 1:
       raise CheckpointError(
           f"ranks read different files at {path!r} (checksums differ: {sorted(set(reports))}); "

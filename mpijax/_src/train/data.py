@@ -131,7 +131,7 @@ class ShardedBatches:
         bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
           raise error
-        lines = _host.rank_lines(bad)
+        lines = mpi_util.rank_lines(bad)
         raise ValueError(f"shard_batches(replicated=False) failed on other ranks, so every rank "
                          f"stops here:\n{lines}")
       if len(counts) != process_count:
@@ -213,7 +213,7 @@ class ShardedBatches:
       if error is not None:
         raise error
       raise ValueError(f"shard_batches failed on other ranks, so every rank stops here:\n"
-                       f"{_host.rank_lines(bad)}")
+                       f"{mpi_util.rank_lines(bad)}")
     if len(set(counts)) > 1:
       raise ValueError(
           f"shard_batches(replicated=True) expects the same full dataset on every rank, but "

@@ -38,7 +38,7 @@ def _all_ranks_or_none(comm: Any, what: str):
   if error is not None:
     raise error
   if bad:
-    lines = _host.rank_lines(bad)
+    lines = mpi_util.rank_lines(bad)
     raise RuntimeError(f"{what} failed on other ranks, so every rank stops here:\n{lines}\n"
                        "Every rank must pass data of the same structure, shapes and dtypes "
                        "(shard_batches gives every rank the same).")
