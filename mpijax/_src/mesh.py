@@ -179,12 +179,17 @@ class GlobalMesh:
                          f"{self.axis_names}")
     return names
 
-  def local_spec(self, spec: PartitionSpec) -> PartitionSpec:
-    """The spec of this rank's part over the local mesh."""
+  def local_spec(self, spec: PartitionSpec, *, keep_size_one: bool = False) -> PartitionSpec:
+    """The spec of this rank's part over the local mesh.
+
+    ``keep_size_one`` keeps the axes of global size 1 (local axes of the local
+    mesh, as in the global spec): under ``check_vma=True`` a collective over
+    one types its result varying there, and JAX then needs the spec to name it.
+    """
     out = []
     for entry in spec:
       local = tuple(self.axes[n].local_name for n in self.spec_axes(entry)
-                    if self.axes[n].local_size > 1)
+                    if self.axes[n].local_size > 1 or (keep_size_one and self.axes[n].size == 1))
       out.append(None if not local else (local[0] if len(local) == 1 else local))
     return P(*out)
 
@@ -317,9 +322,10 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     ins = _in_specs_tree(in_specs, args)
     if any_ga:
       ga.check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_pspec))
-    local_ins = jax.tree.map(mesh.local_spec, ins, is_leaf=_is_pspec)
-    local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s)), out_specs,
-                              is_leaf=_is_spec)
+    local_ins = jax.tree.map(lambda s: mesh.local_spec(s, keep_size_one=True), ins,
+                             is_leaf=_is_pspec)
+    local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s), keep_size_one=True),
+                              out_specs, is_leaf=_is_spec)
     _check_local_shapes(mesh, ins, args)
     mapped = jax.shard_map(local_body, mesh=mesh.local_mesh, in_specs=local_ins,
                            out_specs=local_outs, check_vma=check_vma)

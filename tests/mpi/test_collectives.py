@@ -489,3 +489,27 @@ def test_narrow_int_sums_wrap_and_pmax_pmin_skip_nan():
         out = pm(lambda x: fn(x, "i", axis_index_groups=uneven))(_mine(g))
         ref = np.stack([want(g[next(grp for grp in uneven if i in grp)]) for i in range(n)])
         np.testing.assert_array_equal(np.asarray(out), _mine(ref))
+
+
+def test_check_vma_with_a_size_one_axis():
+  """Under check_vma=True a collective over a size-1 axis types its result varying there,
+  as in JAX; a spec naming that axis must then hold (it was dropped from the local spec)."""
+  n = mpijax.process_count() * mpijax.local_device_count()
+  mesh = mpijax.make_mesh((1, n), ("one", "all"))
+  spec = P(("one", "all"))
+  names = ("one", "all")
+
+  def f(x):
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    return (mlax.all_gather(x, names, tiled=True)[None], mlax.ppermute(x, names, ring),
+            mlax.all_to_all(jnp.tile(x, n), names, 0, 0, tiled=True), mlax.all_gather(x, "one"))
+
+  g = np.arange(n, dtype=np.float32)
+  gathered, shifted, exchanged, one = jax.jit(mpijax.shard_map(
+      f, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec, P(None, names)),
+      check_vma=True))(_mine(g))
+  L = mpijax.local_device_count()
+  np.testing.assert_array_equal(np.asarray(gathered), np.broadcast_to(g, (L, n)))
+  np.testing.assert_array_equal(np.asarray(shifted), _mine(np.roll(g, 1)))
+  np.testing.assert_array_equal(np.asarray(exchanged), np.tile(g, L))
+  np.testing.assert_array_equal(np.asarray(one), _mine(g)[None])
