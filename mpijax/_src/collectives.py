@@ -547,10 +547,20 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
     jax.tree.map(check_split, x)
     return _grouped_all_to_all(x, axis_name, split_axis, concat_axis, [list(range(S))], tiled)
   if a.is_local:
-    # jax.lax.all_to_all does not normalize negative dimensions (verifier
-    # errors, wrong shapes or a crash): pass them non-negative, checked above.
-    return jax.tree.map(lambda v: jax.lax.all_to_all(
-        v, a.local_name, split_axis % np.ndim(v), concat_axis % np.ndim(v), tiled=tiled), x)
+    def local(v):
+      # jax.lax.all_to_all does not normalize negative dimensions (verifier
+      # errors, wrong shapes or a crash): pass them non-negative, checked above.
+      sa, ca = split_axis % np.ndim(v), concat_axis % np.ndim(v)
+      check_split(v)
+      if tiled:
+        return jax.lax.all_to_all(v, a.local_name, sa, ca, tiled=True)
+      # Untiled as tiled within the split dimension (source j's chunk at j),
+      # that dimension then moved to concat_axis: the same values, and a
+      # transpose that works (JAX's untiled one fails under jax.grad when
+      # split_axis != concat_axis: 'Expected cotangent type').
+      return jnp.moveaxis(jax.lax.all_to_all(v, a.local_name, sa, sa, tiled=True), sa, ca)
+
+    return jax.tree.map(local, x)
 
   def leaf(v):
     v = jnp.asarray(v)

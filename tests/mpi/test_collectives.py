@@ -457,6 +457,13 @@ def test_negative_split_and_concat_axes_on_every_kind_of_axis():
                 mlax.all_to_all(s, names, 1, 2, tiled=tiled),
                 mlax.psum_scatter(s, names, scatter_dimension=-2, tiled=tiled) ==
                 mlax.psum_scatter(s, names, scatter_dimension=1, tiled=tiled)]
+        # The derivative: all_to_all's transpose swaps split and concat axes
+        # (jax.lax's own untiled transpose fails here, on the local axis).
+        w = jnp.cos(jnp.arange(s.size, dtype=jnp.float32).reshape(s.shape)
+                    + mlax.axis_index(names)).swapaxes(0, 1)
+        grad = jax.grad(lambda v: (mlax.all_to_all(v, names, 1, 0, tiled=tiled) * w).sum())(
+            s.astype(jnp.float32))
+        out.append(grad == mlax.all_to_all(w, names, 0, 1, tiled=tiled))
       return jnp.stack([o.all() for o in out])[None]
 
     x = np.arange(L * 2 * 2 * k * 3, dtype=np.int32).reshape(L, 2, 2 * k, 3)
