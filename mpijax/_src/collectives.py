@@ -59,7 +59,9 @@ def _lax(fn: str, axis_name, call):
 
 
 def _local_names(axes: Sequence[AxisInfo]) -> tuple[str, ...]:
-  return tuple(a.local_name for a in axes if a.local_size > 1)
+  # Axes of size 1 too: shard_map's local specs name them (as JAX's do), and
+  # under check_vma=True only jax.lax.psum over them types the result invariant.
+  return tuple(a.local_name for a in axes if a.local_size > 1 or a.size == 1)
 
 
 # --- reductions ----------------------------------------------------------------------

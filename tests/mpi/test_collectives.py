@@ -509,14 +509,16 @@ def test_check_vma_with_a_size_one_axis():
   def f(x):
     ring = [(j, (j + 1) % n) for j in range(n)]
     return (mlax.all_gather(x, names, tiled=True)[None], mlax.ppermute(x, names, ring),
-            mlax.all_to_all(jnp.tile(x, n), names, 0, 0, tiled=True), mlax.all_gather(x, "one"))
+            mlax.all_to_all(jnp.tile(x, n), names, 0, 0, tiled=True), mlax.all_gather(x, "one"),
+            mlax.psum(x, "one"))  # typed invariant over 'one': its spec may omit it
 
   g = np.arange(n, dtype=np.float32)
-  gathered, shifted, exchanged, one = jax.jit(mpijax.shard_map(
-      f, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec, P(None, names)),
+  gathered, shifted, exchanged, one, summed = jax.jit(mpijax.shard_map(
+      f, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec, P(None, names), P("all")),
       check_vma=True))(_mine(g))
   L = mpijax.local_device_count()
   np.testing.assert_array_equal(np.asarray(gathered), np.broadcast_to(g, (L, n)))
   np.testing.assert_array_equal(np.asarray(shifted), _mine(np.roll(g, 1)))
   np.testing.assert_array_equal(np.asarray(exchanged), np.tile(g, L))
   np.testing.assert_array_equal(np.asarray(one), _mine(g)[None])
+  np.testing.assert_array_equal(np.asarray(summed), _mine(g))
