@@ -124,25 +124,6 @@ def _nan_to_identity(x, op: str):
   return jnp.where(jnp.isnan(x), fill, x)
 
 
-# Open MPI's AVX reduction kernels (op/avx, on by default on x86) add 8- and
-# 16-bit integers with saturating instructions (open-mpi/ompi#8045, 'wontfix'):
-# 100 + 100 in int8 came back 127, where jax.lax wraps to -56. Those sums cross
-# MPI in int32 (exact; wrapped back by the cast) at 2-4x the bytes.
-_NARROW_INTS = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
-
-
-def _mpi_allreduce(x, op: str, comm):
-  if op == "sum" and x.dtype in _NARROW_INTS:
-    return ops.allreduce(x.astype(jnp.int32), op, comm=comm).astype(x.dtype)
-  return ops.allreduce(x, op, comm=comm)
-
-
-def _mpi_reduce_scatter_sum(x, comm):
-  if x.dtype in _NARROW_INTS:
-    return ops.reduce_scatter(x.astype(jnp.int32), "sum", comm=comm).astype(x.dtype)
-  return ops.reduce_scatter(x, "sum", comm=comm)
-
-
 def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   local = _local_names(axes)
   comm = mesh.process_comm([a.name for a in axes])
@@ -162,7 +143,7 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     else:  # no pmax_scatter in XLA: exchange the parts, then reduce them here
       parts = jax.lax.all_to_all(flat.reshape(n_local, -1), local, 0, 0, tiled=True)
       part = parts.max(axis=0) if op == "max" else parts.min(axis=0)
-    part = _mpi_allreduce(part, op, comm)
+    part = ops.allreduce(part, op, comm=comm)
     # Typed invariant (as psum's result) only where jax tracks it, under
     # shard_map(check_vma=True): there the invariant gather's transpose is
     # right. Unchecked (every mpijax.pmap), the cotangent differs per device and
@@ -172,7 +153,7 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     return full[:x.size].reshape(x.shape)
   if local:
     x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
-  return _mpi_allreduce(x, op, comm)
+  return ops.allreduce(x, op, comm=comm)
 
 
 def _typed_varying(x) -> bool:
@@ -511,7 +492,7 @@ def _scatter_one(y, mesh: GlobalMesh, a: AxisInfo):
   else:
     blocks = blocks[:, 0]
   if a.proc_size > 1:
-    return _mpi_reduce_scatter_sum(blocks, mesh.process_comm([a.name]))
+    return ops.reduce_scatter(blocks, "sum", comm=mesh.process_comm([a.name]))
   return blocks[0]
 
 

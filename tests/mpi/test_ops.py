@@ -571,6 +571,20 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         assert all(b == mine for b in RT.comm.allgather(mine))
 
 
+def test_narrow_integer_sums_wrap_around(allreduce_path):
+  # Open MPI's AVX kernels add 8/16-bit integers with saturation from 64
+  # elements on (int8 100 + 100 gave 127); XLA and jax.lax wrap around.
+  for dtype in ("int8", "uint8", "int16", "uint16"):
+    info = np.iinfo(dtype)
+    x = np.full(N * 40, info.max - R, dtype)
+    want = np.sum([np.full(N * 40, info.max - r, np.int64) for r in range(N)], axis=0).astype(dtype)
+    assert_close(jax.jit(lambda v: ops.allreduce(v, "sum"))(x), want, dtype)
+    assert_close(ops.reduce_scatter(x.reshape(N, 40), "sum"), want.reshape(N, 40)[R], dtype)
+    got = ops.reduce(x, "sum", root=0)
+    if R == 0:
+      assert_close(got, want, dtype)
+
+
 def test_ring_in_place_runs_in_segments():
   # In place, the ring receives into an 8 MiB scratch: a 40 MiB intermediate
   # is reduced in several segments (the default thresholds: the ring runs).

@@ -168,6 +168,12 @@ std::once_flag g_types_once;
 MPI_Datatype g_half_type = MPI_DATATYPE_NULL;  // 2 opaque bytes (f16, bf16)
 MPI_Op g_f16_ops[4];                           // sum, prod, min, max
 MPI_Op g_bf16_ops[4];
+// 8- and 16-bit integer sums that wrap around like XLA's: Open MPI's AVX
+// kernels (op/avx, on by default on x86) add these with saturating
+// instructions (open-mpi/ompi#8045, 'wontfix'): int8 100 + 100 came back 127
+// from 64 elements on, where jax.lax gives -56. Signed and unsigned share
+// the op: two's-complement addition is the same bits.
+MPI_Op g_wrap_sum8 = MPI_OP_NULL, g_wrap_sum16 = MPI_OP_NULL;
 
 enum ReduceOp : int64_t {
   kSum = 0, kProd = 1, kMin = 2, kMax = 3, kAnd = 4, kOr = 5, kXor = 6,
@@ -192,6 +198,13 @@ void HalfOp(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
+template <typename U>
+void WrapSumOp(void* in, void* inout, int* len, MPI_Datatype*) {
+  const U* a = static_cast<const U*>(in);
+  U* b = static_cast<U*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = static_cast<U>(a[i] + b[i]);
+}
+
 void InitTypesOnce() {
   std::call_once(g_types_once, [] {
     MPI_Type_contiguous(2, MPI_BYTE, &g_half_type);
@@ -204,6 +217,8 @@ void InitTypesOnce() {
     MPI_Op_create(&HalfOp<Bf16ToFloat, FloatToBf16, kProd>, 1, &g_bf16_ops[1]);
     MPI_Op_create(&HalfOp<Bf16ToFloat, FloatToBf16, kMin>, 1, &g_bf16_ops[2]);
     MPI_Op_create(&HalfOp<Bf16ToFloat, FloatToBf16, kMax>, 1, &g_bf16_ops[3]);
+    MPI_Op_create(&WrapSumOp<uint8_t>, 1, &g_wrap_sum8);
+    MPI_Op_create(&WrapSumOp<uint16_t>, 1, &g_wrap_sum16);
   });
 }
 
@@ -880,6 +895,10 @@ ffi::Error ReductionTypes(ffi::DataType t, int64_t op, MPI_Datatype* dt,
   static const MPI_Op kOps[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX,
                                 MPI_BAND, MPI_BOR, MPI_BXOR};
   *mop = kOps[op];
+  if (op == kSum && (t == ffi::DataType::S8 || t == ffi::DataType::U8))
+    *mop = g_wrap_sum8;
+  if (op == kSum && (t == ffi::DataType::S16 || t == ffi::DataType::U16))
+    *mop = g_wrap_sum16;
   return ffi::Error::Success();
 }
 
