@@ -57,6 +57,32 @@ def axis_choices(names):
   return [a, b, (a, b), (b, a)]
 
 
+def _pick_axis(rng, ax_all, names, n):
+  """A random axis (name or tuple) of the mesh and its size."""
+  ax = ax_all[rng.integers(len(ax_all))]
+  size = n if isinstance(ax, tuple) and len(ax) == 2 or len(names) == 1 else 2
+  if ax in ("one", ("one",)):
+    size = 1
+  elif ax in ("all", ("all",)):
+    size = 4
+  return ax, size
+
+
+def _pick_mode(rng, dt):
+  """How a case runs; gradients only of float32."""
+  mode = ["plain", "jit", "vmap_out", "scan", "grad_out", "grad_in"][rng.integers(6)]
+  return "jit" if mode.startswith("grad") and dt != "float32" else mode
+
+
+def selected(case, only):
+  """Whether the command-line filter (substrings joined by '|', or '>N') keeps ``case``."""
+  if not only:
+    return True
+  if only.startswith(">"):
+    return int(case.name[:4]) >= int(only[1:])
+  return any(o in case.name for o in only.split("|"))
+
+
 def build(n: int, seed: int = 0) -> list[Case]:
   rng = np.random.default_rng(seed)
   cases: list[Case] = []
@@ -129,33 +155,21 @@ def build(n: int, seed: int = 0) -> list[Case]:
           [x], mode=mode)
     # --- psum_scatter
     for _ in range(20):
-      ax = ax_all[rng.integers(len(ax_all))]
-      size = n if isinstance(ax, tuple) and len(ax) == 2 or len(names) == 1 else 2
-      if ax in ("one", ("one",)):
-        size = 1
-      elif ax in ("all", ("all",)):
-        size = 4
+      ax, size = _pick_axis(rng, ax_all, names, n)
       dt = ["float32", "int32", "bfloat16", "float16", "bool"][rng.integers(5)]
       nd = int(rng.integers(1, 4))
       dshape = [int(s) for s in rng.integers(1, 3, size=nd)]
       d = int(rng.integers(-nd, nd))
       tiled = bool(rng.integers(2))
       dshape[d] = size * (int(rng.integers(1, 3)) if tiled else 1)
-      mode = ["plain", "jit", "vmap_out", "scan", "grad_out", "grad_in"][rng.integers(6)]
-      if mode.startswith("grad") and dt != "float32":
-        mode = "jit"
+      mode = _pick_mode(rng, dt)
       x = _arr(rng, (n,) + tuple(dshape), dt)
       add(f"{ms} psum_scatter {dt} {tuple(dshape)} d={d} tiled={tiled} {ax} {mode}", shape, names,
           lambda lx, x, ax=ax, d=d, tiled=tiled: lx.psum_scatter(
               x, ax, scatter_dimension=d % x.ndim if lx is jax.lax else d, tiled=tiled), [x], mode=mode)
     # --- all_to_all
     for _ in range(24):
-      ax = ax_all[rng.integers(len(ax_all))]
-      size = n if isinstance(ax, tuple) and len(ax) == 2 or len(names) == 1 else 2
-      if ax in ("one", ("one",)):
-        size = 1
-      elif ax in ("all", ("all",)):
-        size = 4
+      ax, size = _pick_axis(rng, ax_all, names, n)
       dt = ["float32", "int32", "bfloat16", "bool", "uint8"][rng.integers(5)]
       nd = int(rng.integers(1, 4))
       dshape = [int(s) for s in rng.integers(1, 4, size=nd)]
@@ -163,9 +177,7 @@ def build(n: int, seed: int = 0) -> list[Case]:
       ca = int(rng.integers(-nd, nd))
       tiled = bool(rng.integers(2))
       dshape[sa] = size * (int(rng.integers(1, 3)) if tiled else 1)
-      mode = ["plain", "jit", "vmap_out", "scan", "grad_out", "grad_in"][rng.integers(6)]
-      if mode.startswith("grad") and dt != "float32":
-        mode = "jit"
+      mode = _pick_mode(rng, dt)
       x = _arr(rng, (n,) + tuple(dshape), dt)
       add(f"{ms} all_to_all {dt} {tuple(dshape)} sa={sa} ca={ca} tiled={tiled} {ax} {mode}", shape,
           names, lambda lx, x, ax=ax, sa=sa, ca=ca, tiled=tiled: lx.all_to_all(
@@ -182,9 +194,7 @@ def build(n: int, seed: int = 0) -> list[Case]:
       srcs = rng.permutation(size)[:k]
       perm = [(int(s), int(p[s])) for s in srcs]
       dt = ["float32", "int32", "bfloat16", "bool"][rng.integers(4)]
-      mode = ["plain", "jit", "vmap_out", "scan", "grad_out", "grad_in"][rng.integers(6)]
-      if mode.startswith("grad") and dt != "float32":
-        mode = "jit"
+      mode = _pick_mode(rng, dt)
       x = _arr(rng, (n, 2), dt)
       add(f"{ms} ppermute {dt} perm={perm} {ax} {mode}", shape, names,
           lambda lx, x, ax=ax, perm=perm: lx.ppermute(x, ax, perm), [x], mode=mode)

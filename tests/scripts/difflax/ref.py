@@ -44,8 +44,7 @@ only = sys.argv[2] if len(sys.argv) > 2 else None
 res = {}
 meshes = {}
 for case in C.build(n):
-  if only and (int(case.name[:4]) < int(only[1:]) if only.startswith(">") else
-               not any(o in case.name for o in only.split("|"))):
+  if not C.selected(case, only):
     continue
   key = (case.mesh_shape, case.mesh_names)
   if key not in meshes:
