@@ -30,8 +30,9 @@ def first_difference(mine: list[_codec.LeafSpec], theirs: list[_codec.LeafSpec],
   # here but ['b'] on the reference") when a key is missing or added.
   mine_paths, their_paths = [s.path for s in mine], [s.path for s in theirs]
   if mine_paths != their_paths:
-    only_mine = [p for p in mine_paths if p not in set(their_paths)]
-    only_theirs = [p for p in their_paths if p not in set(mine_paths)]
+    mine_set, their_set = set(mine_paths), set(their_paths)
+    only_mine = [p for p in mine_paths if p not in their_set]
+    only_theirs = [p for p in their_paths if p not in mine_set]
     if only_mine or only_theirs:
       parts = ([f"leaves {here} but not {there}: {_some(only_mine)}"] if only_mine else []) + \
           ([f"leaves {there} but not {here}: {_some(only_theirs)}"] if only_theirs else [])

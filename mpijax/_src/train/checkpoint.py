@@ -35,7 +35,6 @@ from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src.train import _codec
-from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 
 MAGIC = b"MPIJAXCK"

@@ -55,6 +55,16 @@ def _leading_size(arrays: Any, what: str = "shard_batches") -> int:
   return next(iter(sizes.values()))
 
 
+def _raise_everywhere(comm: Any, error: Exception | None, what: str) -> None:
+  """Collective, once some rank sent -1: raises ``error`` on the rank that has
+  one, and on every other rank a ValueError naming the failed ranks."""
+  bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
+  if error is not None:
+    raise error
+  raise ValueError(f"{what} failed on other ranks, so every rank stops here:\n"
+                   f"{mpi_util.rank_lines(bad)}")
+
+
 class ShardedBatches:
   """The iterator returned by :func:`shard_batches` (``len()`` = steps left)."""
 
@@ -128,12 +138,7 @@ class ShardedBatches:
         comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
       counts = mpi_util.allgather_int(comm, n_local) if process_count > 1 else [n_local]
       if error is not None or min(counts) < 0:
-        bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-          raise error
-        lines = mpi_util.rank_lines(bad)
-        raise ValueError(f"shard_batches(replicated=False) failed on other ranks, so every rank "
-                         f"stops here:\n{lines}")
+        _raise_everywhere(comm, error, "shard_batches(replicated=False)")
       if len(counts) != process_count:
         raise ValueError(f"process_count={process_count} but the communicator has {len(counts)} ranks")
       self.counts = counts
@@ -209,11 +214,7 @@ class ShardedBatches:
     error = self._error
     counts = mpi_util.allgather_int(comm, -1 if error is not None else self.num_samples)
     if min(counts) < 0:
-      bad = mpi_util.rank_problems(comm, "" if error is None else f"{type(error).__name__}: {error}")
-      if error is not None:
-        raise error
-      raise ValueError(f"shard_batches failed on other ranks, so every rank stops here:\n"
-                       f"{mpi_util.rank_lines(bad)}")
+      _raise_everywhere(comm, error, "shard_batches")
     if len(set(counts)) > 1:
       raise ValueError(
           f"shard_batches(replicated=True) expects the same full dataset on every rank, but "

@@ -173,14 +173,6 @@ class DataParallel:
       ``(new_state, metrics)``: metrics are global means over the real samples
       of the global batch (``"loss"`` and the ``aux`` keys), as jax scalars.
     """
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
-      # Same answer on every rank (every rank traces the same program), so no
-      # rank is left waiting. JAX's own error does not say what to do.
-      raise TypeError("DataParallel.step was called under a JAX transformation (jax.jit, vmap, "
-                      "grad, scan, ...) with traced arguments: it compiles and runs the whole "
-                      "step itself, so call it from Python, outside jax.jit. For a step inside "
-                      "your own jitted code, use optax.chain(mpijax.train.allreduce_gradients(), "
-                      "optimizer).")
     error: Exception | None = None
     if isinstance(batch, _data.Batch):
       data, weight = batch.data, batch.weight
@@ -193,9 +185,17 @@ class DataParallel:
         # them waiting in the first step's collectives.
         error = e
     args = (state, data, weight)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      # Same answer on every rank (every rank traces the same program), so no
+      # rank is left waiting. JAX's own error does not say what to do.
+      raise TypeError("DataParallel.step was called under a JAX transformation (jax.jit, vmap, "
+                      "grad, scan, ...) with traced arguments: it compiles and runs the whole "
+                      "step itself, so call it from Python, outside jax.jit. For a step inside "
+                      "your own jitted code, use optax.chain(mpijax.train.allreduce_gradients(), "
+                      "optimizer).")
     compiled = signature = None
     if error is None:
-      leaves, treedef = jax.tree_util.tree_flatten(args)
       signature = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
                                    getattr(x, "sharding", None)) for x in leaves))
       compiled = self._compiled.get(signature)
