@@ -120,7 +120,7 @@ def test_order_token_runs_through_shard_map_bodies():
   it = jnp.full((L, 1), 30 if r == 0 else 0, jnp.int32)
   p = jnp.ones((L,), bool)
   text = f.lower(x, w, it, p).as_text()
-  calls = re.findall(r"custom_call @mpijax_(?!join)\w+\(([^)]*)\)", text)  # not the joins
+  calls = re.findall(r"custom_call @mpijax_(?!join|gate)\w+\(([^)]*)\)", text)  # MPI calls
   consts = set(re.findall(r"(%[\w#]+) = stablehlo.constant dense<0> : tensor<i32>", text))
   fresh = [c for c in calls if c.split(", ")[-1] in consts]
   assert len(calls) == 3, calls
@@ -133,3 +133,47 @@ def test_order_token_runs_through_shard_map_bodies():
     np.testing.assert_allclose(a, np.full((L, 8), s), rtol=1e-6)
     np.testing.assert_allclose(b, np.full((L, 8), 100.0 * s), rtol=1e-6)
     np.testing.assert_allclose(c, np.full((L, 8), 300.0 * s), rtol=1e-6)
+
+
+def test_xla_collectives_join_the_order_token_chain():
+  """XLA's local collectives run in one order with the MPI calls on every device.
+
+  In a program that calls MPI, each XLA collective reads its operands through
+  mpijax_gate (after the MPI calls before it) and the next MPI call joins its
+  result; here an independent psum, a nested jit's all_gather and a second
+  shard_map body holding only a psum. A program without MPI calls is lowered
+  as JAX lowers it.
+  """
+  import re
+
+  r, n, L, mesh = _layout()
+  sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+
+  def mixed(x):  # x: (1, 4), this device's row
+    a = ops.allreduce(x)
+    b = jax.lax.psum(x, "d")  # independent of a
+    c = jax.jit(lambda v: jax.lax.all_gather(v, "d", tiled=True))(x)[:1]
+    return a + 10 * b + 100 * c + ops.allreduce(b)
+
+  f = jax.jit(lambda x, w: (sm(mixed)(x), sm(lambda v: jax.lax.psum(v, "d"))(w)))
+  d = np.arange(L, dtype=np.float32)[:, None]
+  x = np.broadcast_to(r * L + d + 1, (L, 4)).astype(np.float32)
+  text = f.lower(x, 2 * x).as_text()
+  gates = re.findall(r"custom_call @mpijax_gate\(", text)
+  joins = re.findall(r"custom_call @mpijax_join\(", text)
+  if L > 1:
+    # psum, all_gather and the second body's psum start after an MPI call;
+    # the second allreduce waits for the psum and the all_gather, the second
+    # body's last token for its psum.
+    assert (len(gates), len(joins)) == (3, 3), (len(gates), len(joins))
+  plain = jax.jit(sm(lambda v: jax.lax.psum(v, "d") + jax.lax.all_gather(v, "d").sum(0)))
+  assert "mpijax" not in plain.lower(x).as_text()
+
+  ranks_sum = L * n * (n - 1) / 2 + n * (d + 1)  # allreduce of x over the ranks
+  local_sum = L * r * L + L * (L + 1) / 2  # psum of x over this rank's devices
+  ranks_local_sum = L * L * n * (n - 1) / 2 + n * L * (L + 1) / 2  # allreduce of the psum
+  want = ranks_sum + 10 * local_sum + 100 * (r * L + 1) + ranks_local_sum
+  for _ in range(20):
+    got, second = f(x, 2 * x)
+    np.testing.assert_allclose(np.asarray(got), np.broadcast_to(want, (L, 4)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(second), np.full((L, 4), 2 * local_sum), rtol=1e-6)

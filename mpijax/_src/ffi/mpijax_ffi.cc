@@ -1834,6 +1834,30 @@ ffi::Error JoinImpl(ffi::AnyBuffer /*token_in*/, ffi::AnyBuffer /*after*/,
   return ffi::Error::Success();
 }
 
+// Orders an XLA collective (one over this rank's local devices) after the
+// mpijax calls before it: the collective reads this call's results, which
+// are its operands passed through, aliased (XLA hands over one buffer, or
+// copies first where the operand lives on). The last operand is the order
+// token; nothing is read or written, unless XLA did not alias a result.
+ffi::Error GateImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (args.size() != rets.size() + 1) {
+    return ffi::Error::InvalidArgument(
+        "mpijax_gate: expected one result per operand before the order token, "
+        "got " + std::to_string(args.size()) + " operands and " +
+        std::to_string(rets.size()) + " results");
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    if (in->untyped_data() != (*out)->untyped_data() && in->size_bytes() > 0) {
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // The binding every one-buffer operation starts with, in its handler's
 // argument order: the device, the input and the order token in, the result and
 // the order token out, the communicator id. Each handler adds its own
@@ -1855,6 +1879,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
                                   .Arg<ffi::AnyBuffer>()  // order token in
                                   .Arg<ffi::AnyBuffer>()  // a result of the op to wait for
                                   .Ret<ffi::AnyBuffer>());  // order token out
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGate, GateImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()  // operands, order token
+                                  .RemainingRets());  // the operands, aliased
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                               OneBufferOp()
                                   .Attr<int64_t>("op")
@@ -1955,6 +1983,7 @@ NB_MODULE(_mpijax_ffi, m) {
     d["mpijax_ppermute"] = Capsule(kPpermute);
     d["mpijax_barrier"] = Capsule(kBarrier);
     d["mpijax_join"] = Capsule(kJoin);
+    d["mpijax_gate"] = Capsule(kGate);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -298,6 +299,11 @@ def _eager_impl(prim: Primitive, *args, **params):
 # * a multi-device `shard_map` body (an sdy.manual_computation, which may not
 #   capture outer values) gets the token as one more operand and returns its
 #   last one (see _thread_shard_maps).
+# * XLA's own collectives (jax.lax.psum, all_gather, ... over the local
+#   devices of a shard_map or pmap) join the chain too, in programs that make
+#   an mpijax call (see _order_xla_collectives): XLA orders them among
+#   themselves, not against the MPI calls, so an independent pair could run
+#   in different orders on two local devices and deadlock across ranks.
 _TOKEN_AVAL = jax.core.ShapedArray((), np.int32)
 _CAPTURING_OPS = ("stablehlo.case", "stablehlo.if", "stablehlo.while")
 
@@ -306,6 +312,10 @@ _CAPTURING_OPS = ("stablehlo.case", "stablehlo.if", "stablehlo.while")
 class _BlockChain:
   token: Any = None  # the last order token produced in this block (ir.Value)
   after: list = dataclasses.field(default_factory=list)  # region ops to wait for
+  # Results of XLA collectives since the token, for the next MPI call to wait for.
+  pending: list = dataclasses.field(default_factory=list)
+  # Whether an MPI call may precede the token (XLA collectives then wait for it).
+  mpi_before: bool = False
 
 
 _chains: "collections.OrderedDict[int, tuple[Any, dict[Any, _BlockChain]]]" = (
@@ -334,8 +344,21 @@ def _region_holder(block):
 
 def _join_operand(op):
   """The smallest tensor result of ``op`` (what mpijax_join reads), or None."""
+  return _smallest(op.results)
+
+
+def _is_tensor(value) -> bool:
+  try:
+    ir.RankedTensorType(value.type)
+  except ValueError:  # a !stablehlo.token
+    return False
+  return True
+
+
+def _smallest(values):
+  """The smallest ranked-tensor value among ``values``, or None."""
   best, best_size = None, None
-  for r in op.results:
+  for r in values:
     try:
       t = ir.RankedTensorType(r.type)
     except ValueError:  # a !stablehlo.token
@@ -348,7 +371,11 @@ def _join_operand(op):
 
 def _join(token, op):
   """``token`` passed through mpijax_join with a result of ``op``: waits for ``op``."""
-  after = _join_operand(op)
+  return _join_value(token, _join_operand(op))
+
+
+def _join_value(token, after):
+  """``token`` passed through mpijax_join with ``after``: waits until it is computed."""
   if after is None:  # an op without tensor results: nothing to wait on
     return token
   i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
@@ -357,16 +384,19 @@ def _join(token, op):
   return call.results[0]
 
 
-def _token(chain: dict[Any, _BlockChain], block, holder=None):
+def _token(chain: dict[Any, _BlockChain], block, holder=None, collective: bool = False):
   """The order token for the next mpijax op in ``block``.
 
   With ``holder`` (an op in ``block`` whose region is being lowered) the
   token is the one valid just before ``holder``, and any new op is inserted
-  before it; otherwise at the current insertion point.
+  before it; otherwise at the current insertion point. For an XLA
+  ``collective`` the token does not wait for the XLA collectives before it
+  (XLA orders those itself); for an MPI call it does.
   """
   state = chain.setdefault(block, _BlockChain())
   waits = [op for op in state.after if holder is None or op != holder]
-  if state.token is not None and not waits:
+  pending = [] if collective else state.pending
+  if state.token is not None and not waits and not pending:
     return state.token
   with ir.InsertionPoint(holder) if holder is not None else contextlib.nullcontext():
     token = state.token
@@ -374,14 +404,20 @@ def _token(chain: dict[Any, _BlockChain], block, holder=None):
       parent = _region_holder(block)
       if parent is not None and parent.name in _CAPTURING_OPS:
         token = _token(chain, parent.block, parent)
+        state.mpi_before = chain[parent.block].mpi_before
       else:
         token = mlir.ir_constant(np.int32(0))
       if parent is not None:
         _wait_for(chain, parent)
     for op in waits:
       token = _join(token, op)
+      state.mpi_before = True  # a region with mpijax calls or XLA collectives
+    for value in pending:
+      token = _join_value(token, value)
   state.token = token
   state.after = [op for op in state.after if op not in waits]
+  if pending:
+    state.pending = []
   return token
 
 
@@ -395,25 +431,72 @@ def _wait_for(chain: dict[Any, _BlockChain], op) -> None:
     op = _region_holder(op.block)
 
 
-def _calls_mpi(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) binds an mpijax primitive."""
+def _binds(prims: set[Primitive], cache, jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) binds one of ``prims``."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  hit = _calls_mpi_cache.get(jaxpr)
+  hit = cache.get(jaxpr)
   if hit is None:
-    hit = any(eqn.primitive in _PRIMITIVES
-              or any(_calls_mpi(sub) for sub in jaxprs_in_params(eqn.params))
+    hit = any(eqn.primitive in prims
+              or any(_binds(prims, cache, sub) for sub in jaxprs_in_params(eqn.params))
               for eqn in jaxpr.eqns)
-    _calls_mpi_cache[jaxpr] = hit
+    cache[jaxpr] = hit
   return hit
 
 
 _calls_mpi_cache: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_XLA_COLLECTIVES: set[Primitive] = set()  # filled by _order_xla_collectives
+_collective_cache: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _calls_mpi(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) binds an mpijax primitive."""
+  return _binds(_PRIMITIVES, _calls_mpi_cache, jaxpr)
+
+
+def _needs_chain(jaxpr) -> bool:
+  """Whether ``jaxpr`` has calls the order token must reach.
+
+  Its mpijax calls, and, in a program that makes mpijax calls, its XLA
+  collectives (see _order_xla_collectives).
+  """
+  return _calls_mpi(jaxpr) or (
+      _program_calls_mpi() and _binds(_XLA_COLLECTIVES, _collective_cache, jaxpr))
+
+
+# Whether the program being lowered makes an mpijax call (None: unknown, when
+# JAX's module lowering could not be wrapped; treated as yes).
+_lowering_mpi: "contextvars.ContextVar[bool | None]" = contextvars.ContextVar(
+    "mpijax_lowering_mpi", default=None)
+
+
+def _program_calls_mpi() -> bool:
+  return _lowering_mpi.get() is not False
+
+
+def _track_programs() -> None:
+  """Notes, for each program JAX lowers, whether it makes an mpijax call.
+
+  XLA collectives join the order-token chain only in such programs, so
+  programs without mpijax calls lower exactly as JAX lowers them.
+  """
+  lower = mlir_internal.lower_jaxpr_to_module
+
+  @functools.wraps(lower)
+  def wrapped(module_name, jaxpr, *args, **kwargs):
+    reset = _lowering_mpi.set(_calls_mpi(jaxpr))
+    try:
+      return lower(module_name, jaxpr, *args, **kwargs)
+    finally:
+      _lowering_mpi.reset(reset)
+
+  mlir_internal.lower_jaxpr_to_module = wrapped
 
 
 def _inline_calls() -> None:
   """Lowers the bodies of calls and control flow inline, where the chain reaches.
 
-  * Nested ``jax.jit`` and ``closed_call`` bodies that make an mpijax call:
+  * Nested ``jax.jit`` and ``closed_call`` bodies that make an mpijax call
+    (or, in a program that makes one, an XLA collective):
     JAX lowers them to separate functions (``func.call``), which an order
     token cannot enter; XLA inlines those calls anyway, so lowering them
     inline changes nothing else. Other calls, and nested jits with explicit
@@ -439,7 +522,7 @@ def _inline_calls() -> None:
   def make_rule(default, jaxpr_param, plain):
     def rule(ctx, *args, **params):
       closed = params[jaxpr_param]
-      if not plain(params) or not _calls_mpi(closed):
+      if not plain(params) or not _needs_chain(closed):
         return default(ctx, *args, **params)
       if isinstance(closed, core_internal.Jaxpr):
         closed = core_internal.ClosedJaxpr(closed, ())
@@ -478,8 +561,10 @@ def _thread_shard_maps() -> None:
   a body that makes an mpijax call gets the token as one more (replicated)
   operand and returns its last token as one more result, which the caller's
   chain continues from: on each device, the bodies' calls run in program
-  order. Bodies without mpijax calls, and single-device ones (lowered inline,
-  already in the caller's chain), keep JAX's lowering unchanged.
+  order. So does a body with XLA collectives in a program that makes
+  mpijax calls elsewhere (see _order_xla_collectives). Other bodies, and
+  single-device ones (lowered inline, already in the caller's chain), keep
+  JAX's lowering unchanged.
   """
   from jax._src import core as core_internal, shard_map
   from jax.sharding import PartitionSpec
@@ -490,9 +575,10 @@ def _thread_shard_maps() -> None:
   token_out_p = Primitive("mpijax_order_token_out")
   token_out_p.multiple_results = True
 
-  def token_in_rule(ctx, token):
+  def token_in_rule(ctx, token, *, mpi_before):
     chain = _chain_for(ctx)
-    chain.setdefault(ir.InsertionPoint.current.block, _BlockChain()).token = token
+    state = chain.setdefault(ir.InsertionPoint.current.block, _BlockChain())
+    state.token, state.mpi_before = token, mpi_before
     return []
 
   def token_out_rule(ctx):
@@ -506,14 +592,16 @@ def _thread_shard_maps() -> None:
     # `manual_axes` before.
     newly = params.get("newly_manual_axes", params.get("manual_axes"))
     manual = math.prod(mesh.shape[a] for a in newly)
-    if manual == 1 or not _calls_mpi(jaxpr):
+    if manual == 1 or not _needs_chain(jaxpr):
       return default(ctx, *args, jaxpr=jaxpr, mesh=mesh, in_specs=in_specs,
                      out_specs=out_specs, check_vma=check_vma, **params)
     chain = _chain_for(ctx)
     block = ir.InsertionPoint.current.block
     token = _token(chain, block)
+    mpi_before = chain[block].mpi_before
     tok_in, tok_out = core_internal.Var(_TOKEN_AVAL), core_internal.Var(_TOKEN_AVAL)
-    eqns = [core_internal.new_jaxpr_eqn([tok_in], [], token_in_p, {}, core_internal.no_effects),
+    eqns = [core_internal.new_jaxpr_eqn([tok_in], [], token_in_p, {"mpi_before": mpi_before},
+                                        core_internal.no_effects),
             *jaxpr.eqns,
             core_internal.new_jaxpr_eqn([], [tok_out], token_out_p, {},
                                         core_internal.no_effects)]
@@ -527,12 +615,107 @@ def _thread_shard_maps() -> None:
     if sub.tokens_out is not None:
       ctx.set_tokens_out(sub.tokens_out)
     outs = list(outs)
-    chain.setdefault(block, _BlockChain()).token = outs[-1]
+    state = chain.setdefault(block, _BlockChain())
+    state.token = outs[-1]
+    state.mpi_before = mpi_before or _calls_mpi(jaxpr)
     return outs[:-1]
 
   mlir.register_lowering(shard_map.shard_map_p, rule, platform="cpu", cacheable=False)
 
 
+def _gate(args, token):
+  """``args`` passed through mpijax_gate with ``token``: usable once ``token`` is.
+
+  The results alias the operands (XLA copies an operand first only where it
+  is still needed afterwards, or is a parameter), so ordering costs no data
+  movement where the operand is an intermediate.
+  """
+  idx = [i for i, a in enumerate(args) if isinstance(a, ir.Value) and _is_tensor(a)]
+  if not idx:
+    return args
+  types = [args[i].type for i in idx]
+  # Row-major layouts, pinned: unpinned, XLA may give a result another layout
+  # than its operand (the one the collective prefers) while they share one
+  # buffer, and the collective would read the data transposed.
+  layouts = [list(reversed(range(ir.RankedTensorType(t).rank))) for t in types]
+  call = mlir_internal.custom_call(
+      "mpijax_gate", result_types=types, operands=[*(args[i] for i in idx), token],
+      backend_config={}, api_version=4, has_side_effect=False,
+      operand_output_aliases={k: k for k in range(len(idx))},
+      operand_layouts=[*layouts, []], result_layouts=layouts)
+  out = list(args)
+  for k, i in enumerate(idx):
+    out[i] = call.results[k]
+  return out
+
+
+def _order_xla_collectives() -> None:
+  """Puts XLA's collectives into the order-token chain of programs that call MPI.
+
+  With several local devices, each device runs its own copy of the program,
+  and XLA:CPU starts the independent thunks of each copy in its own order.
+  XLA orders its collectives among themselves, and the token orders the MPI
+  calls; but an XLA collective (which waits for the rank's other local
+  devices) and an independent MPI call (which waits for the same device
+  index on the other ranks) could run in opposite orders on two devices:
+  each device then waits for a device that waits for it, across ranks (XLA
+  aborts after 40 s: "only 1 of them arrived"). So, in a program that makes
+  an mpijax call, each XLA collective reads its operands through
+  ``mpijax_gate`` with the current token (it starts after the MPI calls
+  before it), and the next MPI call joins its result (it starts after the
+  collective has finished): one order on every device. Programs without
+  mpijax calls lower as JAX lowers them.
+  """
+  from jax._src.lax import parallel
+
+  names = ("psum_p", "pmax_p", "pmin_p", "ppermute_p", "all_to_all_p",
+           "ragged_all_to_all_p", "all_gather_p", "all_gather_invariant_p",
+           "reduce_scatter_p", "psum_invariant_p", "all_gather_reduced_p",
+           "unreduced_reduce_scatter_p", "unreduced_psum_p", "pbroadcast_p")
+  prims = [p for p in (getattr(parallel, n, None) for n in names) if p is not None]
+
+  def wrap(prim, default):
+    def rule(ctx, *args, **params):
+      if not _program_calls_mpi() or _auto_devices(ctx.module_context.axis_context) > 1:
+        return default(ctx, *args, **params)
+      _ffi.load()  # registers mpijax_gate and mpijax_join
+      chain = _chain_for(ctx)
+      block = ir.InsertionPoint.current.block
+      token = _token(chain, block, collective=True)
+      state = chain[block]
+      if state.mpi_before:
+        args = _gate(args, token)
+      outs = default(ctx, *args, **params)
+      flat = [v for o in outs for v in (o if isinstance(o, (list, tuple)) else (o,))]
+      last = _smallest(flat)
+      if last is not None:
+        state.pending.append(last)
+      return outs
+    return rule
+
+  for prim in prims:
+    entry = (mlir_internal._platform_specific_lowerings["cpu"].get(prim)
+             or mlir_internal._lowerings.get(prim))
+    if entry is None:
+      continue
+    mlir.register_lowering(prim, wrap(prim, entry.rule), platform="cpu", cacheable=False)
+    _XLA_COLLECTIVES.add(prim)
+
+
+try:
+  _track_programs()
+except AttributeError as e:  # a JAX without this internal
+  import warnings
+  warnings.warn(f"mpijax: cannot tell which programs make mpijax calls ({e!r}); XLA "
+                "collectives join the order-token chain in every program", RuntimeWarning,
+                stacklevel=2)
+try:
+  _order_xla_collectives()
+except (ImportError, AttributeError) as e:
+  import warnings
+  warnings.warn(f"mpijax: XLA collectives are not ordered against mpijax calls ({e!r}); "
+                "independent local and cross-rank collectives in one program can "
+                "deadlock with several devices per process", RuntimeWarning, stacklevel=2)
 try:
   _inline_calls()
 except (ImportError, AttributeError) as e:  # a JAX without these internals
@@ -612,6 +795,7 @@ def register_ffi_lowering(prim: Primitive, target: str,
     outs = lowering(aliased)(token_ctx, *args, token, **attrs(**params), site=i64(site),
                              sig=i64(sig))
     chain[block].token = outs[-1]
+    chain[block].mpi_before = True
     return list(outs[:-1])
 
   # cacheable=False: jax would otherwise lower identical equations once into a
