@@ -342,11 +342,6 @@ def _region_holder(block):
   return owner.operation
 
 
-def _join_operand(op):
-  """The smallest tensor result of ``op`` (what mpijax_join reads), or None."""
-  return _smallest(op.results)
-
-
 def _is_tensor(value) -> bool:
   try:
     ir.RankedTensorType(value.type)
@@ -356,22 +351,16 @@ def _is_tensor(value) -> bool:
 
 
 def _smallest(values):
-  """The smallest ranked-tensor value among ``values``, or None."""
-  best, best_size = None, None
-  for r in values:
-    try:
-      t = ir.RankedTensorType(r.type)
-    except ValueError:  # a !stablehlo.token
-      continue
-    size = int(np.prod(t.shape)) if t.has_static_shape else 1 << 62
-    if best is None or size < best_size:
-      best, best_size = r, size
-  return best
+  """The smallest ranked-tensor value among ``values`` (what mpijax_join reads), or None."""
+  def size(v):
+    t = ir.RankedTensorType(v.type)
+    return int(np.prod(t.shape)) if t.has_static_shape else 1 << 62
+  return min((v for v in values if _is_tensor(v)), key=size, default=None)
 
 
 def _join(token, op):
   """``token`` passed through mpijax_join with a result of ``op``: waits for ``op``."""
-  return _join_value(token, _join_operand(op))
+  return _join_value(token, _smallest(op.results))
 
 
 def _join_value(token, after):
@@ -411,7 +400,8 @@ def _token(chain: dict[Any, _BlockChain], block, holder=None, collective: bool =
         _wait_for(chain, parent)
     for op in waits:
       token = _join(token, op)
-      state.mpi_before = True  # a region with mpijax calls or XLA collectives
+    if waits:
+      state.mpi_before = True  # regions with mpijax calls or XLA collectives
     for value in pending:
       token = _join_value(token, value)
   state.token = token
@@ -674,7 +664,7 @@ def _order_xla_collectives() -> None:
            "unreduced_reduce_scatter_p", "unreduced_psum_p", "pbroadcast_p")
   prims = [p for p in (getattr(parallel, n, None) for n in names) if p is not None]
 
-  def wrap(prim, default):
+  def wrap(default):
     def rule(ctx, *args, **params):
       if not _program_calls_mpi() or _auto_devices(ctx.module_context.axis_context) > 1:
         return default(ctx, *args, **params)
@@ -698,7 +688,7 @@ def _order_xla_collectives() -> None:
              or mlir_internal._lowerings.get(prim))
     if entry is None:
       continue
-    mlir.register_lowering(prim, wrap(prim, entry.rule), platform="cpu", cacheable=False)
+    mlir.register_lowering(prim, wrap(entry.rule), platform="cpu", cacheable=False)
     _XLA_COLLECTIVES.add(prim)
 
 
