@@ -154,6 +154,8 @@ def _configure_devices(devices_per_process: int | None, local_rank: int, local_s
           f"devices_per_process={requested} was requested but JAX already started with "
           f"{jax.local_device_count()} CPU devices. Call mpijax.init() before the first use of "
           "JAX devices (jax.devices(), creating arrays, jit calls).")
+    if jax.default_backend() == "cpu":
+      _warn_small_cpu_pool(jax.local_device_count())
     return
   if requested is not None:
     if user is not None and user != requested:
@@ -163,7 +165,50 @@ def _configure_devices(devices_per_process: int | None, local_rank: int, local_s
           "Drop one of the two.")
     if user is None:
       jax.config.update("jax_num_cpu_devices", requested)
+  _size_cpu_pool(requested or user or 1)
   _configure_gpu(local_rank, local_size)
+
+
+# XLA's CPU client sizes its thread pool to max(cores, local devices) (the
+# PJRT_NPROC variable overrides the core count). A multi-device execution
+# takes one thread per device to launch it, and those launch threads block
+# while the device's queue of in-flight executions is full; its device parts
+# then need one more thread each, at the same time (they meet in collectives:
+# XLA's own, and mpijax's, which pair up across ranks). With fewer than two
+# threads per device, independent multi-device calls dispatched back to back
+# stall for good (JAX alone too: a jitted psum over 2 CPU devices on 2 cores
+# aborts in XLA's rendezvous within 1,000 calls; with mpijax's MPI calls the
+# stall inspector reported it within 5-42 calls at 2 ranks x 2 devices).
+_POOL_VARS = ("PJRT_NPROC", "NPROC")  # what XLA reads, in its order
+
+
+def _cpu_pool_threads(devices: int) -> int:
+  """The thread count XLA's CPU client will have for ``devices`` local devices."""
+  for var in _POOL_VARS:
+    value = os.environ.get(var)
+    if value is not None and value.strip().isdigit():
+      return max(int(value), devices)
+  return max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else (os.cpu_count() or 1), devices)
+
+
+def _size_cpu_pool(devices: int) -> None:
+  """Gives XLA's CPU client two threads per local device (before it starts)."""
+  if devices > 1 and _cpu_pool_threads(devices) < 2 * devices:
+    if any(os.environ.get(v) is not None for v in _POOL_VARS):
+      _warn_small_cpu_pool(devices)  # the user's own setting wins
+    else:
+      os.environ["PJRT_NPROC"] = str(2 * devices)
+
+
+def _warn_small_cpu_pool(devices: int) -> None:
+  threads = _cpu_pool_threads(devices)
+  if devices > 1 and threads < 2 * devices:
+    print(f"mpijax: warning: JAX's CPU client has {threads} threads for {devices} local devices "
+          f"(fewer than 2 per device): independent multi-device calls dispatched back to back "
+          f"can stall. Call mpijax.init() before JAX starts (mpijax then sets "
+          f"PJRT_NPROC={2 * devices}), or set PJRT_NPROC={2 * devices} yourself.",
+          file=sys.stderr)
 
 
 def _configure_gpu(local_rank: int, local_size: int) -> None:

@@ -177,3 +177,43 @@ def test_xla_collectives_join_the_order_token_chain():
     got, second = f(x, 2 * x)
     np.testing.assert_allclose(np.asarray(got), np.broadcast_to(want, (L, 4)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(second), np.full((L, 4), 2 * local_sum), rtol=1e-6)
+
+
+def test_independent_back_to_back_multi_device_calls_do_not_stall():
+  """Hundreds of independent multi-device calls, dispatched without waiting.
+
+  XLA's CPU client launches a multi-device execution with one thread per
+  device, and those block while a device's queue of in-flight executions is
+  full; the device parts then need as many threads again, at once (they meet
+  in collectives). mpijax.init() gives the client two threads per local
+  device (PJRT_NPROC): with max(cores, devices), here 2, these calls stalled
+  within 5-42 calls at 2 ranks x 2 devices (the MPI program), and JAX's own
+  psum over the local devices aborted in XLA's rendezvous. Also with an
+  independent sharded reduction that XLA's partitioner turns into its own
+  collective, beside the MPI-calling body.
+  """
+  import os
+
+  r, n, L, mesh = _layout()
+  if L > 1:
+    assert int(os.environ["PJRT_NPROC"]) >= 2 * L or len(os.sched_getaffinity(0)) >= 2 * L
+  sharding = NamedSharding(mesh, P("d"))
+  body = jax.shard_map(ops.allreduce, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                       check_vma=False)
+  local = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"),
+                                out_specs=P("d"), check_vma=False))
+  mixed = jax.jit(lambda x, y: (body(x), y.sum(0)))
+  calls = 300
+  xs = [jax.device_put(jnp.full((L, 4), 10.0 * i + r), sharding) for i in range(calls)]
+  ys = [jax.device_put(jnp.arange(3.0 * L).reshape(L, 3) + i, sharding) for i in range(calls)]
+  jax.block_until_ready((xs, ys))
+  outs = [jax.jit(body)(x) for x in xs]  # none waits for the one before
+  psums = [local(y) for y in ys]
+  pairs = [mixed(x, y) for x, y in zip(xs, ys)]
+  for i in range(calls):
+    want = sum(10.0 * i + k for k in range(n))
+    np.testing.assert_array_equal(outs[i], np.full((L, 4), want), err_msg=f"call {i}")
+    y = np.arange(3.0 * L).reshape(L, 3) + i
+    np.testing.assert_array_equal(psums[i], np.broadcast_to(y.sum(0), (L, 3)))
+    np.testing.assert_array_equal(pairs[i][0], np.full((L, 4), want))
+    np.testing.assert_array_equal(pairs[i][1], y.sum(0))

@@ -29,3 +29,32 @@ def test_init_argument_errors_name_the_value_and_the_fix():
   with pytest.raises(TypeError, match=r"comm='world'.*mpi4py communicator"):
     runtime._check_arguments(None, None, "world")
   runtime._check_arguments("node1:1234", 2, None)  # fine
+
+
+def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
+  """XLA's CPU client needs 2 threads per device for back-to-back multi-device calls."""
+  from mpijax._src import runtime
+  for var in ("PJRT_NPROC", "NPROC"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1})
+  runtime._size_cpu_pool(1)
+  assert "PJRT_NPROC" not in runtime.os.environ  # one device: XLA's own size is enough
+  runtime._size_cpu_pool(2)
+  assert runtime.os.environ["PJRT_NPROC"] == "4"
+  monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
+  monkeypatch.delenv("PJRT_NPROC")
+  runtime._size_cpu_pool(4)  # 8 cores: enough already
+  assert "PJRT_NPROC" not in runtime.os.environ
+
+
+def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, capsys):
+  from mpijax._src import runtime
+  monkeypatch.delenv("NPROC", raising=False)
+  monkeypatch.setenv("PJRT_NPROC", "3")
+  runtime._size_cpu_pool(2)
+  assert runtime.os.environ["PJRT_NPROC"] == "3"
+  err = capsys.readouterr().err
+  assert "3 threads for 2 local devices" in err and "PJRT_NPROC=4" in err, err
+  monkeypatch.setenv("PJRT_NPROC", "4")
+  runtime._size_cpu_pool(2)
+  assert capsys.readouterr().err == ""
