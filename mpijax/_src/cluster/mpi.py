@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from mpijax._src import mpi_util
 from mpijax._src.cluster import base
 
 
@@ -28,20 +29,10 @@ def mpi4py_available() -> bool:
   return "mpi4py" in sys.modules or importlib.util.find_spec("mpi4py") is not None
 
 
-def _import_mpi():
-  import mpi4py
-  # Several local devices may call MPI from different XLA threads at once, so
-  # ask for MPI_THREAD_MULTIPLE if we are the ones initializing MPI.
-  if "mpi4py.MPI" not in sys.modules:
-    mpi4py.rc.thread_level = "multiple"
-  from mpi4py import MPI
-  return MPI
-
-
 @functools.cache
 def _world() -> tuple[int, int, int, int, int, int]:
   """(rank, size, local_rank, local_size, node_index, node_count)."""
-  MPI = _import_mpi()
+  MPI = mpi_util.import_mpi()
   world = MPI.COMM_WORLD
   node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
   try:

@@ -184,8 +184,8 @@ def _free_all() -> None:
 
 def _register(comm: Any) -> CommInfo:
   global _hook_installed, _next_key
-  from mpi4py import MPI
-  from mpijax._src import inspector
+  from mpijax._src import inspector, mpi_util
+  MPI = mpi_util.import_mpi()  # MPI runs already (comm exists); the import hooks run once
   ext = _ffi.load()
   push_settings()
   inspector.ensure_started()  # local: the responder's communicator exists since init()

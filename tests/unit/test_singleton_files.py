@@ -1,0 +1,53 @@
+"""A one-process MPI world leaves no Open MPI shared-memory file behind.
+
+Open MPI 5 run without a launcher (a singleton) creates
+/dev/shm/sm_segment.<host>.<uid>.<job>.<rank> and leaves it at exit, since
+only a launcher's PMIx server removes it (mpijax/_src/mpi_util.py). mpijax
+unlinks the segment files its process maps. Each case runs in a fresh
+interpreter with no launcher variables, which makes it a singleton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.test_cluster import LAUNCHER_PREFIXES
+
+
+_CHILD = r"""
+import json, os, sys
+{before}
+import mpijax
+mpijax.init()
+from mpijax._src import mpi_util
+mapped = [p for p, _, _ in mpi_util._mapped_shm_segments()]
+print(json.dumps({{"mapped": mapped, "exist": [os.path.exists(p) for p in mapped],
+                  "processes": mpijax.process_count()}}))
+"""
+
+
+def _run(before: str = "") -> tuple[dict, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+  out = subprocess.run([sys.executable, "-c", _CHILD.format(before=before)], env=env,
+                       capture_output=True, text=True, timeout=180)
+  assert out.returncode == 0, out.stdout + out.stderr
+  return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
+@pytest.mark.parametrize("before", ["", "from mpi4py import MPI  # the user initializes MPI first"],
+                         ids=["mpijax-initializes-mpi", "user-initializes-mpi"])
+def test_singleton_leaves_no_segment_file(before):
+  got, stderr = _run(before)
+  assert got["processes"] == 1
+  if not got["mapped"]:
+    pytest.skip("this MPI maps no sm_segment file in a singleton (not Open MPI 5's sm BTL)")
+  assert all(got["exist"]), got  # the files were there while the program ran
+  left = [p for p in got["mapped"] if os.path.exists(p)]
+  assert not left, f"Open MPI segment files left behind: {left}"
+  assert "sm_segment" not in stderr, stderr  # Open MPI's finalize did not complain
