@@ -90,12 +90,10 @@ def under_mpi_launcher() -> bool:
 
 
 def import_mpi():
-  """mpi4py's MPI, initialized with MPI_THREAD_MULTIPLE as mpijax.init() would."""
-  import mpi4py
-  if "mpi4py.MPI" not in sys.modules:
-    mpi4py.rc.thread_level = "multiple"
-  from mpi4py import MPI
-  return MPI
+  """mpi4py's MPI, initialized with MPI_THREAD_MULTIPLE as mpijax.init() would
+  (and, in a one-process world, with its Open MPI segment file unlinked at exit)."""
+  from mpijax._src import mpi_util
+  return mpi_util.import_mpi()
 
 
 class HarnessComm:
