@@ -69,7 +69,9 @@ def _mapped_shm_segments() -> list[tuple[str, int, int]]:
   return list(found.values())
 
 
-def _unlink_segments(segments: list[tuple[str, int, int]]) -> None:
+def _unlink_segments(segments: list[tuple[str, int, int]], pid: int) -> None:
+  if os.getpid() != pid:
+    return  # a forked child exiting: the files are its parent's, still in use
   for path, dev, ino in segments:
     try:
       st = os.stat(path)
@@ -101,7 +103,7 @@ def _clean_singleton_segments_at_exit(MPI) -> None:
       return
     segments = _mapped_shm_segments()
   if segments:
-    atexit.register(_unlink_segments, segments)
+    atexit.register(_unlink_segments, segments, os.getpid())
 
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:

@@ -28,15 +28,21 @@ from mpijax._src import mpi_util
 mapped = [p for p, _, _ in mpi_util._mapped_shm_segments()]
 print(json.dumps({{"mapped": mapped, "exist": [os.path.exists(p) for p in mapped],
                   "processes": mpijax.process_count()}}))
+{after}
 """
 
 
-def _run(before: str = "") -> tuple[dict, str]:
+def _run(before: str = "", after: str = "") -> tuple[dict, str]:
+  """Runs the child; returns its printed JSON lines merged, and its stderr."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-  out = subprocess.run([sys.executable, "-c", _CHILD.format(before=before)], env=env,
+  out = subprocess.run([sys.executable, "-c", _CHILD.format(before=before, after=after)], env=env,
                        capture_output=True, text=True, timeout=180)
   assert out.returncode == 0, out.stdout + out.stderr
-  return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+  got: dict = {}
+  for line in out.stdout.splitlines():
+    if line.startswith("{"):
+      got.update(json.loads(line))
+  return got, out.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
@@ -51,3 +57,23 @@ def test_singleton_leaves_no_segment_file(before):
   left = [p for p in got["mapped"] if os.path.exists(p)]
   assert not left, f"Open MPI segment files left behind: {left}"
   assert "sm_segment" not in stderr, stderr  # Open MPI's finalize did not complain
+
+
+def test_unlink_only_in_the_registering_process(tmp_path):
+  """The exit hook is inherited by forked children; only the process that
+  registered it (and mapped the files) unlinks them, and only the same file."""
+  from mpijax._src import mpi_util
+  f = tmp_path / "sm_segment.host.0.1234.0"
+  f.write_bytes(b"x")
+  st = f.stat()
+  seg = [(str(f), st.st_dev, st.st_ino)]
+  mpi_util._unlink_segments(seg, os.getpid() + 1)  # as in a forked child
+  assert f.exists()
+  with open(f, "rb"):  # still in use, as a mapped segment is: its inode stays taken
+    f.unlink()
+    f.write_bytes(b"y")  # another file now has the name
+    mpi_util._unlink_segments(seg, os.getpid())
+  assert f.exists() and f.read_bytes() == b"y"
+  st = f.stat()
+  mpi_util._unlink_segments([(str(f), st.st_dev, st.st_ino)], os.getpid())
+  assert not f.exists()
