@@ -28,21 +28,15 @@ from mpijax._src import mpi_util
 mapped = [p for p, _, _ in mpi_util._mapped_shm_segments()]
 print(json.dumps({{"mapped": mapped, "exist": [os.path.exists(p) for p in mapped],
                   "processes": mpijax.process_count()}}))
-{after}
 """
 
 
-def _run(before: str = "", after: str = "") -> tuple[dict, str]:
-  """Runs the child; returns its printed JSON lines merged, and its stderr."""
+def _run(before: str = "") -> tuple[dict, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-  out = subprocess.run([sys.executable, "-c", _CHILD.format(before=before, after=after)], env=env,
+  out = subprocess.run([sys.executable, "-c", _CHILD.format(before=before)], env=env,
                        capture_output=True, text=True, timeout=180)
   assert out.returncode == 0, out.stdout + out.stderr
-  got: dict = {}
-  for line in out.stdout.splitlines():
-    if line.startswith("{"):
-      got.update(json.loads(line))
-  return got, out.stderr
+  return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
