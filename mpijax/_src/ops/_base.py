@@ -185,7 +185,7 @@ def _free_all() -> None:
 def _register(comm: Any) -> CommInfo:
   global _hook_installed, _next_key
   from mpijax._src import inspector, mpi_util
-  MPI = mpi_util.import_mpi()  # initialized already (a comm exists); registers the singleton cleanup
+  MPI = mpi_util.import_mpi()  # MPI is up (a comm exists); registers the exit cleanup
   ext = _ffi.load()
   push_settings()
   inspector.ensure_started()  # local: the responder's communicator exists since init()
