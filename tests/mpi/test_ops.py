@@ -586,8 +586,8 @@ def test_narrow_integer_sums_wrap_around(allreduce_path):
 
 
 def test_ring_in_place_runs_in_segments():
-  # In place, the ring receives into an 8 MiB scratch: a 40 MiB intermediate
-  # is reduced in several segments (the default thresholds: the ring runs).
+  # In place, the ring receives into a 256 KiB scratch: a 40 MiB intermediate
+  # is reduced in many segments (the default thresholds: the ring runs).
   n = 10 * (1 << 20) + 3
   x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
   got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
