@@ -89,6 +89,8 @@ def _clean_singleton_segments_at_exit(MPI) -> None:
   mapping), so MPI works until it is finalized.
   """
   global _segments_checked
+  if _segments_checked:  # every later import_mpi(): no lock taken
+    return
   with _segments_lock:
     if _segments_checked:
       return
