@@ -52,7 +52,7 @@ def test_different_shapes_raise_a_mismatch_error_on_every_rank():
 @pytest.mark.parametrize("n", [4, 1 << 18], ids=["MPI_Allreduce", "ring"])
 def test_a_divergence_after_the_first_run_check_ends_the_job_with_a_report(n):
   rc, out, seconds = _run("fault_hangs.py", "seen_shapes", str(n),
-                          env={"MPIJAX_SHM_MAX_BYTES": "0"})
+                          env={"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_CMA_MIN_BYTES": "0"})
   assert rc != 0, tail(out)
   assert re.search(r"mpijax: rank \d: MPI_\w+\(.*failed in mpijax.ops.allreduce on float32", out), tail(out)
   assert "MPIJAX_CHECK=1 compares every call" in out, tail(out)
@@ -60,6 +60,20 @@ def test_a_divergence_after_the_first_run_check_ends_the_job_with_a_report(n):
     # with the larger buffer may finish (with a partial sum) before the abort
     # reaches it: MPIJAX_CHECK=1 is what prevents that.
     assert "finished with" not in out, tail(out)
+  assert seconds < 60, f"took {seconds:.0f}s"
+
+
+def test_a_divergence_after_the_first_run_check_on_the_cma_path_is_a_mismatch_error():
+  # The cross-memory all-reduce compares what every rank reduces before any
+  # copy: every rank raises the full mismatch error, naming both shapes.
+  rc, out, seconds = _run("fault_hangs.py", "seen_shapes", str(1 << 18))
+  assert rc != 0, tail(out)
+  for r in range(4):
+    assert re.search(rf"\[rank {r}/4\] ValueError: .*collective mismatch on communicator 0 "
+                     r"\(call #3\)", out), tail(out)
+  assert ("ranks 0,2,3 run allreduce(float32[262144], sum) at fault_hangs.py" in out
+          and "but rank 1 runs allreduce(float32[524288], sum)" in out), tail(out)
+  assert "finished with" not in out, tail(out)
   assert seconds < 60, f"took {seconds:.0f}s"
 
 
@@ -97,9 +111,11 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
     ("late", "3", {}),
     ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}),
     ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
-    # 512 KiB messages: mpijax's ring, whose exchanges are polled.
-    ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1"}),
-], ids=["shm", "blocking", "polled", "ring"])
+    # 512 KiB messages: cross-memory attach (the default), or mpijax's ring,
+    # whose exchanges are polled.
+    ("late_large", "65536", {}),
+    ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1", "MPIJAX_CMA_MIN_BYTES": "0"}),
+], ids=["shm", "blocking", "polled", "cma", "ring"])
 def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,
                     env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3", **transport})

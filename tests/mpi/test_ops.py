@@ -512,7 +512,7 @@ def wait_path(request):
   on, by default at every size, and are polled nonblocking calls below it.
   Force each."""
   with transport_settings(blocking_min_bytes=1 << 40 if request.param == "nonblocking" else 0,
-                          shm_max_bytes=0):
+                          shm_max_bytes=0, cma_min_bytes=0):
     yield request.param
 
 
@@ -531,15 +531,27 @@ def test_both_wait_paths(wait_path):
     assert_close(b, stack[N - 1], dtype)
 
 
-@pytest.fixture(params=["ring", "shm", "mpi"])
+@pytest.fixture(params=["cma", "ring", "shm", "mpi"])
 def allreduce_path(request):
-  """All-reduces of >= ring_min_bytes per rank run mpijax's ring; smaller ones
-  of <= shm_max_bytes go through node-local shared memory (one device per
-  rank), the others MPI_Allreduce. Force each, down to one byte per rank."""
+  """On one node with one device per rank, all-reduces of >= cma_min_bytes run
+  by cross-memory attach; else those of >= ring_min_bytes per rank run
+  mpijax's ring, smaller ones of <= shm_max_bytes go through node-local shared
+  memory, the others MPI_Allreduce. Force each, down to one byte per rank."""
   limit = 1 if request.param == "ring" else 0
   shm = 1 << 20 if request.param == "shm" else 0
-  with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit, shm_max_bytes=shm):
+  cma = 1 if request.param == "cma" else 0
+  with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit, shm_max_bytes=shm,
+                          cma_min_bytes=cma):
     yield request.param
+  if request.param == "cma" and N > 1 and len(jax.local_devices()) == 1:
+    # The path really ran (all ranks of these jobs share one node).
+    assert _node_paths() == [2]
+
+
+def _node_paths() -> list[int]:
+  from mpijax._src import ffi
+  from mpijax._src.ops import _base
+  return ffi.load().node_paths(_base.resolve_comm(None, "allreduce").id)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -585,13 +597,16 @@ def test_narrow_integer_sums_wrap_around(allreduce_path):
       assert_close(got, want, dtype)
 
 
-def test_ring_in_place_runs_in_segments():
-  # In place, the ring receives into a 256 KiB scratch: a 40 MiB intermediate
-  # is reduced in many segments (the default thresholds: the ring runs).
+@pytest.mark.parametrize("path", ["ring", "cma"])
+def test_large_in_place_all_reduce_runs_in_pieces(path):
+  # In place, the ring receives into a 256 KiB scratch, and cross-memory
+  # attach reduces 256 KiB chunks: a 40 MiB intermediate is reduced in many
+  # segments or chunks (the default thresholds, but cma_min_bytes for the ring).
   n = 10 * (1 << 20) + 3
   x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
-  got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
   want = 2 * (N * (np.arange(n, dtype=np.float32) % 1000) + N * (N - 1) / 2)
+  with transport_settings(**({"cma_min_bytes": 0} if path == "ring" else {})):
+    got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
   np.testing.assert_array_equal(got, want)
 
 

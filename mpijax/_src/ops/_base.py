@@ -162,7 +162,8 @@ def push_settings() -> None:
   settings = (int(config.get("max_chunk_bytes")), timeout,
               action == "abort", bool(config.get("check")),
               int(config.get("blocking_min_bytes")), int(config.get("ring_min_bytes")),
-              int(config.get("ring_in_place_min_bytes")), int(config.get("shm_max_bytes")))
+              int(config.get("ring_in_place_min_bytes")), int(config.get("shm_max_bytes")),
+              int(config.get("cma_min_bytes")))
   if settings != _settings_pushed:
     _ffi.load().setup(*settings)
     _settings_pushed = settings

@@ -134,9 +134,10 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   cannot interleave the buckets' packing with their MPI calls). Inside it
   the arrays of one dtype share one ring all-reduce from
   ``MPIJAX_RING_MIN_BYTES`` per rank on; below that each array is reduced
-  on its own (through node-local shared memory up to
-  ``MPIJAX_SHM_MAX_BYTES``, else one MPI all-reduce). Each array keeps its shape and
-  dtype; intermediates and donated arrays are reduced in place.
+  on its own, as :func:`allreduce` reduces it (on one node by cross-memory
+  attach from ``MPIJAX_CMA_MIN_BYTES``, through node-local shared memory up
+  to ``MPIJAX_SHM_MAX_BYTES``, else one MPI all-reduce). Each array keeps its
+  shape and dtype; intermediates and donated arrays are reduced in place.
 
   Args:
     xs: a non-empty list of arrays of supported dtypes; the same list of
