@@ -610,6 +610,19 @@ def test_large_in_place_all_reduce_runs_in_pieces(path):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("count", [50, 300])
+def test_fused_all_reduce_of_many_buffers(count):
+  # Up to 224 buffers, one cross-memory all-reduce takes them all (on one node
+  # with one device per rank), its 256 KiB chunks spanning several buffers;
+  # more run the ring. Out of place and in place (intermediates).
+  from mpijax._src.ops.allreduce import allreduce_many
+  sizes = [(i * 7919) % 30000 + 1 for i in range(count)]
+  xs = [jnp.full(n, float(R + i % 5), jnp.float32) for i, n in enumerate(sizes)]
+  for got in (allreduce_many(xs), jax.jit(lambda vs: allreduce_many([v * 1 for v in vs]))(xs)):
+    for i, (g, n) in enumerate(zip(got, sizes)):
+      np.testing.assert_array_equal(np.asarray(g), np.full(n, N * (i % 5) + N * (N - 1) / 2))
+
+
 def test_chunked_messages(tiny_chunks):
   shape = (N, 7)  # 28 B rows of float32, 56 B of complex64: several partial chunks
   for dtype in ["float32", "complex64", "bfloat16", "int8"]:

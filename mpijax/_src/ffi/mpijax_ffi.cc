@@ -16,10 +16,8 @@
 #include <fcntl.h>
 #include <mpi.h>
 #include <sys/mman.h>
+#include <sys/uio.h>  // iovec; on Linux process_vm_readv/writev (CmaAllreduce)
 #include <unistd.h>
-#if defined(__linux__)
-#include <sys/uio.h>  // process_vm_readv / process_vm_writev (CmaAllreduce)
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -1054,25 +1052,40 @@ class Spans {
   size_t size() const { return total_; }
   size_t elem_bytes() const { return es_; }
   bool any_in_place() const { return in_place_; }
+  size_t buffers() const { return bufs_.size(); }
+  // Calls f(buffer, at, count, index) for each piece of elements [lo, hi)
+  // that lies in one buffer: the buffer's number, the piece's first element
+  // in it and in the whole; stops when f returns false.
+  template <typename F>
+  void Pieces(size_t lo, size_t hi, F f) const {
+    auto it = std::upper_bound(
+        bufs_.begin(), bufs_.end(), lo,
+        [](size_t v, const Buf& b) { return v < b.start; });
+    for (--it; lo < hi && it != bufs_.end(); ++it) {
+      size_t count = std::min(hi, it->start + it->n) - lo;
+      if (!f(static_cast<size_t>(it - bufs_.begin()), lo - it->start, count,
+             lo))
+        return;
+      lo += count;
+    }
+  }
   // Calls f(src, dst, count, index) for each piece of elements [lo, hi)
   // that lies in one buffer: its addresses there and its first element's
   // index in the whole.
   template <typename F>
   ffi::Error ForEach(size_t lo, size_t hi, F f) const {
-    auto it = std::upper_bound(
-        bufs_.begin(), bufs_.end(), lo,
-        [](size_t v, const Buf& b) { return v < b.start; });
-    for (--it; lo < hi && it != bufs_.end(); ++it) {
-      size_t at = lo - it->start;
-      size_t count = std::min(hi, it->start + it->n) - lo;
-      if (auto e = f(it->src + at * es_, it->dst + at * es_,
-                     static_cast<int>(count), lo);
-          e.failure())
-        return e;
-      lo += count;
-    }
-    return ffi::Error::Success();
+    ffi::Error err;
+    Pieces(lo, hi, [&](size_t i, size_t at, size_t count, size_t index) {
+      const Buf& b = bufs_[i];
+      err = f(b.src + at * es_, b.dst + at * es_, static_cast<int>(count),
+              index);
+      return err.success();
+    });
+    return err;
   }
+  // Buffer i's input and output.
+  const char* src(size_t i) const { return bufs_[i].src; }
+  char* dst(size_t i) const { return bufs_[i].dst; }
 
  private:
   struct Buf { const char* src; char* dst; size_t n, start; };
@@ -1220,6 +1233,10 @@ ffi::Error RingSegments(const CallInfo& info, MPI_Comm comm,
 // us (hence MPIJAX_SHM_MAX_BYTES); 4 ranks on 2 cores, 64 KiB 127 -> 64 us.
 // Out of place the ring is as fast from 256 KiB at 2 ranks and goes first.
 
+// The most buffers one CmaAllreduce takes (their addresses fill the rest of
+// the header's page); a fused all-reduce of more runs the ring.
+constexpr size_t kCmaMaxBuffers = 224;
+
 struct alignas(64) ShmHeader {
   std::atomic<uint64_t> arrived;  // this call's input is in the segment
   char pad0[56];
@@ -1229,12 +1246,13 @@ struct alignas(64) ShmHeader {
   char pad2[56];
   int64_t sig, bytes;             // what it is reducing (mismatch check)
   int64_t path;                   // kPathShm or kPathCma (mismatch check)
-  uint64_t src, dst;              // CmaAllreduce: this call's buffers here
   int64_t failed;                 // CmaAllreduce: the call that failed here
   int64_t failed_errno;           // ... and the errno of its kernel copy
   int64_t pid;                    // set up once: this rank's process id,
   uint64_t probe;                 // ... the address of its CMA nonce there
   uint64_t nonce;                 // ... and the nonce's value
+  // CmaAllreduce: this call's buffers here, input and output of each.
+  uint64_t addr[kCmaMaxBuffers][2];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory flags need lock-free 64-bit atomics");
@@ -1275,19 +1293,21 @@ ffi::Error ShmWait(const CallInfo& info, Ready ready) {
   }
 }
 
-// Copies `nbytes` between this process's `local` and `remote` in process
-// `pid` (cross-memory attach: one kernel copy, no staging); 0 or an errno.
-int CmaCopy(int64_t pid, char* local, uint64_t remote, size_t nbytes,
-            bool write) {
+// Copies `nbytes` between this process's `local` and the `count` pieces
+// `remote` of process `pid` (cross-memory attach: one kernel copy, no
+// staging); 0 or an errno.
+int CmaCopy(int64_t pid, char* local, size_t nbytes, const iovec* remote,
+            size_t count, bool write) {
 #if defined(__linux__)
-  struct iovec l{local, nbytes}, rm{reinterpret_cast<void*>(remote), nbytes};
-  ssize_t got =
-      write ? process_vm_writev(static_cast<pid_t>(pid), &l, 1, &rm, 1, 0)
-            : process_vm_readv(static_cast<pid_t>(pid), &l, 1, &rm, 1, 0);
+  iovec l{local, nbytes};
+  ssize_t got = write ? process_vm_writev(static_cast<pid_t>(pid), &l, 1,
+                                          remote, count, 0)
+                      : process_vm_readv(static_cast<pid_t>(pid), &l, 1,
+                                         remote, count, 0);
   if (got == static_cast<ssize_t>(nbytes)) return 0;
   return got < 0 ? errno : EIO;  // a short copy: part of the range is gone
 #else
-  (void)pid, (void)local, (void)remote, (void)nbytes, (void)write;
+  (void)pid, (void)local, (void)nbytes, (void)remote, (void)count, (void)write;
   return ENOSYS;
 #endif
 }
@@ -1335,11 +1355,11 @@ ffi::Error CmaProbe(const CallInfo& info, DevComm* dc) {
     if (i == r) continue;
     const ShmHeader* h = ShmHead(dc, i);
     uint64_t word = 0;
-    ok = CmaCopy(h->pid, reinterpret_cast<char*>(&word), h->probe,
-                 sizeof word, false) == 0 &&
+    iovec there{reinterpret_cast<void*>(h->probe), sizeof word};
+    char* here = reinterpret_cast<char*>(&word);
+    ok = CmaCopy(h->pid, here, sizeof word, &there, 1, false) == 0 &&
          word == h->nonce &&
-         CmaCopy(h->pid, reinterpret_cast<char*>(&word), h->probe,
-                 sizeof word, true) == 0;
+         CmaCopy(h->pid, here, sizeof word, &there, 1, true) == 0;
   }
   MPIJAX_CHECK_MPI(
       MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, dc->comm), info);
@@ -1572,14 +1592,15 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
   return ffi::Error::Success();
 }
 
-// Whether an all-reduce of `bytes` runs CmaAllreduce: from cma_min_bytes
-// on, with one local device per rank (as UseShm), all ranks on one node, and
-// cross-memory attach allowed between them.
-ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes) {
+// Whether an all-reduce of `bytes` in `buffers` buffers runs CmaAllreduce:
+// from cma_min_bytes on, up to kCmaMaxBuffers buffers, with one local device
+// per rank (as UseShm), all ranks on one node, and cross-memory attach
+// allowed between them. Allocation-free, like UseRing.
+ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
   int64_t min_bytes = g_cma_min_bytes.load(std::memory_order_relaxed);
   if (info.dc == nullptr || info.dc->local_devices != 1 ||
       info.comm_size < 2 || min_bytes <= 0 ||
-      bytes < static_cast<size_t>(min_bytes))
+      bytes < static_cast<size_t>(min_bytes) || buffers > kCmaMaxBuffers)
     return false;
   auto ready = ShmReady(info);
   if (ready.has_error()) return ready;
@@ -1605,9 +1626,9 @@ ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes) {
 // shared memory is as fast or faster.
 constexpr size_t kCmaChunkBytes = size_t{256} << 10;
 
-ffi::Error CmaAllreduce(const CallInfo& info, const char* src, char* dst,
-                        size_t n, ffi::DataType type, MPI_Datatype dt,
-                        MPI_Op mop, int64_t divisor) {
+ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
+                        ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
+                        int64_t divisor) {
   // A bad divisor fails here, on every rank, before any rank waits.
   if (divisor != 1) {
     if (auto e = DivideInPlace(type, nullptr, 0, divisor); e.failure())
@@ -1615,19 +1636,35 @@ ffi::Error CmaAllreduce(const CallInfo& info, const char* src, char* dst,
   }
   DevComm* dc = info.dc;
   int p = info.comm_size, r = dc->shm_rank;
-  size_t es = ffi::ByteWidth(type);
+  size_t n = spans.size(), es = spans.elem_bytes();
   uint64_t k = ++dc->shm_seq;
   ShmHeader* me = ShmHead(dc, r);
   me->sig = info.sig;
   me->bytes = static_cast<int64_t>(n * es);
   me->path = kPathCma;
-  me->src = reinterpret_cast<uint64_t>(src);
-  me->dst = reinterpret_cast<uint64_t>(dst);
+  for (size_t i = 0; i < spans.buffers(); ++i) {
+    me->addr[i][0] = reinterpret_cast<uint64_t>(spans.src(i));
+    me->addr[i][1] = reinterpret_cast<uint64_t>(spans.dst(i));
+  }
   me->arrived.store(k, std::memory_order_release);
   if (auto e = ShmWait(info, AllAtLeast(dc, p, &ShmHeader::arrived, k));
       e.failure())
     return e;
+  // The same signature means the same buffers, so `spans` describes every
+  // rank's layout; only the addresses differ.
   if (auto e = ShmSameCall(info, k); e.failure()) return e;
+  // Elements [lo, hi) of rank h's inputs (out = 0) or outputs (1), as
+  // iovecs; a chunk spans at most kCmaMaxBuffers buffers, within IOV_MAX.
+  iovec remote[kCmaMaxBuffers];
+  auto remote_iov = [&](const ShmHeader* h, int out, size_t lo, size_t hi) {
+    size_t count = 0;
+    spans.Pieces(lo, hi, [&](size_t i, size_t at, size_t c, size_t) {
+      remote[count++] = {reinterpret_cast<void*>(h->addr[i][out] + at * es),
+                         c * es};
+      return true;
+    });
+    return count;
+  };
   // This rank's block, chunk by chunk: acc = the next rank's chunk, the
   // others' folded in through tmp, then this rank's own.
   size_t chunk = std::max<size_t>(kCmaChunkBytes / es, 1);
@@ -1635,31 +1672,41 @@ ffi::Error CmaAllreduce(const CallInfo& info, const char* src, char* dst,
   char* tmp = acc + chunk * es;
   int err = 0;
   const char* failed_call = "";
+  // Copies acc/tmp <-> elements [at, at + c) of rank h's buffers.
+  auto copy = [&](const ShmHeader* h, char* local, size_t at, size_t c,
+                  bool write) {
+    size_t count = remote_iov(h, write ? 1 : 0, at, at + c);
+    failed_call = write ? "process_vm_writev" : "process_vm_readv";
+    return CmaCopy(h->pid, local, c * es, remote, count, write);
+  };
+  auto reduce_local = [&](const void* in, void* inout, int c) {
+    failed_call = "MPI_Reduce_local";
+    return MPI_Reduce_local(in, inout, c, dt, mop) == MPI_SUCCESS ? 0 : EINVAL;
+  };
   for (size_t at = n * r / p, hi = n * (r + 1) / p; at < hi && err == 0;
        at += chunk) {
-    int c = static_cast<int>(std::min(chunk, hi - at));
-    size_t nbytes = c * es, off = at * es;
+    size_t c = std::min(chunk, hi - at);
     for (int j = 1; j < p && err == 0; ++j) {
-      const ShmHeader* h = ShmHead(dc, (r + j) % p);
-      err = CmaCopy(h->pid, j == 1 ? acc : tmp, h->src + off, nbytes, false);
-      failed_call = "process_vm_readv";
-      if (err == 0 && j > 1 && MPI_Reduce_local(tmp, acc, c, dt, mop) != 0) {
-        err = EINVAL;
-        failed_call = "MPI_Reduce_local";
-      }
-    }
-    if (err == 0 && MPI_Reduce_local(src + off, acc, c, dt, mop) != 0) {
-      err = EINVAL;
-      failed_call = "MPI_Reduce_local";
+      err = copy(ShmHead(dc, (r + j) % p), j == 1 ? acc : tmp, at, c, false);
+      if (err == 0 && j > 1) err = reduce_local(tmp, acc, static_cast<int>(c));
     }
     if (err != 0) break;
+    spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
+                                 size_t index) {
+      err = reduce_local(spans.src(i) + first * es, acc + (index - at) * es,
+                         static_cast<int>(count));
+      return err == 0;
+    });
+    if (err != 0) break;
     if (divisor != 1) (void)DivideInPlace(type, acc, c, divisor);
-    std::memcpy(dst + off, acc, nbytes);
-    for (int j = 1; j < p && err == 0; ++j) {
-      const ShmHeader* h = ShmHead(dc, (r + j) % p);
-      err = CmaCopy(h->pid, acc, h->dst + off, nbytes, true);
-      failed_call = "process_vm_writev";
-    }
+    spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
+                                 size_t index) {
+      std::memcpy(spans.dst(i) + first * es, acc + (index - at) * es,
+                  count * es);
+      return true;
+    });
+    for (int j = 1; j < p && err == 0; ++j)
+      err = copy(ShmHead(dc, (r + j) % p), acc, at, c, true);
   }
   // Finished with every other rank's buffers (or failed): once all ranks
   // are, every output is complete and no input is read any more.
@@ -1674,7 +1721,7 @@ ffi::Error CmaAllreduce(const CallInfo& info, const char* src, char* dst,
     const ShmHeader* h = ShmHead(dc, i);
     if (h->failed != static_cast<int64_t>(k)) continue;
     std::string how = i == r ? std::string(failed_call) + " failed: "
-                             : std::string("its kernel copy failed: ");
+                             : std::string("its copy failed: ");
     return ffi::Error(
         ffi::ErrorCode::kInternal,
         info.Describe() + ": the cross-memory all-reduce failed on rank " +
@@ -1699,12 +1746,12 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
   if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
   size_t es = ffi::ByteWidth(type);
   bool in_place = src == dst;  // the output aliases the (donated) input
-  auto cma = UseCma(info, n * es);
+  auto cma = UseCma(info, n * es, 1);
   if (cma.has_error()) return cma.error();
-  if (*cma) return CmaAllreduce(info, src, dst, n, type, dt, mop, divisor);
-  if (UseRing(info, n * es, in_place)) {
+  if (*cma || UseRing(info, n * es, in_place)) {
     Spans spans(es);
     spans.Add(src, dst, n);
+    if (*cma) return CmaAllreduce(info, spans, type, dt, mop, divisor);
     return RingSegments(info, comm, spans, type, dt, mop, divisor);
   }
   auto shm = UseShm(info, n * es);
@@ -1789,6 +1836,14 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
     }
     info.dtype = type;
     info.dims = bufs.front().first.dimensions();
+    auto cma =
+        UseCma(info, spans.size() * spans.elem_bytes(), spans.buffers());
+    if (cma.has_error()) return cma.error();
+    if (*cma) {
+      if (auto e = CmaAllreduce(info, spans, type, dt, mop, 1); e.failure())
+        return e;
+      continue;
+    }
     if (UseRing(info, spans.size() * spans.elem_bytes(),
                 spans.any_in_place())) {
       if (auto e = RingSegments(info, comm, spans, type, dt, mop, 1);
