@@ -1293,21 +1293,21 @@ ffi::Error ShmWait(const CallInfo& info, Ready ready) {
   }
 }
 
-// Copies `nbytes` between this process's `local` and the `count` pieces
-// `remote` of process `pid` (cross-memory attach: one kernel copy, no
-// staging); 0 or an errno.
-int CmaCopy(int64_t pid, char* local, size_t nbytes, const iovec* remote,
-            size_t count, bool write) {
+// Copies `nbytes` between the `nlocal` pieces `local` of this process and
+// the `nremote` pieces `remote` of process `pid` (cross-memory attach: one
+// kernel copy, no staging); 0 or an errno.
+int CmaCopy(int64_t pid, const iovec* local, size_t nlocal,
+            const iovec* remote, size_t nremote, size_t nbytes, bool write) {
 #if defined(__linux__)
-  iovec l{local, nbytes};
-  ssize_t got = write ? process_vm_writev(static_cast<pid_t>(pid), &l, 1,
-                                          remote, count, 0)
-                      : process_vm_readv(static_cast<pid_t>(pid), &l, 1,
-                                         remote, count, 0);
+  ssize_t got = write ? process_vm_writev(static_cast<pid_t>(pid), local,
+                                          nlocal, remote, nremote, 0)
+                      : process_vm_readv(static_cast<pid_t>(pid), local,
+                                         nlocal, remote, nremote, 0);
   if (got == static_cast<ssize_t>(nbytes)) return 0;
   return got < 0 ? errno : EIO;  // a short copy: part of the range is gone
 #else
-  (void)pid, (void)local, (void)nbytes, (void)remote, (void)count, (void)write;
+  (void)pid, (void)local, (void)nlocal, (void)remote, (void)nremote;
+  (void)nbytes, (void)write;
   return ENOSYS;
 #endif
 }
@@ -1356,10 +1356,10 @@ ffi::Error CmaProbe(const CallInfo& info, DevComm* dc) {
     const ShmHeader* h = ShmHead(dc, i);
     uint64_t word = 0;
     iovec there{reinterpret_cast<void*>(h->probe), sizeof word};
-    char* here = reinterpret_cast<char*>(&word);
-    ok = CmaCopy(h->pid, here, sizeof word, &there, 1, false) == 0 &&
+    iovec here{&word, sizeof word};
+    ok = CmaCopy(h->pid, &here, 1, &there, 1, sizeof word, false) == 0 &&
          word == h->nonce &&
-         CmaCopy(h->pid, here, sizeof word, &there, 1, true) == 0;
+         CmaCopy(h->pid, &here, 1, &there, 1, sizeof word, true) == 0;
   }
   MPIJAX_CHECK_MPI(
       MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, dc->comm), info);
@@ -1655,7 +1655,7 @@ ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
   if (auto e = ShmSameCall(info, k); e.failure()) return e;
   // Elements [lo, hi) of rank h's inputs (out = 0) or outputs (1), as
   // iovecs; a chunk spans at most kCmaMaxBuffers buffers, within IOV_MAX.
-  iovec remote[kCmaMaxBuffers];
+  iovec remote[kCmaMaxBuffers], here[kCmaMaxBuffers];
   auto remote_iov = [&](const ShmHeader* h, int out, size_t lo, size_t hi) {
     size_t count = 0;
     spans.Pieces(lo, hi, [&](size_t i, size_t at, size_t c, size_t) {
@@ -1665,48 +1665,81 @@ ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
     });
     return count;
   };
-  // This rank's block, chunk by chunk: acc = the next rank's chunk, the
-  // others' folded in through tmp, then this rank's own.
+  // This rank's block, chunk by chunk, reduced into an accumulator: the
+  // chunk's pieces of this rank's outputs when none of them is in place
+  // (they are written once, by the first read), else a scratch chunk copied
+  // to them at the end (reading another rank's input into an output that is
+  // this rank's input would lose it). The accumulator gets the next rank's
+  // chunk, the others' through tmp, then this rank's own.
+  bool into_outputs = !spans.any_in_place();
   size_t chunk = std::max<size_t>(kCmaChunkBytes / es, 1);
-  char* acc = RingScratch(2 * chunk * es);
-  char* tmp = acc + chunk * es;
+  char* scratch = RingScratch(2 * chunk * es);
+  char* tmp = scratch + chunk * es;
   int err = 0;
   const char* failed_call = "";
-  // Copies acc/tmp <-> elements [at, at + c) of rank h's buffers.
-  auto copy = [&](const ShmHeader* h, char* local, size_t at, size_t c,
-                  bool write) {
-    size_t count = remote_iov(h, write ? 1 : 0, at, at + c);
-    failed_call = write ? "process_vm_writev" : "process_vm_readv";
-    return CmaCopy(h->pid, local, c * es, remote, count, write);
-  };
-  auto reduce_local = [&](const void* in, void* inout, int c) {
-    failed_call = "MPI_Reduce_local";
-    return MPI_Reduce_local(in, inout, c, dt, mop) == MPI_SUCCESS ? 0 : EINVAL;
-  };
   for (size_t at = n * r / p, hi = n * (r + 1) / p; at < hi && err == 0;
        at += chunk) {
-    size_t c = std::min(chunk, hi - at);
+    size_t c = std::min(chunk, hi - at), pieces = 1;
+    // The accumulator's pieces, and the address of element `index` in it.
+    if (into_outputs) {
+      pieces = 0;
+      spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
+                                   size_t) {
+        here[pieces++] = {spans.dst(i) + first * es, count * es};
+        return true;
+      });
+    } else {
+      here[0] = {scratch, c * es};
+    }
+    auto acc = [&](size_t index, size_t i, size_t first) {
+      return into_outputs ? spans.dst(i) + first * es
+                          : scratch + (index - at) * es;
+    };
+    // Copies between `local` and elements [at, at + c) of rank h's buffers.
+    auto copy = [&](const ShmHeader* h, const iovec* local, size_t nlocal,
+                    bool write) {
+      failed_call = write ? "process_vm_writev" : "process_vm_readv";
+      return CmaCopy(h->pid, local, nlocal, remote,
+                     remote_iov(h, write ? 1 : 0, at, at + c), c * es, write);
+    };
+    // inout (the accumulator's piece for element `index`) = in op inout.
+    auto fold = [&](auto in_of) {
+      spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
+                                   size_t index) {
+        failed_call = "MPI_Reduce_local";
+        err = MPI_Reduce_local(in_of(index, i, first), acc(index, i, first),
+                               static_cast<int>(count), dt, mop) == MPI_SUCCESS
+                  ? 0
+                  : EINVAL;
+        return err == 0;
+      });
+    };
+    iovec tmp_iov{tmp, c * es};
     for (int j = 1; j < p && err == 0; ++j) {
-      err = copy(ShmHead(dc, (r + j) % p), j == 1 ? acc : tmp, at, c, false);
-      if (err == 0 && j > 1) err = reduce_local(tmp, acc, static_cast<int>(c));
+      const ShmHeader* h = ShmHead(dc, (r + j) % p);
+      if (j == 1) {
+        err = copy(h, here, pieces, false);
+      } else if ((err = copy(h, &tmp_iov, 1, false)) == 0) {
+        fold([&](size_t index, size_t, size_t) {
+          return tmp + (index - at) * es;
+        });
+      }
+    }
+    if (err == 0) {
+      fold([&](size_t, size_t i, size_t first) {
+        return spans.src(i) + first * es;
+      });
     }
     if (err != 0) break;
     spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
                                  size_t index) {
-      err = reduce_local(spans.src(i) + first * es, acc + (index - at) * es,
-                         static_cast<int>(count));
-      return err == 0;
-    });
-    if (err != 0) break;
-    if (divisor != 1) (void)DivideInPlace(type, acc, c, divisor);
-    spans.Pieces(at, at + c, [&](size_t i, size_t first, size_t count,
-                                 size_t index) {
-      std::memcpy(spans.dst(i) + first * es, acc + (index - at) * es,
-                  count * es);
+      char* a = acc(index, i, first);
+      if (divisor != 1) (void)DivideInPlace(type, a, count, divisor);
+      if (!into_outputs) std::memcpy(spans.dst(i) + first * es, a, count * es);
       return true;
     });
     for (int j = 1; j < p && err == 0; ++j)
-      err = copy(ShmHead(dc, (r + j) % p), acc, at, c, true);
+      err = copy(ShmHead(dc, (r + j) % p), here, pieces, true);
   }
   // Finished with every other rank's buffers (or failed): once all ranks
   // are, every output is complete and no input is read any more.
