@@ -1336,9 +1336,10 @@ uint64_t& CmaNonce() {
 // value of its private nonce; every other rank reads the nonce there and,
 // only if it found it, writes the same value back. That fails, and
 // CmaAllreduce stays off for this communicator, where the kernel refuses
-// (ranks of different users, Yama's ptrace_scope 2 or 3 -- 1 allows it
-// after prctl(PR_SET_PTRACER), which Open MPI's own CMA support does --
-// container seccomp profiles that block process_vm_readv) or where a
+// (ranks of different users; Yama's ptrace_scope 1 without
+// prctl(PR_SET_PTRACER), which Open MPI's own CMA support calls, 2 without
+// CAP_SYS_PTRACE, or 3; container seccomp profiles that block
+// process_vm_readv) or where a
 // rank's process id names another process (ranks in different PID
 // namespaces, e.g. one container each sharing /dev/shm).
 ffi::Error CmaProbe(const CallInfo& info, DevComm* dc) {
@@ -1608,21 +1609,20 @@ ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
 }
 
 // Node-local all-reduce by cross-memory attach. Each rank publishes the
-// addresses of its input and output in its shared-memory header, then
+// addresses of its inputs and outputs in its shared-memory header, then
 // reduces its 1/P block: for each cache-sized chunk it reads the other
 // ranks' inputs there (process_vm_readv), folds in its own, and writes the
-// result into its own output and straight into every other rank's
-// (process_vm_writev). One flag wait to start and one to finish, no MPI
-// message; each block is reduced by one rank, so every rank gets the same
-// bits; in place works alike (a rank reads a chunk of another's buffer
-// before it writes that chunk). Per rank that is the memory traffic of a
-// copy: every input byte it needs read once, every output byte written
-// once, the chunk staying in cache in between. The ring also writes each
+// result into every other rank's outputs (process_vm_writev). One flag
+// wait to start and one to finish, no MPI message; each block is reduced
+// by one rank, so every rank gets the same bits; in place works alike (a
+// rank reads a chunk of another's buffer before it writes that chunk). Per
+// rank that is the memory traffic of a copy: every input byte it needs
+// read once, every output byte written once. The ring also writes each
 // received block to memory and reads it back, and reads its finished block
 // again to send it; Open MPI's single-copy path pays the same kernel copy.
-// Measured per jitted call with 2 ranks, ring -> this: 256 KiB 33 -> 22 us,
-// 4 MiB 529 -> 388 us (donated 509 -> 310), 64 MiB donated 11.0 -> 7.6 ms;
-// 4 ranks on 2 cores, 4 MiB 1.91 -> 1.14 ms. Below 64 KiB (cma_min_bytes)
+// Measured per jitted call with 2 ranks, ring -> this: 256 KiB 32 -> 18 us,
+// 4 MiB 507 -> 357 us (donated 501 -> 306), 64 MiB donated 10.7 -> 7.3 ms;
+// 4 ranks on 2 cores, 4 MiB 1.80 -> 1.23 ms. Below 64 KiB (cma_min_bytes)
 // shared memory is as fast or faster.
 constexpr size_t kCmaChunkBytes = size_t{256} << 10;
 

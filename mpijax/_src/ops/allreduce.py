@@ -132,11 +132,12 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   What ``mpijax.train``'s fused gradient all-reduce sends its buckets with:
   one XLA custom call for the whole list (one signature check, and XLA
   cannot interleave the buckets' packing with their MPI calls). Inside it
-  the arrays of one dtype share one ring all-reduce from
-  ``MPIJAX_RING_MIN_BYTES`` per rank on; below that each array is reduced
-  on its own, as :func:`allreduce` reduces it (on one node by cross-memory
-  attach from ``MPIJAX_CMA_MIN_BYTES``, through node-local shared memory up
-  to ``MPIJAX_SHM_MAX_BYTES``, else one MPI all-reduce). Each array keeps its
+  the arrays of one dtype share one all-reduce: by cross-memory attach when
+  every rank runs on one node with one device (from ``MPIJAX_CMA_MIN_BYTES``
+  in all, up to 224 arrays), else one ring from ``MPIJAX_RING_MIN_BYTES``
+  per rank on; below that each array is reduced on its own, as
+  :func:`allreduce` reduces it (through node-local shared memory up to
+  ``MPIJAX_SHM_MAX_BYTES``, else one MPI all-reduce). Each array keeps its
   shape and dtype; intermediates and donated arrays are reduced in place.
 
   Args:
