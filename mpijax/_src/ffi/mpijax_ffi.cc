@@ -1764,9 +1764,10 @@ ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
   return ffi::Error::Success();
 }
 
-// One buffer's all-reduce: the ring (UseRing), shared memory (UseShm) or
-// MPI's, chunked, each chunk blocking or polled by size; with a divisor (op
-// "mean") each chunk is divided right after its MPI call.
+// One buffer's all-reduce: by cross-memory attach (UseCma), the ring
+// (UseRing), shared memory (UseShm) or MPI's, chunked, each chunk blocking
+// or polled by size; with a divisor (op "mean") each chunk is divided right
+// after its MPI call.
 ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
                            ffi::AnyBuffer x, ffi::AnyBuffer out, int64_t op,
                            int64_t divisor) {
@@ -1821,8 +1822,8 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 // Several buffers (the buckets of a gradient tree) reduced in one call: those
-// of one dtype in one ring when it applies (UseRing), else one after another
-// as `allreduce` would; the last operand and result are the order token. One
+// of one dtype in one cross-memory all-reduce (UseCma) or one ring (UseRing)
+// when either applies, else one after another as `allreduce` would; the last operand and result are the order token. One
 // custom call instead of one per bucket: one signature check on the first
 // run, no per-bucket thunk, and XLA cannot interleave a bucket's packing
 // with another's MPI call. (Posting every bucket as an MPI_Iallreduce and
