@@ -9,15 +9,18 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     step counts, the run completes
   late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=3: the others warn, then finish)
-  late_large        the same with 512 KiB messages (mpijax's ring, or with
-                    MPIJAX_RING_MIN_BYTES=0 a blocking MPI_Allreduce)
+  late_large        the same with 512 KiB messages (cross-memory attach; with
+                    MPIJAX_CMA_MIN_BYTES=0 mpijax's ring, or with
+                    MPIJAX_RING_MIN_BYTES=0 too a blocking MPI_Allreduce)
   set_order         every rank iterates a collection of differently shaped
                     parameters in its own order (what iterating a `set` of
                     names does under different hash seeds) -> mismatch error
   seen_shapes N     both shapes of a jitted all-reduce pass their first-run
                     check, then rank 1 calls it with the other one: MPI's
                     truncation error ends the job with a report (no garbage,
-                    no heap corruption); N elements (large N: mpijax's ring)
+                    no heap corruption); N elements (large N: mpijax's ring,
+                    or by default cross-memory attach, whose own check makes
+                    it a collective mismatch error on every rank)
 """
 
 import os
