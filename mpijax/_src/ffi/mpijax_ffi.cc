@@ -1465,12 +1465,23 @@ auto AllAtLeast(DevComm* dc, int p, std::atomic<uint64_t> ShmHeader::*flag,
   };
 }
 
-// After every rank has arrived at call k: whether all of them reduce the
-// same thing the same way (the same comparison on every rank, so all of
-// them raise together, after marking the call finished so none waits).
-ffi::Error ShmSameCall(const CallInfo& info, uint64_t k) {
+// Call k's arrival: publishes what this rank reduces (`bytes` by `path`),
+// marks it arrived (after whatever the caller published first), waits for
+// every rank, then checks that all of them reduce the same thing the same
+// way (the same comparison on every rank, so all of them raise together,
+// after marking the call finished so none waits).
+ffi::Error ShmArrive(const CallInfo& info, uint64_t k, size_t bytes,
+                     int64_t path) {
   DevComm* dc = info.dc;
   ShmHeader* me = ShmHead(dc, dc->shm_rank);
+  me->sig = info.sig;
+  me->bytes = static_cast<int64_t>(bytes);
+  me->path = path;
+  me->arrived.store(k, std::memory_order_release);
+  if (auto e = ShmWait(
+          info, AllAtLeast(dc, info.comm_size, &ShmHeader::arrived, k));
+      e.failure())
+    return e;
   for (int i = 0; i < info.comm_size; ++i) {
     ShmHeader* h = ShmHead(dc, i);
     if (h->sig == info.sig && h->bytes == me->bytes && h->path == me->path)
@@ -1525,27 +1536,19 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
   uint64_t k = ++dc->shm_seq;
   ShmHeader* me = ShmHead(dc, r);
   char* mine = ShmData(dc, r);
-  auto all = [&](auto flag, uint64_t at_least) {
-    return AllAtLeast(dc, p, flag, at_least);
-  };
   // 1. Once everyone has read this rank's segment from the previous call:
   // the blocks the other ranks reduce go in (its own block it reads from
   // `src` directly).
-  if (auto e = ShmWait(info, all(&ShmHeader::done, k - 1)); e.failure())
+  if (auto e = ShmWait(info, AllAtLeast(dc, p, &ShmHeader::done, k - 1));
+      e.failure())
     return e;
   for (int j = 0; j < p; ++j) {
     if (j == r) continue;
     std::memcpy(mine + first(j) * es, src + first(j) * es,
                 (first(j + 1) - first(j)) * es);
   }
-  me->sig = info.sig;
-  me->bytes = static_cast<int64_t>(bytes);
-  me->path = kPathShm;
-  me->arrived.store(k, std::memory_order_release);
   // 2. Every input is in; all ranks must be reducing the same thing.
-  if (auto e = ShmWait(info, all(&ShmHeader::arrived, k)); e.failure())
-    return e;
-  if (auto e = ShmSameCall(info, k); e.failure()) return e;
+  if (auto e = ShmArrive(info, k, bytes, kPathShm); e.failure()) return e;
   // 3. This rank's block, reduced by this rank only (so every rank gets the
   // same bits), divided, and published where its own input would have been.
   size_t lo = first(r), cnt = first(r + 1) - lo;
@@ -1582,7 +1585,8 @@ ffi::Error ShmAllreduce(const CallInfo& info, const char* src, char* dst,
   me->reduced.store(k, std::memory_order_release);
   // 4. Every block is published: copy the others' out (in place, over input
   // blocks already copied to this rank's segment in step 1).
-  if (auto e = ShmWait(info, all(&ShmHeader::reduced, k)); e.failure())
+  if (auto e = ShmWait(info, AllAtLeast(dc, p, &ShmHeader::reduced, k));
+      e.failure())
     return e;
   for (int i = 0; i < p; ++i) {
     if (i == r) continue;
@@ -1639,20 +1643,13 @@ ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
   size_t n = spans.size(), es = spans.elem_bytes();
   uint64_t k = ++dc->shm_seq;
   ShmHeader* me = ShmHead(dc, r);
-  me->sig = info.sig;
-  me->bytes = static_cast<int64_t>(n * es);
-  me->path = kPathCma;
   for (size_t i = 0; i < spans.buffers(); ++i) {
     me->addr[i][0] = reinterpret_cast<uint64_t>(spans.src(i));
     me->addr[i][1] = reinterpret_cast<uint64_t>(spans.dst(i));
   }
-  me->arrived.store(k, std::memory_order_release);
-  if (auto e = ShmWait(info, AllAtLeast(dc, p, &ShmHeader::arrived, k));
-      e.failure())
-    return e;
   // The same signature means the same buffers, so `spans` describes every
   // rank's layout; only the addresses differ.
-  if (auto e = ShmSameCall(info, k); e.failure()) return e;
+  if (auto e = ShmArrive(info, k, n * es, kPathCma); e.failure()) return e;
   // Elements [lo, hi) of rank h's inputs (out = 0) or outputs (1), as
   // iovecs; a chunk spans at most kCmaMaxBuffers buffers, within IOV_MAX.
   iovec remote[kCmaMaxBuffers], here[kCmaMaxBuffers];
