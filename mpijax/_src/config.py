@@ -1,10 +1,10 @@
 """Every ``MPIJAX_*`` environment variable, read in this one module.
 
 Each setting is declared once with its type, default and a one-line doc; the
-README's configuration table is written from the same facts. Values are read
-from the environment when first asked for and can be overridden in code with
-``mpijax.config.update(name, value)`` (before ``mpijax.init()`` for settings
-that ``init`` consumes).
+table in docs/configuration.md is written from the same facts. Values are
+read from the environment when first asked for and can be overridden in code
+with ``mpijax.config.update(name, value)`` (before ``mpijax.init()`` for
+settings that ``init`` consumes).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def reset(name: str | None = None) -> None:
 
 
 def markdown_table() -> str:
-  """The README's configuration table (``python -m mpijax._src.config``)."""
+  """The table of docs/configuration.md (``python -m mpijax._src.config``)."""
   rows = ["| variable | default | meaning |", "|---|---|---|"]
   for s in settings():
     default = "unset" if s.default in (None, "") else repr(s.default)

@@ -8,7 +8,7 @@ import pytest
 
 from mpijax._src import config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_environment_default_and_override(monkeypatch):
@@ -35,13 +35,13 @@ def test_unknown_setting():
     config.get("nope")
 
 
-def test_readme_table_is_current():
-  text = README.read_text()
+def test_docs_table_is_current():
+  text = CONFIG_DOC.read_text()
   start, end = "<!-- config-table:start -->\n", "\n<!-- config-table:end -->"
   table = text[text.index(start) + len(start):text.index(end)]
   assert table.strip() == config.markdown_table().strip(), (
-      "README's configuration table is stale; regenerate it with "
-      "python -c 'from mpijax._src import config; print(config.markdown_table())'")
+      "docs/configuration.md's table is stale; regenerate it with "
+      "python -m mpijax._src.config and paste it between the markers")
 
 
 def test_timeout_accepts_inf_as_never_and_refuses_nan_and_negative(monkeypatch):
