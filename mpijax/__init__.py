@@ -11,11 +11,11 @@ from mpijax._src import heap as _heap
 # Before MPI and JAX start their threads: see mpijax/_src/heap.py.
 _heap.configure()
 
-from mpijax._src import ffi as _ffi  # noqa: E402
+from mpijax._src import jax_compat as _jax_compat
 
 # Before the modules that lower with JAX internals: a too old JAX fails here,
 # with the versions, instead of with a TypeError from deep inside them.
-_ffi.check_jax()
+_jax_compat.check_jax()
 
 from mpijax._src.array_checkpoint import load as load
 from mpijax._src.array_checkpoint import save as save
@@ -26,6 +26,7 @@ from mpijax._src.mesh import GlobalMesh as GlobalMesh
 from mpijax._src.mesh import make_mesh as make_mesh
 from mpijax._src.mesh import pmap as pmap
 from mpijax._src.mesh import shard_map as shard_map
+from mpijax._src.ops import jax_rules as _jax_rules
 from mpijax._src.runtime import DeviceInfo as DeviceInfo
 from mpijax._src.runtime import Runtime as Runtime
 from mpijax._src.runtime import Topology as Topology
@@ -38,8 +39,13 @@ from mpijax._src.runtime import process_count as process_count
 from mpijax._src.runtime import process_index as process_index
 from mpijax._src.runtime import shutdown as shutdown
 
-from mpijax import lax as lax  # noqa: E402  (submodules after the names they use)
-from mpijax import ops as ops  # noqa: E402
+# The public submodules, after the names they use.
+from mpijax import lax as lax
+from mpijax import ops as ops
+
+# mpijax's lowering rules for jit, shard_map and XLA's collectives, so that the
+# order token reaches every MPI call (see mpijax/_src/ops/jax_rules.py).
+_jax_rules.install()
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ Each op works on an mpi4py communicator (default: the runtime's; always on a
 private clone) and runs in the same order on every rank.
 """
 
-from mpijax._src.ops._base import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from mpijax._src.ops.dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from mpijax._src.ops.allgather import allgather as allgather
 from mpijax._src.ops.allreduce import allreduce as allreduce
 from mpijax._src.ops.alltoall import alltoall as alltoall

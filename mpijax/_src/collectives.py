@@ -19,9 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpijax._src import config
+from mpijax._src import jax_compat
 from mpijax._src import mesh as mesh_lib
 from mpijax._src.mesh import AxisInfo, GlobalMesh
-from mpijax import ops
+from mpijax._src.ops.allgather import allgather as mpi_allgather
+from mpijax._src.ops.allreduce import allreduce as mpi_allreduce
+from mpijax._src.ops.alltoall import alltoall as mpi_alltoall
+from mpijax._src.ops.bcast import bcast as mpi_bcast
+from mpijax._src.ops.ppermute import ppermute as mpi_ppermute
+from mpijax._src.ops.reduce_scatter import reduce_scatter as mpi_reduce_scatter
 
 
 def _names(axis_name) -> tuple:
@@ -143,26 +149,17 @@ def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
     else:  # no pmax_scatter in XLA: exchange the parts, then reduce them here
       parts = jax.lax.all_to_all(flat.reshape(n_local, -1), local, 0, 0, tiled=True)
       part = parts.max(axis=0) if op == "max" else parts.min(axis=0)
-    part = ops.allreduce(part, op, comm=comm)
+    part = mpi_allreduce(part, op, comm=comm)
     # Typed invariant (as psum's result) only where jax tracks it, under
     # shard_map(check_vma=True): there the invariant gather's transpose is
     # right. Unchecked (every mpijax.pmap), the cotangent differs per device and
     # only the plain gather's transpose sums it; 'invarying' lost a factor L.
-    to = "invarying" if _typed_varying(part) else "varying"
-    full = _lax_all_gather(part, local, axis=0, tiled=True, to=to)
+    to = "invarying" if jax_compat.typed_varying(part) else "varying"
+    full = jax_compat.all_gather(part, local, axis=0, tiled=True, to=to)
     return full[:x.size].reshape(x.shape)
   if local:
     x = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
-  return ops.allreduce(x, op, comm=comm)
-
-
-def _typed_varying(x) -> bool:
-  """Whether JAX types ``x`` as varying over manual axes (only under check_vma=True)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  if mat is None:  # JAX < 0.10: the varying manual axes are the aval's `vma`
-    return bool(getattr(aval, "vma", None))
-  return bool(getattr(mat, "varying", None))
+  return mpi_allreduce(x, op, comm=comm)
 
 
 _LAX_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
@@ -335,34 +332,16 @@ def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
 def _gather_one(x, mesh: GlobalMesh, a: AxisInfo, to: str = "varying"):
   """[size, *x.shape] ordered by the global index along ``a``."""
   if a.proc_size == 1:
-    return _lax_all_gather(x, a.local_name, axis=0, to=to)
+    return jax_compat.all_gather(x, a.local_name, axis=0, to=to)
   # MPI first, on each device's own sub-communicator: every shard crosses the
   # network once; the copies for the other local devices are made locally.
-  y = ops.allgather(x, comm=mesh.process_comm([a.name]))  # [ps, ...]
+  y = mpi_allgather(x, comm=mesh.process_comm([a.name]))  # [ps, ...]
   if a.local_size > 1:
-    y = _lax_all_gather(y, a.local_name, axis=1, to=to)  # [ps, ls, ...]
+    y = jax_compat.all_gather(y, a.local_name, axis=1, to=to)  # [ps, ls, ...]
   return y.reshape((a.size,) + x.shape)
 
 
 _GATHER_TO = ("varying", "invarying")
-
-
-def _lax_all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0,
-                    tiled: bool = False, to: str = "varying"):
-  """``jax.lax.all_gather(..., to=to)``, also on JAX < 0.10.
-
-  JAX 0.10 added ``to='invarying'``; before, the same gather is
-  ``all_gather_invariant`` (which takes no groups, as 'invarying' does not).
-  JAX 0.7's all_gather has no ``to`` at all: its gather is the 'varying' one.
-  """
-  if to == "invarying" and jax.__version_info__ < (0, 10):
-    if axis_index_groups is not None:
-      raise NotImplementedError("all_gather with axis_index_groups and to='invarying'")
-    from jax._src.lax.parallel import all_gather_invariant
-    return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
-  kw = {} if to == "varying" else {"to": to}
-  return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
-                            tiled=tiled, **kw)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
@@ -378,7 +357,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
   env = mesh_lib.axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
-    return _lax("all_gather", axis_name, lambda: _lax_all_gather(
+    return _lax("all_gather", axis_name, lambda: jax_compat.all_gather(
         x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to))
   if to not in _GATHER_TO:
     raise ValueError(f"all_gather got to={to!r} over mpijax axis {axis_name!r}; use one of "
@@ -413,7 +392,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
         m, ax_info = env[n]
         g = _gather_one(g, m, ax_info, to)
       else:
-        g = _lax("all_gather", n, lambda g=g: _lax_all_gather(g, n, axis=0, to=to))
+        g = _lax("all_gather", n, lambda g=g: jax_compat.all_gather(g, n, axis=0, to=to))
       # Explicit sizes: -1 cannot be inferred for a zero-size array.
       g = g.reshape((math.prod(g.shape[:g.ndim - v.ndim]),) + v.shape)
     g = jnp.moveaxis(g, 0, ax)
@@ -492,7 +471,7 @@ def _scatter_one(y, mesh: GlobalMesh, a: AxisInfo):
   else:
     blocks = blocks[:, 0]
   if a.proc_size > 1:
-    return ops.reduce_scatter(blocks, "sum", comm=mesh.process_comm([a.name]))
+    return mpi_reduce_scatter(blocks, "sum", comm=mesh.process_comm([a.name]))
   return blocks[0]
 
 
@@ -554,7 +533,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
     b = chunks.reshape((a.proc_size, a.local_size) + chunks.shape[1:])
     if a.local_size > 1:
       b = jax.lax.all_to_all(b, a.local_name, 1, 1, tiled=True)  # [pd, l_src, ...]
-    b = ops.alltoall(b, comm=mesh.process_comm([a.name]))  # [p_src, l_src, ...]
+    b = mpi_alltoall(b, comm=mesh.process_comm([a.name]))  # [p_src, l_src, ...]
     r = b.reshape((S,) + chunks.shape[1:])  # [src, ..., chunk, ...] (chunk at position sa+1)
     r = r.reshape(r.shape[:sa + 1] + r.shape[sa + 2:]) if not tiled else r
     if not tiled:
@@ -638,7 +617,7 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
   if a.is_local:
     return jax.lax.ppermute(x, a.local_name, perm)
   if a.is_process:
-    return jax.tree.map(lambda v: ops.ppermute(v, perm, comm=mesh.process_comm([a.name])), x)
+    return jax.tree.map(lambda v: mpi_ppermute(v, perm, comm=mesh.process_comm([a.name])), x)
   # An axis spanning ranks and local devices. Pairs are grouped by how many
   # ranks they move along the axis (k = destination rank - source rank, mod
   # P). For each k, every device sends its value k ranks on, on its own
@@ -661,11 +640,11 @@ def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
     v = jnp.asarray(v)
     out = jnp.zeros_like(v)
     for k in shifts:
-      moved = v if k == 0 else ops.ppermute(v, [(q, (q + k) % P) for q in range(P)], comm=comm)
+      moved = v if k == 0 else mpi_ppermute(v, [(q, (q + k) % P) for q in range(P)], comm=comm)
       src = rounds.get(k)
       if src is None:  # nothing for this rank's devices (the MPI call still runs:
         continue       # every mpijax primitive is kept by JAX's dead-code rule)
-      here = _lax_all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
+      here = jax_compat.all_gather(moved, a.local_name, axis=0)  # [L, ...]: by local index
       mine = jnp.asarray(src)[me]
       out = _take_source(here, mine, out)
     return out
@@ -687,7 +666,7 @@ def pbroadcast(x, axis_name, source: int):
   mesh, axes, others = _resolve("pbroadcast", axis_name)
   if mesh is not None and not others and len(axes) == 1 and axes[0].is_process:
     comm = mesh.process_comm([axes[0].name])
-    return jax.tree.map(lambda v: ops.bcast(jnp.asarray(v), int(source), comm=comm), x)
+    return jax.tree.map(lambda v: mpi_bcast(jnp.asarray(v), int(source), comm=comm), x)
   me = axis_index(axis_name)
   x = jax.tree.map(jnp.asarray, x)
   summed = psum(jax.tree.map(lambda v: jnp.where(me == source, v, jnp.zeros_like(v)), x),

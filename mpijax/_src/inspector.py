@@ -8,8 +8,10 @@ the runtime's communicator; a collective that waits longer than
 has not arrived and what each last did, then aborts the job (or, with
 ``MPIJAX_STALL_ACTION=warn``, keeps waiting).
 
-:func:`prepare` is called by ``mpijax.init()``, :func:`ensure_started` by the
-first communicator registration of the transport; :func:`stop` by
+:func:`prepare` is called by ``mpijax.init()``, which hands it the
+communicator to clone and the function that drains in-flight work at exit;
+:func:`ensure_started` by the first communicator registration of the
+transport, after it pushed the transport settings; :func:`stop` by
 ``mpijax.shutdown()`` and at interpreter exit, before MPI is finalized, so the
 thread never polls a finalized MPI.
 """
@@ -18,23 +20,33 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from mpijax._src import ffi as _ffi
+from mpijax._src import mpi_util
 
 _lock = threading.Lock()
 _comm: Any = None  # the responder's private communicator, cloned by init()
+_drain: Callable[[], None] | None = None  # waits for in-flight work (given by init())
 _started = False
 _atexit_registered = False
 
 
-def prepare(comm: Any) -> None:
+def prepare(comm: Any, *, drain: Callable[[], None]) -> None:
   """Clones ``comm`` for the responder (collective: called by ``mpijax.init()``).
 
   The thread itself starts with the first mpijax collective (:func:`ensure_started`),
   so the runtime works without the C++ transport (e.g. under another MPI than
   the one the extension was built for) until a collective needs it.
+
+  Args:
+    comm: the runtime's communicator.
+    drain: waits for the computations still in flight; called at exit
+      before the responder stops, so a stall there is still reported.
   """
-  global _comm
+  global _comm, _drain
   with _lock:
+    _drain = drain
     if _comm is None:
       _comm = comm.Clone()
       _comm.Set_name("mpijax-inspector")
@@ -43,6 +55,8 @@ def prepare(comm: Any) -> None:
 def ensure_started() -> bool:
   """Starts the responder thread once (local; at the first registered communicator).
 
+  The caller has pushed the transport settings: the watchdog reads the timeout.
+
   Returns:
     True if the responder runs (it needs MPI_THREAD_MULTIPLE and init()).
   """
@@ -50,13 +64,8 @@ def ensure_started() -> bool:
   with _lock:
     if _started or _comm is None:
       return _started
-    from mpi4py import MPI
-
-    from mpijax._src import ffi as _ffi
-    from mpijax._src.ops import _base
-    ext = _ffi.load()
-    _base.push_settings()
-    if not ext.start_inspector(MPI._handleof(_comm)):
+    MPI = mpi_util.import_mpi()
+    if not _ffi.load().start_inspector(MPI._handleof(_comm)):
       return False
     _started = True
     if not _atexit_registered:
@@ -72,9 +81,7 @@ def stop() -> None:
   with _lock:
     if _comm is None:
       return
-    from mpijax._src import mpi_util
     if _started:
-      from mpijax._src import ffi as _ffi
       _ffi.load().stop_inspector()
       _started = False
     if not mpi_util.import_mpi().Is_finalized():
@@ -85,12 +92,11 @@ def stop() -> None:
 def _stop_at_exit() -> None:
   global _started
   # Work still in flight may stall: drain it while the responder can report.
-  from mpijax._src import runtime
-  runtime._drain_at_exit()
+  if _drain is not None:
+    _drain()
   with _lock:
     if not _started:
       return
-    from mpijax._src import ffi as _ffi
     # Not freeing the communicator: MPI_Finalize does; joining the thread is
     # what matters here.
     _ffi.load().stop_inspector()

@@ -22,6 +22,7 @@ import numpy as np
 from mpijax._src import cluster
 from mpijax._src import config
 from mpijax._src import failure
+from mpijax._src import inspector
 from mpijax._src import mpi_util
 
 
@@ -427,8 +428,7 @@ def init(*, launcher: str | None = None,
     # The stall inspector's responder answers other ranks' "what are you
     # doing?" queries; its communicator is cloned here (collective), its thread
     # starts with the first collective and stops at shutdown() and at exit.
-    from mpijax._src import inspector
-    inspector.prepare(private)
+    inspector.prepare(private, drain=_drain_at_exit)
     register_shutdown_hook(inspector.stop)
     atexit.register(_drain_at_exit)
     return _runtime

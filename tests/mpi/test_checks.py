@@ -16,7 +16,7 @@ import mpijax.ops
 import mpijax.train as mt
 from mpijax._src import config
 from mpijax._src import ffi as _ffi
-from mpijax._src.ops import _base
+from mpijax._src.ops import settings
 
 
 @pytest.fixture()
@@ -47,7 +47,7 @@ def test_check_every_call_catches_a_divergence_after_the_first_run(rt):
   if rt.size == 1:
     return
   config.update("check", True)
-  _base.push_settings()
+  settings.push_settings()
   try:
     prog = a if rt.rank == 0 else b  # rank 0 runs max, the others min
     with pytest.raises(Exception, match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
@@ -55,7 +55,7 @@ def test_check_every_call_catches_a_divergence_after_the_first_run(rt):
       prog(x).block_until_ready()
   finally:
     config.reset("check")
-    _base.push_settings()
+    settings.push_settings()
 
 
 def test_shared_memory_catches_a_divergence_without_the_check(rt):
@@ -90,9 +90,9 @@ def test_status_table_records_calls(rt):
 def test_invalid_stall_action_is_refused(rt, monkeypatch):
   monkeypatch.setenv("MPIJAX_STALL_ACTION", "explode")
   with pytest.raises(ValueError, match=r"MPIJAX_STALL_ACTION='explode'.*'abort'.*'warn'"):
-    _base.push_settings()
+    settings.push_settings()
   monkeypatch.delenv("MPIJAX_STALL_ACTION")
-  _base.push_settings()
+  settings.push_settings()
 
 
 def test_bad_arguments_name_the_value_and_the_fix(rt):

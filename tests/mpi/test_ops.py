@@ -488,16 +488,16 @@ def transport_settings(**values):
   """Sets transport settings (sent to the C++ handlers) for a block, then
   restores the defaults."""
   from mpijax._src import config
-  from mpijax._src.ops import _base
+  from mpijax._src.ops import settings
   for name, value in values.items():
     config.update(name, value)
-  _base.push_settings()
+  settings.push_settings()
   try:
     yield
   finally:
     for name in values:
       config.reset(name)
-    _base.push_settings()
+    settings.push_settings()
 
 
 @pytest.fixture
@@ -550,8 +550,8 @@ def allreduce_path(request):
 
 def _node_paths() -> list[int]:
   from mpijax._src import ffi
-  from mpijax._src.ops import _base
-  return ffi.load().node_paths(_base.resolve_comm(None, "allreduce").id)
+  from mpijax._src.ops import communicators
+  return ffi.load().node_paths(communicators.resolve_comm(None, "allreduce").id)
 
 
 @pytest.mark.parametrize("chunked", [False, True])

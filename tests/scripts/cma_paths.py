@@ -13,7 +13,7 @@ import numpy as np
 import mpijax
 import mpijax.ops
 from mpijax._src import ffi
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
 
 rt = mpijax.init()
 r, p = rt.rank, rt.size
@@ -24,5 +24,5 @@ for n in [1 << 14, (1 << 18) + 3]:  # 64 KiB; 1 MiB + 12 B: the CMA path by defa
   in_place = jax.jit(lambda v: mpijax.ops.allreduce(v * 1))(x)
   for got in (out_of_place, in_place):
     np.testing.assert_array_equal(np.asarray(got), want)
-paths = ffi.load().node_paths(_base.resolve_comm(None, "allreduce").id)
+paths = ffi.load().node_paths(communicators.resolve_comm(None, "allreduce").id)
 print(f"rank {r} paths {paths}", flush=True)

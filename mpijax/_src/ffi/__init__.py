@@ -8,10 +8,7 @@ order, compares the MPI family and major version recorded at build time with
 ``MPI.Get_library_version()``, and registers the FFI targets with JAX once.
 
 Loading is lazy (first collective), so ``import mpijax`` never initializes MPI
-before ``mpijax.init()`` chose the thread level. What ``import mpijax`` does
-check, with :func:`check_jax`, is that JAX is new enough: mpijax lowers its
-calls with JAX internals, and an older JAX would otherwise fail with an
-unrelated TypeError at import or at the first jit.
+before ``mpijax.init()`` chose the thread level.
 """
 
 from __future__ import annotations
@@ -23,35 +20,6 @@ from types import ModuleType
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
-
-# The oldest jax and jaxlib mpijax runs on; pyproject.toml declares the same.
-# Older JAX lacks internals mpijax lowers with: JAX 0.7.0 and 0.7.1 the
-# public-enough mlir.ir_consts and jaxpr_subcomp's const_lowering (nested jits
-# lowered inline), JAX 0.6 also uncached lowering rules (register_lowering's
-# `cacheable`), lowering-rule tracebacks (call sites in mismatch reports) and
-# MLIR's Operation.block (the order token's chain).
-MIN_JAX = (0, 7, 2)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-  """(0, 10, 2) from '0.10.2' (also from '0.10.2.dev20260101' or '0.10.2rc1')."""
-  return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:3]
-               if re.match(r"\d+", part))
-
-
-def check_jax() -> None:
-  """Raises ImportError naming the installed and the required version if jax
-  or jaxlib is older than :data:`MIN_JAX` (e.g. installed with --no-deps)."""
-  import jax
-  import jaxlib
-  need = ".".join(map(str, MIN_JAX))
-  for module in (jax, jaxlib):
-    if _version_tuple(module.__version__) < MIN_JAX:
-      raise ImportError(
-          f"mpijax needs {module.__name__}>={need}, but {module.__name__} "
-          f"{module.__version__} is installed ({os.path.dirname(module.__file__)}). "
-          f"Upgrade both: pip install -U 'jax>={need}' 'jaxlib>={need}'")
-
 
 def _parse_family(version: str) -> tuple[str, int]:
   """('Open MPI', 5) from an MPI library version string, ('unknown', 0) if unsure."""

@@ -1,6 +1,7 @@
 """allgather: every rank gets the stack of every rank's ``x``.
 
-Transpose: reduce_scatter (sum), and vice versa.
+Transpose: reduce_scatter (sum), and vice versa; the two transposes are
+registered in :mod:`.reduce_scatter`, which builds on this module.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad, batching
+from jax.interpreters import batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
 
-allgather_p = _base.make_primitive("mpijax_allgather")
+allgather_p = primitive.make_primitive("mpijax_allgather")
 
 
 def allgather(x, *, comm: Any = None) -> jax.Array:
@@ -29,9 +33,9 @@ def allgather(x, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> rows = mpijax.ops.allgather(jnp.ones(3))  # (size, 3)  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.allgather", x)
-  _base.check_dtype("mpijax.ops.allgather", x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.allgather")
+  x = dtypes.as_array("mpijax.ops.allgather", x)
+  dtypes.check_dtype("mpijax.ops.allgather", x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.allgather")
   return allgather_p.bind(x, comm_id=info.id, size=info.size)
 
 
@@ -40,23 +44,15 @@ def _abstract_eval(x, *, comm_id, size):
 
 
 def _attrs(*, comm_id, size):
-  return dict(comm=_base.i64(comm_id))
+  return dict(comm=primitive.i64(comm_id))
 
 
 def _batch(args, dims, *, comm_id, size):
   (x,), (d,) = args, dims
-  out = allgather_p.bind(_base.moveaxis(x, d, 0), comm_id=comm_id, size=size)
+  out = allgather_p.bind(primitive.moveaxis(x, d, 0), comm_id=comm_id, size=size)
   return out, 1  # (size, batch, ...)
 
 
-def _transpose(ct, x, *, comm_id, size):
-  from mpijax._src.ops.reduce_scatter import reduce_scatter_p
-  if type(ct) is ad.Zero:
-    return (ad.Zero(x.aval),)
-  return (reduce_scatter_p.bind(ct, comm_id=comm_id, op="sum", size=size),)
-
-
 allgather_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(allgather_p, "mpijax_allgather", _attrs)
+lowering.register_ffi_lowering(allgather_p, "mpijax_allgather", _attrs)
 batching.primitive_batchers[allgather_p] = _batch
-ad.deflinear2(allgather_p, _transpose)

@@ -15,9 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad, batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
+from mpijax._src.ops.allgather import allgather_p
 
-allreduce_p = _base.make_primitive("mpijax_allreduce")
+allreduce_p = primitive.make_primitive("mpijax_allreduce")
 
 
 def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
@@ -38,10 +42,10 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Examples:
     >>> total = mpijax.ops.allreduce(jnp.ones(3))  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.allreduce", x)
-  if op not in _base.REDUCE_OPS + ("mean",):
+  x = dtypes.as_array("mpijax.ops.allreduce", x)
+  if op not in dtypes.REDUCE_OPS + ("mean",):
     raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
-                     f"{_base.REDUCE_OPS + ('mean',)}.")
+                     f"{dtypes.REDUCE_OPS + ('mean',)}.")
   divisor = 1
   if op == "mean":
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -50,8 +54,8 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
                       f"x to a float first")
     op = "sum"
     divisor = None  # the communicator's size, known once it is resolved
-  _base.check_reduce_op("mpijax.ops.allreduce", op, x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.allreduce")
+  dtypes.check_reduce_op("mpijax.ops.allreduce", op, x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.allreduce")
   if divisor is None:
     divisor = info.size
   return allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor)
@@ -65,8 +69,8 @@ def _abstract_eval(x, *, comm_id, op, divisor):
 
 
 def _attrs(*, comm_id, op, divisor):
-  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]),
-              divisor=_base.i64(divisor))
+  return dict(comm=primitive.i64(comm_id), op=primitive.i64(dtypes.OP_CODES[op]),
+              divisor=primitive.i64(divisor))
 
 
 def _batch(args, dims, *, comm_id, op, divisor):
@@ -78,7 +82,7 @@ def _jvp(primals, tangents, *, comm_id, op, divisor):
   (x,), (t,) = primals, tangents
   out = allreduce_p.bind(x, comm_id=comm_id, op=op, divisor=divisor)
   if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
-    return out, _base.zero_tangent(out)
+    return out, primitive.zero_tangent(out)
   if op == "sum":  # linear, the mean too
     return out, allreduce_p.bind(t, comm_id=comm_id, op="sum", divisor=divisor)
   if op in ("min", "max"):
@@ -89,7 +93,6 @@ def _jvp(primals, tangents, *, comm_id, op, divisor):
     return out, allreduce_p.bind(t * hit, comm_id=comm_id, op="sum", divisor=1) / count
   if op == "prod":
     # d(prod_r x_r) = sum_r t_r * prod_{s != r} x_s, without dividing by x.
-    from mpijax._src.ops.allgather import allgather_p
     size, rank = _size_rank(comm_id)
     gathered = allgather_p.bind(x, comm_id=comm_id, size=size)
     mine = (jnp.arange(size) == rank).reshape((-1,) + (1,) * x.ndim)
@@ -99,8 +102,7 @@ def _jvp(primals, tangents, *, comm_id, op, divisor):
 
 
 def _size_rank(comm_id: int) -> tuple[int, int]:
-  with _base._registry_lock:
-    info = next(e.info for e in _base._registry.values() if e.info.id == comm_id)
+  info = communicators.info_of(comm_id)
   return info.size, info.rank
 
 
@@ -115,7 +117,7 @@ def _transpose(ct, x, *, comm_id, op, divisor):
 
 
 allreduce_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(allreduce_p, "mpijax_allreduce", _attrs, in_place_capable=True)
+lowering.register_ffi_lowering(allreduce_p, "mpijax_allreduce", _attrs, in_place_capable=True)
 batching.primitive_batchers[allreduce_p] = _batch
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
@@ -123,7 +125,7 @@ ad.primitive_transposes[allreduce_p] = _transpose
 
 # --- several buffers in one call ----------------------------------------------------
 
-allreduce_many_p = _base.make_primitive("mpijax_allreduce_many", multiple_results=True)
+allreduce_many_p = primitive.make_primitive("mpijax_allreduce_many", multiple_results=True)
 
 
 def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
@@ -150,12 +152,12 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   Returns:
     The list of reductions, in order.
   """
-  xs = [_base.as_array("mpijax.ops.allreduce_many", x) for x in xs]
+  xs = [dtypes.as_array("mpijax.ops.allreduce_many", x) for x in xs]
   if not xs:
     raise ValueError("mpijax allreduce_many got an empty list; pass at least one array.")
   for x in xs:
-    _base.check_reduce_op("mpijax allreduce_many", op, x.dtype)
-  info = _base.resolve_comm(comm, "mpijax allreduce_many")
+    dtypes.check_reduce_op("mpijax allreduce_many", op, x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax allreduce_many")
   return allreduce_many_p.bind(*xs, comm_id=info.id, op=op)
 
 
@@ -164,7 +166,7 @@ def _many_abstract_eval(*xs, comm_id, op):
 
 
 def _many_attrs(*, comm_id, op):
-  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]))
+  return dict(comm=primitive.i64(comm_id), op=primitive.i64(dtypes.OP_CODES[op]))
 
 
 def _many_batch(args, dims, **params):
@@ -187,11 +189,11 @@ def _many_linear_part(values, zero_like, **params):
 
 def _many_jvp(primals, tangents, **params):
   outs = allreduce_many_p.bind(*primals, **params)
-  tangents = [t if jnp.issubdtype(x.dtype, jnp.inexact) else _base.zero_tangent(x)
+  tangents = [t if jnp.issubdtype(x.dtype, jnp.inexact) else primitive.zero_tangent(x)
               for x, t in zip(primals, tangents)]
   if all(type(t) is ad.Zero for t in tangents):
-    return outs, [_base.zero_tangent(o) for o in outs]
-  return outs, _many_linear_part(tangents, lambda i: _base.zero_tangent(outs[i]), **params)
+    return outs, [primitive.zero_tangent(o) for o in outs]
+  return outs, _many_linear_part(tangents, lambda i: primitive.zero_tangent(outs[i]), **params)
 
 
 def _many_transpose(cts, *xs, **params):
@@ -200,7 +202,7 @@ def _many_transpose(cts, *xs, **params):
 
 
 allreduce_many_p.def_abstract_eval(_many_abstract_eval)
-_base.register_ffi_lowering(allreduce_many_p, "mpijax_allreduce_many", _many_attrs,
+lowering.register_ffi_lowering(allreduce_many_p, "mpijax_allreduce_many", _many_attrs,
                             in_place_capable=True)
 batching.primitive_batchers[allreduce_many_p] = _many_batch
 ad.primitive_jvps[allreduce_many_p] = _many_jvp

@@ -11,9 +11,12 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad, batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
 
-alltoall_p = _base.make_primitive("mpijax_alltoall")
+alltoall_p = primitive.make_primitive("mpijax_alltoall")
 
 
 def alltoall(x, *, comm: Any = None) -> jax.Array:
@@ -29,9 +32,9 @@ def alltoall(x, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> y = mpijax.ops.alltoall(jnp.ones((size, 2)))  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.alltoall", x)
-  _base.check_dtype("mpijax.ops.alltoall", x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.alltoall")
+  x = dtypes.as_array("mpijax.ops.alltoall", x)
+  dtypes.check_dtype("mpijax.ops.alltoall", x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.alltoall")
   if x.ndim == 0 or x.shape[0] != info.size:
     raise ValueError(
         f"mpijax.ops.alltoall needs x.shape[0] == communicator size "
@@ -44,12 +47,12 @@ def _abstract_eval(x, *, comm_id):
 
 
 def _attrs(*, comm_id):
-  return dict(comm=_base.i64(comm_id))
+  return dict(comm=primitive.i64(comm_id))
 
 
 def _batch(args, dims, *, comm_id):
   (x,), (d,) = args, dims
-  return alltoall_p.bind(_base.moveaxis(x, d, 1), comm_id=comm_id), 1
+  return alltoall_p.bind(primitive.moveaxis(x, d, 1), comm_id=comm_id), 1
 
 
 def _transpose(ct, x, *, comm_id):
@@ -59,6 +62,6 @@ def _transpose(ct, x, *, comm_id):
 
 
 alltoall_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(alltoall_p, "mpijax_alltoall", _attrs)
+lowering.register_ffi_lowering(alltoall_p, "mpijax_alltoall", _attrs)
 batching.primitive_batchers[alltoall_p] = _batch
 ad.deflinear2(alltoall_p, _transpose)

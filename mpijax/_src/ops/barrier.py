@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
 
-barrier_p = _base.make_primitive("mpijax_barrier", multiple_results=True)
+barrier_p = primitive.make_primitive("mpijax_barrier", multiple_results=True)
 
 
 def barrier(*, comm: Any = None) -> None:
@@ -14,7 +16,7 @@ def barrier(*, comm: Any = None) -> None:
 
   Inside ``jax.jit`` it runs in program order with the other mpijax ops.
   """
-  info = _base.resolve_comm(comm, "mpijax.ops.barrier")
+  info = communicators.resolve_comm(comm, "mpijax.ops.barrier")
   barrier_p.bind(comm_id=info.id)
 
 
@@ -23,8 +25,8 @@ def _abstract_eval(*, comm_id):
 
 
 def _attrs(*, comm_id):
-  return dict(comm=_base.i64(comm_id))
+  return dict(comm=primitive.i64(comm_id))
 
 
 barrier_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(barrier_p, "mpijax_barrier", _attrs)
+lowering.register_ffi_lowering(barrier_p, "mpijax_barrier", _attrs)

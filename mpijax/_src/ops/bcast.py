@@ -15,10 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
 
-bcast_p = _base.make_primitive("mpijax_bcast")
-reduce_p = _base.make_primitive("mpijax_reduce")
+bcast_p = primitive.make_primitive("mpijax_bcast")
+reduce_p = primitive.make_primitive("mpijax_reduce")
 
 
 def _check_root(op_name: str, root: int, size: int) -> int:
@@ -47,9 +50,9 @@ def bcast(x, root: int, *, comm: Any = None) -> jax.Array:
   Examples:
     >>> params = mpijax.ops.bcast(params_leaf, root=0)  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.bcast", x)
-  _base.check_dtype("mpijax.ops.bcast", x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.bcast")
+  x = dtypes.as_array("mpijax.ops.bcast", x)
+  dtypes.check_dtype("mpijax.ops.bcast", x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.bcast")
   _check_root("mpijax.ops.bcast", root, info.size)
   return bcast_p.bind(x, comm_id=info.id, root=root)
 
@@ -66,9 +69,9 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
   Returns:
     The reduction on ``root``, zeros of ``x``'s shape elsewhere.
   """
-  x = _base.as_array("mpijax.ops.reduce", x)
-  _base.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.reduce")
+  x = dtypes.as_array("mpijax.ops.reduce", x)
+  dtypes.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.reduce")
   _check_root("mpijax.ops.reduce", root, info.size)
   return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
 
@@ -78,12 +81,12 @@ def _same(x, **params):
 
 
 def _bcast_attrs(*, comm_id, root):
-  return dict(comm=_base.i64(comm_id), root=_base.i64(root))
+  return dict(comm=primitive.i64(comm_id), root=primitive.i64(root))
 
 
 def _reduce_attrs(*, comm_id, op, root):
-  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]),
-              root=_base.i64(root))
+  return dict(comm=primitive.i64(comm_id), op=primitive.i64(dtypes.OP_CODES[op]),
+              root=primitive.i64(root))
 
 
 def _elementwise_batcher(prim):
@@ -104,11 +107,11 @@ def _reduce_transpose_sum(ct, *, comm_id, op, root):
 
 
 bcast_p.def_abstract_eval(_same)
-_base.register_ffi_lowering(bcast_p, "mpijax_bcast", _bcast_attrs, in_place_capable=True)
+lowering.register_ffi_lowering(bcast_p, "mpijax_bcast", _bcast_attrs, in_place_capable=True)
 batching.primitive_batchers[bcast_p] = _elementwise_batcher(bcast_p)
 ad.deflinear2(bcast_p, _bcast_transpose)
 
 reduce_p.def_abstract_eval(_same)
-_base.register_ffi_lowering(reduce_p, "mpijax_reduce", _reduce_attrs)
+lowering.register_ffi_lowering(reduce_p, "mpijax_reduce", _reduce_attrs)
 batching.primitive_batchers[reduce_p] = _elementwise_batcher(reduce_p)
-_base.def_sum_linear_ad(reduce_p, "mpijax.ops.reduce", _reduce_transpose_sum)
+primitive.def_sum_linear_ad(reduce_p, "mpijax.ops.reduce", _reduce_transpose_sum)

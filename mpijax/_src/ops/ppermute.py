@@ -17,9 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
 
-ppermute_p = _base.make_primitive("mpijax_ppermute")
+ppermute_p = primitive.make_primitive("mpijax_ppermute")
 
 
 def _normalize_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
@@ -56,9 +59,9 @@ def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Arr
     >>> ring = [(r, (r + 1) % size) for r in range(size)]  # doctest: +SKIP
     >>> y = mpijax.ops.ppermute(x, ring)  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.ppermute", x)
-  _base.check_dtype("mpijax.ops.ppermute", x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.ppermute")
+  x = dtypes.as_array("mpijax.ops.ppermute", x)
+  dtypes.check_dtype("mpijax.ops.ppermute", x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.ppermute")
   pairs = _normalize_perm(perm, info.size)
   if not pairs:
     return jnp.zeros_like(x)
@@ -82,9 +85,9 @@ def sendrecv(x, source: int | None, dest: int | None, *,
   Examples:
     >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.sendrecv", x)
-  _base.check_dtype("mpijax.ops.sendrecv", x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.sendrecv")
+  x = dtypes.as_array("mpijax.ops.sendrecv", x)
+  dtypes.check_dtype("mpijax.ops.sendrecv", x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.sendrecv")
   pairs = []
   if dest is not None:
     pairs.append((info.rank, dest))
@@ -102,7 +105,7 @@ def _abstract_eval(x, *, comm_id, perm, rank_view):
 def _attrs(*, comm_id, perm, rank_view):
   srcs = np.array([s for s, _ in perm], np.int64)
   dsts = np.array([d for _, d in perm], np.int64)
-  return dict(comm=_base.i64(comm_id), srcs=srcs, dsts=dsts)
+  return dict(comm=primitive.i64(comm_id), srcs=srcs, dsts=dsts)
 
 
 def _batch(args, dims, **params):
@@ -117,6 +120,6 @@ def _transpose(ct, x, *, comm_id, perm, rank_view):
 
 
 ppermute_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(ppermute_p, "mpijax_ppermute", _attrs)
+lowering.register_ffi_lowering(ppermute_p, "mpijax_ppermute", _attrs)
 batching.primitive_batchers[ppermute_p] = _batch
 ad.deflinear2(ppermute_p, _transpose)

@@ -1,6 +1,7 @@
 """reduce_scatter: rank r gets the reduction over ranks of ``x[r]``.
 
-Transpose (op="sum"): allgather, and vice versa.
+Transpose (op="sum"): allgather, and vice versa: both transposes are
+registered here, where both primitives exist.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
-from mpijax._src.ops import _base
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import primitive
+from mpijax._src.ops.allgather import allgather_p
 
-reduce_scatter_p = _base.make_primitive("mpijax_reduce_scatter")
+reduce_scatter_p = primitive.make_primitive("mpijax_reduce_scatter")
 
 
 def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
@@ -30,9 +35,9 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Examples:
     >>> mine = mpijax.ops.reduce_scatter(jnp.ones((size, 3)))  # doctest: +SKIP
   """
-  x = _base.as_array("mpijax.ops.reduce_scatter", x)
-  _base.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
-  info = _base.resolve_comm(comm, "mpijax.ops.reduce_scatter")
+  x = dtypes.as_array("mpijax.ops.reduce_scatter", x)
+  dtypes.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
+  info = communicators.resolve_comm(comm, "mpijax.ops.reduce_scatter")
   if x.ndim == 0 or x.shape[0] != info.size:
     raise ValueError(
         f"mpijax.ops.reduce_scatter needs x.shape[0] == communicator size "
@@ -45,22 +50,28 @@ def _abstract_eval(x, *, comm_id, op, size):
 
 
 def _attrs(*, comm_id, op, size):
-  return dict(comm=_base.i64(comm_id), op=_base.i64(_base.OP_CODES[op]))
+  return dict(comm=primitive.i64(comm_id), op=primitive.i64(dtypes.OP_CODES[op]))
 
 
 def _batch(args, dims, *, comm_id, op, size):
   (x,), (d,) = args, dims
-  out = reduce_scatter_p.bind(_base.moveaxis(x, d, 1), comm_id=comm_id, op=op,
+  out = reduce_scatter_p.bind(primitive.moveaxis(x, d, 1), comm_id=comm_id, op=op,
                               size=size)
   return out, 0
 
 
 def _transpose_sum(ct, *, comm_id, op, size):
-  from mpijax._src.ops.allgather import allgather_p
   return allgather_p.bind(ct, comm_id=comm_id, size=size)
 
 
+def _allgather_transpose(ct, x, *, comm_id, size):
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  return (reduce_scatter_p.bind(ct, comm_id=comm_id, op="sum", size=size),)
+
+
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
-_base.register_ffi_lowering(reduce_scatter_p, "mpijax_reduce_scatter", _attrs)
+lowering.register_ffi_lowering(reduce_scatter_p, "mpijax_reduce_scatter", _attrs)
 batching.primitive_batchers[reduce_scatter_p] = _batch
-_base.def_sum_linear_ad(reduce_scatter_p, "mpijax.ops.reduce_scatter", _transpose_sum)
+primitive.def_sum_linear_ad(reduce_scatter_p, "mpijax.ops.reduce_scatter", _transpose_sum)
+ad.deflinear2(allgather_p, _allgather_transpose)

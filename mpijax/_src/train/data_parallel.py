@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from mpijax._src import mpi_util
+from mpijax._src.ops import communicators
 from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import data as _data
@@ -208,8 +209,7 @@ class DataParallel:
       # The first trace of an mpijax op on a communicator registers it, a
       # collective: do it here, on every rank, so that a rank whose trace
       # fails early cannot leave the others in that collective.
-      from mpijax._src.ops import _base as _ops_base
-      _ops_base.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
+      communicators.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
       with _all_ranks_or_none(comm, "DataParallel.step: building the step"):
         if error is not None:
           raise error

@@ -1,0 +1,27 @@
+"""The transport's settings, sent from :mod:`mpijax.config` to the C++ side."""
+
+from __future__ import annotations
+
+from mpijax._src import config
+from mpijax._src import ffi as _ffi
+
+_pushed: tuple | None = None
+
+
+def push_settings() -> None:
+  """Sends the transport settings to C++ (again if they changed)."""
+  global _pushed
+  action = str(config.get("stall_action")).strip().lower()
+  if action not in ("abort", "warn"):
+    raise ValueError(
+        f"MPIJAX_STALL_ACTION={action!r} is not valid: use 'abort' (report the "
+        "stall, then end the job) or 'warn' (report it and keep waiting).")
+  timeout = config.parse("timeout", config.get("timeout"))  # also after config.update
+  settings = (int(config.get("max_chunk_bytes")), timeout,
+              action == "abort", bool(config.get("check")),
+              int(config.get("blocking_min_bytes")), int(config.get("ring_min_bytes")),
+              int(config.get("ring_in_place_min_bytes")), int(config.get("shm_max_bytes")),
+              int(config.get("cma_min_bytes")))
+  if settings != _pushed:
+    _ffi.load().setup(*settings)
+    _pushed = settings
