@@ -20,13 +20,12 @@ _jax_compat.check_jax()
 from mpijax._src.array_checkpoint import load as load
 from mpijax._src.array_checkpoint import save as save
 from mpijax._src.global_array import GlobalArray as GlobalArray
-from mpijax._src.global_array import reshard as reshard
-from mpijax._src.global_array import visualize_sharding as visualize_sharding
+from mpijax._src.mapping import pmap as pmap
+from mpijax._src.mapping import shard_map as shard_map
 from mpijax._src.mesh import GlobalMesh as GlobalMesh
 from mpijax._src.mesh import make_mesh as make_mesh
-from mpijax._src.mesh import pmap as pmap
-from mpijax._src.mesh import shard_map as shard_map
 from mpijax._src.ops import jax_rules as _jax_rules
+from mpijax._src.reshard import reshard as reshard
 from mpijax._src.runtime import DeviceInfo as DeviceInfo
 from mpijax._src.runtime import Runtime as Runtime
 from mpijax._src.runtime import Topology as Topology
@@ -38,6 +37,7 @@ from mpijax._src.runtime import local_devices as local_devices
 from mpijax._src.runtime import process_count as process_count
 from mpijax._src.runtime import process_index as process_index
 from mpijax._src.runtime import shutdown as shutdown
+from mpijax._src.visualize import visualize_sharding as visualize_sharding
 
 # The public submodules, after the names they use.
 from mpijax import lax as lax

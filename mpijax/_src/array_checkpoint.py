@@ -40,7 +40,7 @@ from mpijax._src import runtime
 from mpijax._src.global_array import GlobalArray
 from mpijax._src.global_array import device_indices
 from mpijax._src.global_array import process_index_of
-from mpijax._src.train import _codec
+from mpijax._src import tree_codec as _codec
 # The training checkpoint's atomic file write, directory fsync and error type.
 from mpijax._src.fileio import CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir

@@ -20,8 +20,9 @@ import numpy as np
 
 from mpijax._src import config
 from mpijax._src import jax_compat
-from mpijax._src import mesh as mesh_lib
-from mpijax._src.mesh import AxisInfo, GlobalMesh
+from mpijax._src.axes import AxisInfo
+from mpijax._src.axes import Mesh
+from mpijax._src.axes import axis_env
 from mpijax._src.ops.allgather import allgather as mpi_allgather
 from mpijax._src.ops.allreduce import allreduce as mpi_allreduce
 from mpijax._src.ops.alltoall import alltoall as mpi_alltoall
@@ -34,9 +35,9 @@ def _names(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _resolve(fn: str, axis_name) -> tuple[GlobalMesh | None, list[AxisInfo], tuple]:
+def _resolve(fn: str, axis_name) -> tuple[Mesh | None, list[AxisInfo], tuple]:
   """Splits ``axis_name`` into mpijax-bound axes and names left to jax.lax."""
-  env = mesh_lib.axis_env()
+  env = axis_env()
   names = _names(axis_name)
   ours = [n for n in names if n in env]
   others = tuple(n for n in names if n not in env)
@@ -49,7 +50,7 @@ def _resolve(fn: str, axis_name) -> tuple[GlobalMesh | None, list[AxisInfo], tup
 
 
 def _unbound(fn: str, axis_name, err: Exception) -> Exception:
-  bound = sorted(mesh_lib.axis_env())
+  bound = sorted(axis_env())
   hint = (f"the enclosing mpijax.pmap/mpijax.shard_map maps {bound}" if bound else
           "no mpijax.pmap or mpijax.shard_map encloses this call")
   return NameError(f"{fn} got axis_name {axis_name!r}, but {hint}. Call it inside "
@@ -84,7 +85,7 @@ def _check_axis(fn: str, what: str, axis: int, ndim: int, valid: int) -> int:
   return axis % valid
 
 
-def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+def _reduce_leaf(x, mesh: Mesh, axes: list[AxisInfo], op: str):
   x = jnp.asarray(x)
   if op == "sum" and x.dtype == jnp.bool_:
     x = x.astype(jnp.int32)  # as jax.lax.psum: a count (MPI has no bool sum)
@@ -98,7 +99,7 @@ def _reduce_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
   return _reduce_leaf_impl(x, mesh, axes, op)
 
 
-def _extremum_leaf(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+def _extremum_leaf(x, mesh: Mesh, axes: list[AxisInfo], op: str):
   """pmax/pmin with one derivative rule for every layout of ranks and devices.
 
   The tangent is the mean of the tangents of every device holding the
@@ -130,7 +131,7 @@ def _nan_to_identity(x, op: str):
   return jnp.where(jnp.isnan(x), fill, x)
 
 
-def _reduce_leaf_impl(x, mesh: GlobalMesh, axes: list[AxisInfo], op: str):
+def _reduce_leaf_impl(x, mesh: Mesh, axes: list[AxisInfo], op: str):
   local = _local_names(axes)
   comm = mesh.process_comm([a.name for a in axes])
   if comm is None:
@@ -304,7 +305,7 @@ def _axis_index_one(a: AxisInfo):
 
 def axis_index(axis_name):
   """This device's index along ``axis_name``: global over every rank's devices."""
-  env = mesh_lib.axis_env()
+  env = axis_env()
   index = jnp.int32(0)
   for n in _names(axis_name):
     if n in env:
@@ -319,7 +320,7 @@ def axis_index(axis_name):
 # --- data movement ---------------------------------------------------------------------
 
 
-def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
+def _single(fn: str, axis_name) -> tuple[Mesh | None, AxisInfo | None]:
   """(mesh, axis) for one mpijax axis; (mesh, None) for several names; (None, None) for none."""
   mesh, axes, others = _resolve(fn, axis_name)
   if mesh is None:
@@ -329,7 +330,7 @@ def _single(fn: str, axis_name) -> tuple[GlobalMesh | None, AxisInfo | None]:
   return mesh, axes[0]
 
 
-def _gather_one(x, mesh: GlobalMesh, a: AxisInfo, to: str = "varying"):
+def _gather_one(x, mesh: Mesh, a: AxisInfo, to: str = "varying"):
   """[size, *x.shape] ordered by the global index along ``a``."""
   if a.proc_size == 1:
     return jax_compat.all_gather(x, a.local_name, axis=0, to=to)
@@ -354,7 +355,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
   ``all_gather_invariant``), which an ``out_specs`` of ``P()`` needs under
   ``shard_map(..., check_vma=True)``; the values are the same either way.
   """
-  env = mesh_lib.axis_env()
+  env = axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
     return _lax("all_gather", axis_name, lambda: jax_compat.all_gather(
@@ -410,7 +411,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
   With ``axis_index_groups`` (groups of equal size) the sum is over this
   device's group, which splits the scatter dimension among its members.
   """
-  env = mesh_lib.axis_env()
+  env = axis_env()
   names = _names(axis_name)
   if not any(n in env for n in names):
     return _lax("psum_scatter", axis_name, lambda: jax.lax.psum_scatter(
@@ -463,7 +464,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
   return jax.tree.map(leaf, x)
 
 
-def _scatter_one(y, mesh: GlobalMesh, a: AxisInfo):
+def _scatter_one(y, mesh: Mesh, a: AxisInfo):
   """y: [a.size, ...] blocks -> this device's block summed over ``a``."""
   blocks = y.reshape((a.proc_size, a.local_size) + y.shape[1:])
   if a.local_size > 1:

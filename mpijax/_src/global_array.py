@@ -150,7 +150,7 @@ def _local_sharding(mesh: GlobalMesh, spec: PartitionSpec) -> NamedSharding:
   return NamedSharding(mesh.local_mesh, mesh.local_spec(spec))
 
 
-def _check_contiguous(mesh: GlobalMesh, spec: PartitionSpec) -> None:
+def check_contiguous(mesh: GlobalMesh, spec: PartitionSpec) -> None:
   for d in range(len(spec)):
     mesh.process_block(spec, d)  # raises for a strided (non-contiguous) part
 
@@ -500,7 +500,7 @@ class GlobalArray:
     status: dict[str, Any] = {}
     try:
       nspec = normalize_spec(spec, np.ndim(data), mesh)
-      _check_contiguous(mesh, nspec)
+      check_contiguous(mesh, nspec)
       counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
       lshape = tuple(np.shape(data))
       for d, (n, k, c) in enumerate(zip(lshape, block_counts(mesh, nspec), counts)):
@@ -582,7 +582,7 @@ class GlobalArray:
     try:
       nspec = normalize_spec(spec, host.ndim, mesh)
       check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
-      _check_contiguous(mesh, nspec)
+      check_contiguous(mesh, nspec)
       box = process_index_of(host.shape, mesh, nspec, rt.rank)
     except (ValueError, TypeError) as e:
       error = e
@@ -627,7 +627,7 @@ class GlobalArray:
     shape = tuple(int(s) for s in global_shape)
     nspec = normalize_spec(spec, len(shape), mesh)
     check_divisible(shape, mesh, nspec, "GlobalArray.from_global_part")
-    _check_contiguous(mesh, nspec)
+    check_contiguous(mesh, nspec)
     want = local_shape_of(tuple(shape), mesh, nspec, runtime.get("GlobalArray").rank)
     if tuple(np.shape(part)) != want:
       raise ValueError(f"GlobalArray.from_global_part: this rank's part of the global {shape} "
@@ -660,7 +660,7 @@ class GlobalArray:
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))  # int64 -> int32 without x64
     nspec = normalize_spec(spec, len(shape), mesh)
     check_divisible(shape, mesh, nspec, "GlobalArray.from_callback")
-    _check_contiguous(mesh, nspec)
+    check_contiguous(mesh, nspec)
     L = mesh.local_device_count
     indices = device_indices(shape, mesh, nspec)[rt.rank * L:(rt.rank + 1) * L]
     offset = [s.start for s in process_index_of(shape, mesh, nspec, rt.rank)]
@@ -859,7 +859,7 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
       dtype if dtype is not None else np.asarray(fill_value).dtype))
   nspec = normalize_spec(spec, len(shape), mesh)
   check_divisible(shape, mesh, nspec, "mpijax full/zeros")
-  _check_contiguous(mesh, nspec)
+  check_contiguous(mesh, nspec)
   local_shape = local_shape_of(tuple(shape), mesh, nspec, runtime.get("mpijax.zeros/full").rank)
   sharding = _local_sharding(mesh, nspec)
   if math.prod(local_shape) == 0:
@@ -876,189 +876,3 @@ def zeros(shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
           spec=None) -> GlobalArray:
   """A GlobalArray of zeros."""
   return full(shape, 0, dtype, mesh=mesh, spec=spec)
-
-
-# --- in and out of mpijax.shard_map / mpijax.pmap -------------------------------------
-
-
-def _is_ga(x) -> bool:
-  return isinstance(x, GlobalArray)
-
-
-def unwrap_args(args: tuple, mesh: GlobalMesh | None = None) -> tuple[tuple, list, bool]:
-  """(args with GlobalArrays replaced by ``.local``, per-leaf GlobalArray or None, any?)."""
-  leaves, treedef = jax.tree.flatten(args, is_leaf=_is_ga)
-  metas = [x if _is_ga(x) else None for x in leaves]
-  if not any(m is not None for m in metas):
-    return args, metas, False
-  plain = [x.local if _is_ga(x) else x for x in leaves]
-  return jax.tree.unflatten(treedef, plain), metas, True
-
-
-def check_arg_specs(what: str, mesh: GlobalMesh, metas: list, specs: list) -> None:
-  """Each GlobalArray argument must live on ``mesh`` with the spec given for it."""
-  for k, (ga, spec) in enumerate(zip(metas, specs)):
-    if ga is None:
-      continue
-    if ga.mesh != mesh:
-      raise ValueError(f"{what}: GlobalArray argument {k} lives on {ga.mesh}, but the map runs "
-                       f"over {mesh}. Reshard it or build it on the same mesh.")
-    want = normalize_spec(spec, ga.ndim, mesh)
-    if want != ga.spec:
-      raise ValueError(
-          f"{what}: GlobalArray argument {k} (shape {ga.shape}) has spec {ga.spec}, but the "
-          f"in_specs give {want}. Pass in_specs={ga.spec} for it, or mpijax.reshard(x, {want}) "
-          "first.")
-
-
-def wrap_outputs(mesh: GlobalMesh, out: Any, specs: list) -> Any:
-  """Turns each output leaf (this rank's part) into a GlobalArray with its spec."""
-  leaves, treedef = jax.tree.flatten(out)
-  wrapped = []
-  for x, spec in zip(leaves, specs):
-    nspec = normalize_spec(spec, np.ndim(x), mesh)
-    counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
-    shape = tuple(n * c for n, c in zip(np.shape(x), counts))
-    wrapped.append(GlobalArray(x, shape, x.dtype, mesh, nspec))
-  return jax.tree.unflatten(treedef, wrapped)
-
-
-# --- reshard ---------------------------------------------------------------------------
-
-
-def reshard(array: GlobalArray, spec) -> GlobalArray:
-  """``array`` laid out by a new ``PartitionSpec`` on the same mesh (collective).
-
-  Moves data with :mod:`mpijax.lax` collectives inside one jitted
-  :func:`mpijax.shard_map`: an axis that moves from one dimension to another
-  is one ``all_to_all`` (row-sharded to column-sharded); other changes
-  ``all_gather`` the old blocks along the changed dimensions and keep the new
-  block (sharding a replicated dimension needs no communication).
-
-  Examples:
-    >>> cols = mpijax.reshard(rows, P(None, "x"))  # doctest: +SKIP
-    >>> full = mpijax.reshard(cols, P())  # doctest: +SKIP
-  """
-  if not _is_ga(array):
-    raise TypeError(f"reshard needs a GlobalArray, got {type(array).__name__}")
-  mesh = array.mesh
-  new = normalize_spec(spec, array.ndim, mesh)
-  if new == array.spec:
-    return array
-  check_divisible(array.shape, mesh, new, "reshard")
-  _check_contiguous(mesh, new)
-  fn = _reshard_fn(mesh, array.spec, new)
-  return GlobalArray(fn(array.local), array.shape, array.dtype, mesh, new)
-
-
-@functools.lru_cache(maxsize=64)
-def _reshard_fn(mesh: GlobalMesh, old: PartitionSpec, new: PartitionSpec):
-  from mpijax._src import collectives as mlax
-  from mpijax._src.mesh import shard_map
-  O = [_names(mesh, e) for e in old]
-  N = [_names(mesh, e) for e in new]
-
-  def body(x):
-    o, n = list(O), list(N)
-    # One axis moving between dimensions: a single all_to_all.
-    for a in range(len(o)):
-      if len(o[a]) == 1 and not n[a]:
-        for b in range(len(o)):
-          if b != a and not o[b] and n[b] == o[a]:
-            x = mlax.all_to_all(x, o[a][0], split_axis=b, concat_axis=a, tiled=True)
-            o[a], o[b] = (), n[b]
-            break
-    changed = [d for d in range(len(o)) if o[d] != n[d]]
-    for d in changed:
-      if o[d]:
-        x = mlax.all_gather(x, o[d], axis=d, tiled=True)
-    for d in changed:
-      if n[d]:
-        k = math.prod(mesh.shape[m] for m in n[d])
-        size = x.shape[d] // k
-        x = jax.lax.dynamic_slice_in_dim(x, mlax.axis_index(n[d]) * size, size, axis=d)
-    return x
-
-  return jax.jit(shard_map(body, mesh=mesh, in_specs=old, out_specs=new))
-
-
-# --- visualize ---------------------------------------------------------------------------
-
-
-def _labels(array: GlobalArray) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict]:
-  """Row and column block bounds and, per block, its holders' labels."""
-  mesh = array.mesh
-  idx = device_indices(array.shape, mesh, array.spec)
-  L = mesh.local_device_count
-  holders: dict[tuple[int, int], list[str]] = {}
-  rows, cols = set(), set()
-  for g, index in enumerate(idx):
-    r = (index[0].start, index[0].stop) if array.ndim == 2 else (0, 1)
-    c = (index[-1].start, index[-1].stop)
-    rows.add(r)
-    cols.add(c)
-    holders.setdefault((r, c), []).append(f"P{g // L}:D{g % L}")
-  return sorted(rows), sorted(cols), holders
-
-
-def visualize_sharding(array: GlobalArray, *, use_rich: bool | None = None,
-                       print_it: bool = True) -> str:
-  """A text picture of which process (P) and local device (D) holds each block.
-
-  Like ``jax.debug.visualize_array_sharding``, for 1-D and 2-D arrays. Rank 0
-  prints it (with ``rich`` when importable); every rank gets the string.
-
-  Examples:
-    >>> mpijax.visualize_sharding(ga)  # doctest: +SKIP
-    ┌───────┬───────┐
-    │ P0:D0 │ P0:D1 │
-    ├───────┼───────┤
-    │ P1:D0 │ P1:D1 │
-    └───────┴───────┘
-  """
-  if not _is_ga(array):
-    raise TypeError(f"visualize_sharding needs a GlobalArray, got {type(array).__name__}")
-  if array.ndim not in (1, 2):
-    raise ValueError(f"visualize_sharding draws 1-D and 2-D arrays; this one has shape "
-                     f"{array.shape}. Visualize a 2-D reshape or slice of it instead.")
-  rows, cols, holders = _labels(array)
-  cells = [[", ".join(holders[(r, c)]) for c in cols] for r in rows]
-  text = _draw(cells)
-  if use_rich is not False:
-    text = _draw_rich(cells) or text  # plain text when rich is not importable
-  rt = runtime.get("mpijax.visualize_sharding")
-  if print_it and rt.rank == 0:
-    print(text, flush=True)
-  return text
-
-
-def _draw(cells: list[list[str]]) -> str:
-  width = max(len(s) for row in cells for s in row) + 2
-  ncol = len(cells[0])
-
-  def rule(left, mid, right):
-    return left + mid.join("─" * width for _ in range(ncol)) + right
-
-  lines = [rule("┌", "┬", "┐")]
-  for i, row in enumerate(cells):
-    lines.append("│" + "│".join(s.center(width) for s in row) + "│")
-    lines.append(rule("├", "┼", "┤") if i + 1 < len(cells) else rule("└", "┴", "┘"))
-  return "\n".join(lines)
-
-
-def _draw_rich(cells: list[list[str]]) -> str | None:
-  try:
-    import io
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-  except ImportError:
-    return None
-  table = Table(show_header=False, show_lines=True, box=box.SQUARE, padding=(0, 1))
-  for _ in cells[0]:
-    table.add_column(justify="center")
-  for row in cells:
-    table.add_row(*row)
-  console = Console(file=io.StringIO(), width=200, color_system=None)
-  console.print(table)
-  return console.file.getvalue().rstrip("\n")

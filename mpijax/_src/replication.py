@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from mpijax import ops
+from mpijax._src.ops.allreduce import allreduce
 
 
 def _identity_primitive(name: str) -> Primitive:
@@ -35,7 +35,7 @@ replicated_output_p = _identity_primitive("mpijax_replicated_output")
 def _sum_ct(ct, x, *, mesh, axes):
   if type(ct) is ad.Zero:
     return [ct]
-  return [ops.allreduce(ct, "sum", comm=mesh.process_comm(axes))]
+  return [allreduce(ct, "sum", comm=mesh.process_comm(axes))]
 
 
 def _scale_ct(ct, x, *, copies):

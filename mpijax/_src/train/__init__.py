@@ -3,7 +3,6 @@
 Public API in :mod:`mpijax.train`. Modules:
 
 * ``_host``: which communicator and rank to use, host-side helpers.
-* ``_codec``: pytree leaves <-> one byte buffer (broadcast, checkpoints).
 * ``broadcast``: parameters and optimizer state from one rank to all.
 * ``gradients``: fused (bucketed) gradient all-reduce as an optax
   ``GradientTransformation``, and gradient accumulation.

@@ -10,7 +10,7 @@ import numpy as np
 
 from mpijax._src import config
 from mpijax._src import mpi_util
-from mpijax._src.train import _codec
+from mpijax._src import tree_codec as _codec
 from mpijax._src.train import _host
 
 

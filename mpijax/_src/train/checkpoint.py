@@ -34,7 +34,7 @@ from mpijax._src.fileio import fsync_dir as _fsync_dir
 from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
-from mpijax._src.train import _codec
+from mpijax._src import tree_codec as _codec
 from mpijax._src.train import broadcast as _bcast
 
 MAGIC = b"MPIJAXCK"

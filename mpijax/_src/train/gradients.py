@@ -22,6 +22,8 @@ import numpy as np
 import optax
 
 from mpijax._src import config
+from mpijax._src.axes import axis_env
+from mpijax._src.ops.allreduce import allreduce_many
 from mpijax._src.train import _host
 
 _COMPRESSION = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
@@ -86,8 +88,7 @@ def _jax_local_axis(name: Any, nranks: int) -> Any:
   """
   if name is None:
     return None
-  from mpijax._src import mesh as _mesh  # layer 4; imported late (layers stay loosely coupled)
-  bound = _mesh.axis_env().get(name) if isinstance(name, str) else None
+  bound = axis_env().get(name) if isinstance(name, str) else None
   if bound is None:
     return name
   info = bound[1]
@@ -110,9 +111,6 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
   Returns:
     A tree like ``tree`` holding the cross-rank sum or mean, same dtypes.
   """
-  # The transport (layer 3); imported late to keep layers loosely coupled.
-  from mpijax._src.ops.allreduce import allreduce_many
-
   if compression is not None and compression not in _COMPRESSION:
     raise ValueError(f"compression={compression!r} is not supported; use None, 'bf16' or 'fp16'")
   if bucket_bytes is None:

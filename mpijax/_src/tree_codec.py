@@ -1,6 +1,7 @@
 """Pytree leaves <-> one contiguous byte buffer, keeping dtypes, shapes and leaf kinds.
 
-Used by ``broadcast`` (one MPI ``Bcast`` of all bytes) and by checkpoints.
+Used by ``mpijax.train.broadcast`` (one MPI ``Bcast`` of all bytes) and by the
+training and array checkpoints.
 A leaf's *kind* says how to rebuild it: a ``jax.Array``, a NumPy array or
 scalar, a Python scalar, or a typed PRNG key (stored as its raw key data).
 """
