@@ -5,7 +5,7 @@
 # tests, small jobs. N x K = the global device count of the job.
 #
 #   launch/local-cpu.sh python train.py --epochs 3
-#   NP=2 DEVICES_PER_PROCESS=2 launch/local-cpu.sh python -m pytest tests/mpi
+#   NP=2 DEVICES_PER_PROCESS=2 launch/local-cpu.sh python -m pytest --with-mpi tests/mpi
 #
 # Variables: NP (ranks, default 4), DEVICES_PER_PROCESS (default 1),
 # TIMEOUT (seconds, kill the job after it; default none), PYTHON.

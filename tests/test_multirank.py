@@ -22,9 +22,8 @@ CONFIGS = [
 
 @pytest.mark.parametrize("ranks,devices", CONFIGS)
 def test_mpi_suite(ranks, devices):
-  # pytest-mpi, when installed, would skip everything under a directory named "mpi"
-  # unless --with-mpi is given; mpijax's suite does not use it.
-  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:pytest_mpi", "--color=no",
+  # As users of MPI Python projects run their suites: pytest-mpi's --with-mpi on every rank.
+  argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-x", "-p", "no:cacheprovider", "--color=no",
           # fd 2 uncaptured: a stall report printed by the C++ side reaches the log.
           "--capture=sys",
           "-W", "ignore::DeprecationWarning", "tests/mpi"]
@@ -32,7 +31,7 @@ def test_mpi_suite(ranks, devices):
   if select:
     argv += select.split()
   result, seconds = run_mpi(ranks, argv, devices_per_process=devices, timeout=900,
-                            env={"MPIJAX_TEST_INSIDE_MPI": "1", "MPIJAX_TIMEOUT": "120"})
+                            env={"MPIJAX_TIMEOUT": "120"})
   print(tail(result.stdout, 400))
   assert result.returncode == 0, (
       f"tests/mpi failed under {ranks} ranks x {devices} devices "
@@ -40,3 +39,4 @@ def test_mpi_suite(ranks, devices):
   # Every rank must have run tests, not skipped them all.
   summaries = re.findall(r"(\d+) passed", result.stdout)
   assert len(summaries) >= ranks and min(int(n) for n in summaries) > 0, tail(result.stdout)
+  assert "need --with-mpi" not in result.stdout, tail(result.stdout)

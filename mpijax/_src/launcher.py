@@ -598,7 +598,7 @@ def _parser() -> argparse.ArgumentParser:
                   "under 'python -m mpijax.run', so an uncaught exception aborts every rank.",
       epilog="Examples:\n"
              f"  {PROG} -n 4 -- python train.py --epochs 3\n"
-             f"  {PROG} -n 4 --devices-per-process 2 python -m pytest tests/mpi\n"
+             f"  {PROG} -n 4 --devices-per-process 2 python -m pytest --with-mpi tests/mpi\n"
              f"  {PROG} -n 8 --hostfile hosts.txt --timeout 600 -- python -m mpijax.examples.mnist\n"
              "Exit status: the launcher's (the failing rank's), 124 after --timeout, 128+N after signal N.",
       formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,10 +1,13 @@
-"""The runtime seen from inside a real MPI job (any rank count)."""
+"""The runtime seen from inside a real MPI job (any rank count).
+
+mpi4py.MPI is imported in the tests, not at module level: importing it starts
+MPI, and the module is also imported (and its tests skipped) without MPI.
+"""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
-from mpi4py import MPI
 
 import mpijax
 from mpijax._src import mpi_util
@@ -15,6 +18,7 @@ def test_init_is_idempotent(rt):
 
 
 def test_topology_matches_mpi(rt):
+  from mpi4py import MPI
   world = MPI.COMM_WORLD
   t = rt.topology
   assert (t.rank, t.size) == (world.rank, world.size)
@@ -35,6 +39,7 @@ def test_topology_matches_mpi(rt):
 
 
 def test_private_communicator(rt):
+  from mpi4py import MPI
   assert rt.comm != MPI.COMM_WORLD
   assert MPI.Comm.Compare(rt.comm, MPI.COMM_WORLD) == MPI.CONGRUENT
 
@@ -53,6 +58,7 @@ def test_device_table(rt):
 
 
 def test_mpi_thread_multiple(rt):
+  from mpi4py import MPI
   assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
