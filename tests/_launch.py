@@ -60,6 +60,18 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
   return result, seconds
 
 
+# How a job that was stopped for running too long ends: mpijax-run's --timeout
+# (like timeout(1)), or run_mpi's own backstop kill.
+TIMED_OUT = (124, -9)
+
+
+def assert_failed_without_hanging(returncode: int, out: str) -> None:
+  """The job ended non-zero by itself: a timeout (a hang) fails the test too."""
+  assert returncode != 0, f"the job succeeded, expected a failure:\n{tail(out)}"
+  assert returncode not in TIMED_OUT and "job exceeded --timeout" not in out, (
+      f"the job hung until its timeout (exit {returncode}), expected a failure:\n{tail(out)}")
+
+
 def _shm_files() -> set[str]:
   return set(glob.glob("/dev/shm/mpijax-*"))
 

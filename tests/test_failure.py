@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests._launch import REPO, run_mpi, tail
+from tests._launch import REPO, assert_failed_without_hanging, run_mpi, tail
 
 
 def _no_leftovers(marker: str) -> list[str]:
@@ -23,7 +23,7 @@ def test_rank_2_raises_and_the_job_aborts(script, wrapped):
   path = str(REPO / "tests" / "scripts" / script)
   result, seconds = run_mpi(4, [sys.executable, path], timeout=120, wrap=wrapped)
   out = result.stdout
-  assert result.returncode != 0, tail(out)
+  assert_failed_without_hanging(result.returncode, out)
   assert seconds < 90, f"took {seconds:.0f}s"
   assert "rank 2/4" in out and "deliberate failure on rank 2" in out, tail(out)
   assert "passed the barrier" not in out, tail(out)
@@ -42,7 +42,7 @@ def test_uneven_local_device_counts_are_refused_on_every_rank():
   path = str(REPO / "tests" / "scripts" / "uneven_devices.py")
   result, seconds = run_mpi(4, [sys.executable, path], timeout=120)
   out = result.stdout
-  assert result.returncode != 0, tail(out)
+  assert_failed_without_hanging(result.returncode, out)
   assert "were not caught" not in out, tail(out)
   # Every rank that reached the check names the odd rank and the fix.
   assert "rank 1 has 2" in out and "MPIJAX_DEVICES_PER_PROCESS" in out, tail(out)

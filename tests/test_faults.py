@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests._launch import REPO, mpirun_command, run_mpi, tail
+from tests._launch import REPO, assert_failed_without_hanging, mpirun_command, run_mpi, tail
 
 SCRIPTS = REPO / "tests" / "scripts"
 STALL_TIMEOUT = 5  # MPIJAX_TIMEOUT for these jobs, seconds
@@ -41,7 +41,7 @@ def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: fl
 
 def test_different_shapes_raise_a_mismatch_error_on_every_rank():
   rc, out, seconds = _run("fault_hangs.py", "shapes")
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   for r in range(4):  # every rank got the error (each prints it before the abort)
     assert re.search(rf"rank {r} raised: .*collective mismatch on communicator 0", out), tail(out)
   assert ("ranks 0,2,3 run allreduce(float32[8,4], sum) at fault_hangs.py" in out
@@ -53,7 +53,7 @@ def test_different_shapes_raise_a_mismatch_error_on_every_rank():
 def test_a_divergence_after_the_first_run_check_ends_the_job_with_a_report(n):
   rc, out, seconds = _run("fault_hangs.py", "seen_shapes", str(n),
                           env={"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_CMA_MIN_BYTES": "0"})
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   assert re.search(r"mpijax: rank \d: MPI_\w+\(.*failed in mpijax.ops.allreduce on float32", out), tail(out)
   assert "MPIJAX_CHECK=1 compares every call" in out, tail(out)
   if n > 4:  # in the ring both ranks see the error; with MPI_Allreduce the rank
@@ -67,7 +67,7 @@ def test_a_divergence_after_the_first_run_check_on_the_cma_path_is_a_mismatch_er
   # The cross-memory all-reduce compares what every rank reduces before any
   # copy: every rank raises the full mismatch error, naming both shapes.
   rc, out, seconds = _run("fault_hangs.py", "seen_shapes", str(1 << 18))
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   for r in range(4):
     assert re.search(rf"\[rank {r}/4\] ValueError: .*collective mismatch on communicator 0 "
                      r"\(call #3\)", out), tail(out)
@@ -79,7 +79,7 @@ def test_a_divergence_after_the_first_run_check_on_the_cma_path_is_a_mismatch_er
 
 def test_last_batch_stall_names_the_rank_that_left():
   rc, out, seconds = _run("fault_hangs.py", "last_batch", "/tmp")
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   assert "mpijax: stall: rank" in out, tail(out)
   # The waiting ranks name rank 3 and what it did last (its 3rd and last call).
   assert re.search(r"Not arrived: rank 3 \(idle since [\d.]+ s; last: allreduce\(float32\[4\], "
@@ -96,7 +96,7 @@ def test_shard_batches_prevents_the_last_batch_hang(tmp_path):
 
 def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
   rc, out, seconds = _run("fault_hangs.py", "set_order")
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   orders = set(re.findall(r"rank \d order (\[.*?\])", out))
   assert len(orders) > 1, tail(out)  # the scenario really has different orders
   for r in range(4):
@@ -146,7 +146,7 @@ def test_sigkill_mid_training_ends_the_job_and_a_restart_resumes(tmp_path):
 
   rc, out, _, ckpt, out_file = _train(tmp_path, "killed", fault="kill")
   end = time.time()
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   killed_at = float(re.search(r"rank 2: SIGKILL at ([\d.]+)", out).group(1))
   assert end - killed_at < 15, f"job ended {end - killed_at:.1f}s after the kill\n{tail(out)}"
   assert re.search(r"process rank 2 with PID \d+ on node \S+ exited on\s+signal 9", out), tail(out)
@@ -162,7 +162,7 @@ def test_sigkill_mid_training_ends_the_job_and_a_restart_resumes(tmp_path):
 
 def test_rank_raising_inside_a_jitted_step_ends_the_job_with_its_traceback(tmp_path):
   rc, out, _, _, _ = _train(tmp_path, "raise", fault="raise")
-  assert rc != 0, tail(out)
+  assert_failed_without_hanging(rc, out)
   assert "[rank 1/4] mpijax: uncaught" in out, tail(out)
   assert "deliberate failure inside the jitted step on rank 1" in out, tail(out)
   assert "finished" not in out, tail(out)
@@ -196,7 +196,8 @@ def test_sigterm_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path)
       proc.wait()
   text = "".join(lines) + (out or "")
   assert any("saving version 3" in l for l in lines), tail(text)
-  assert proc.returncode != 0, tail(text)
+  # mpijax-run stopped every rank on the SIGTERM (not on its --timeout, not by our kill).
+  assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}\n{tail(text)}"
   header, _, payload, _ = read_checkpoint(path)  # a whole checkpoint, never a partial one
   assert header["payload_bytes"] == payload.size > 0
   assert not _leftovers(script), _leftovers(script)

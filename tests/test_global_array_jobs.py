@@ -167,14 +167,14 @@ if __name__ == "__main__":
 
 # --- the test side (plain pytest, starts the jobs) ---------------------------------------
 
-from tests._launch import run_mpi, tail  # noqa: E402
+from tests._launch import assert_failed_without_hanging, run_mpi, tail  # noqa: E402
 
 
 def _run(n, devices, *args, env=None, expect_ok=True):
   result, seconds = run_mpi(n, [sys.executable, HERE, *args], devices_per_process=devices,
                             timeout=240, env={"MPIJAX_TIMEOUT": "120", **(env or {})})
   if not expect_ok:
-    assert result.returncode not in (0, -9), tail(result.stdout)  # failed, did not hang
+    assert_failed_without_hanging(result.returncode, result.stdout)
     return result.stdout
   assert result.returncode == 0, (f"{args[0]} on {n} ranks x {devices} devices failed "
                                   f"(exit {result.returncode}, {seconds:.0f}s):\n"
