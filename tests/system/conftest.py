@@ -28,6 +28,16 @@ def read_reports(outdir: Path) -> list[dict]:
   return [json.loads(p.read_text()) for p in files]
 
 
+# The sums rank_report.py computes, each by mpijax's own transport.
+SUM_PATHS = ("mpijax.ops.allreduce", "jit(mpijax.ops.allreduce)", "mpijax.lax.psum")
+
+
+def assert_mpijax_sums(report: dict, size: int) -> None:
+  """The rank computed every sum with mpijax's transport, and each is right."""
+  assert sorted(report.get("sums", {})) == sorted(SUM_PATHS), report
+  assert report["sums"] == {path: size * (size + 1) / 2 for path in SUM_PATHS}, report
+
+
 @pytest.fixture
 def report_dir(tmp_path: Path) -> Path:
   d = tmp_path / "reports"
