@@ -31,6 +31,9 @@ def test_soak_memory_fds_and_speed_stay_flat():
   for r in sorted(rows, key=lambda r: r["rank"]):
     print("  " + json.dumps(r))
   for r in rows:
+    # Right results first: a fast soak of wrong values proves nothing.
+    assert r["calls_ok"] and r["steps_finite"] and r["steps_match_reference"], r
+    assert r["steps_same_on_every_rank"], r
     assert r["calls_rss_growth_mb"] + r["steps_rss_growth_mb"] < 50, r
     assert r["calls_fd_growth"] <= 0 and r["steps_fd_growth"] <= 0, r
     # Medians over 10,000 calls; "within noise" on an oversubscribed machine:

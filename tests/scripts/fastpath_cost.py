@@ -18,7 +18,8 @@ import mpijax
 import mpijax.ops
 
 rt = mpijax.init()
-f = jax.jit(lambda x: mpijax.ops.allreduce(x))
+# The mean of equal values: x stays 1 (a sum fed back would reach inf).
+f = jax.jit(lambda x: mpijax.ops.allreduce(x, "mean"))
 x = jnp.ones(1, jnp.float32)
 for _ in range(500):
   x = f(x)
@@ -31,6 +32,8 @@ for _ in range(7):
     x = f(x)
     x.block_until_ready()
   rounds.append((time.perf_counter() - t) / 3000)
+if float(x[0]) != 1.0:
+  raise SystemExit(f"rank {rt.rank}: wrong result {float(x[0])}, expected 1.0")
 if rt.rank == 0:
   print(f"FASTPATH ranks={rt.size} MPIJAX_TIMEOUT={os.environ.get('MPIJAX_TIMEOUT', 'default')} "
         f"MPIJAX_CHECK={os.environ.get('MPIJAX_CHECK', '0')} "

@@ -1,7 +1,11 @@
 """Soak: many small collectives and jitted training steps in one job.
 
 Prints one JSON line per rank: resident memory and open file descriptors
-before and after, and the mean time per call over the first and the last 10 %.
+before and after, the mean time per call over the first and the last 10 %,
+and whether the results were right: the collectives' values stay finite and
+exact (a wrong sum anywhere on the way shows in the last value), and the
+training run ends with the parameters of the same steps computed in one
+process, the same on every rank.
 usage: soak.py [N_COLLECTIVES] [N_STEPS]
 """
 
@@ -36,9 +40,15 @@ def fds() -> int:
   return len(os.listdir("/proc/self/fd"))
 
 
-small = jax.jit(lambda x: mpijax.ops.allreduce(x) * 0.5)
-x = jnp.ones(1, jnp.float32)
-for _ in range(200):  # warm up: compile, first-run checks, allocator pools
+# Rank r holds k + r after k calls: the sum over ranks is n*k + n(n-1)/2, and
+# each call turns it back into k + 1 + r. Every value is an integer below
+# 2**24, so float32 holds each one exactly, and an error in any call
+# carries through to the end.
+n, offsets = rt.size, rt.size * (rt.size - 1) / 2
+small = jax.jit(lambda x: (mpijax.ops.allreduce(x) - offsets) / n + 1 + rt.rank)
+warmup = 200
+x = jnp.full(1, float(rt.rank), jnp.float32)
+for _ in range(warmup):  # warm up: compile, first-run checks, allocator pools
   x = small(x)
 x.block_until_ready()
 rss0, fd0 = rss_mb(), fds()
@@ -51,17 +61,26 @@ for i in range(n_calls):
   times[i] = time.perf_counter() - t
 k = n_calls // 10
 rss1, fd1 = rss_mb(), fds()  # after the collectives
+calls_value = float(np.asarray(x)[0])
+calls_ok = calls_value == warmup + n_calls + rt.rank
 
-opt = optax.chain(mt.allreduce_gradients(), optax.adam(1e-3))
+# SGD with momentum (optimizer state, as Adam has), not Adam: Adam's update
+# hardly changes when every gradient is scaled, so a sum where a mean belongs
+# would pass the reference check below.
+opt = optax.chain(mt.allreduce_gradients(), optax.sgd(1e-2, momentum=0.9))
 params = {"w1": jnp.ones((32, 64)) * 0.01, "w2": jnp.ones((64, 1)) * 0.01}
 opt_state = opt.init(params)
+params0 = params
 xb = jnp.ones((16, 32)) * (rt.rank + 1)
+
+
+def loss_fn(p, xb):
+  return jnp.mean((jnp.tanh(xb @ p["w1"]) @ p["w2"]) ** 2)
 
 
 @jax.jit
 def step(params, opt_state):
-  loss, g = jax.value_and_grad(
-      lambda p: jnp.mean((jnp.tanh(xb @ p["w1"]) @ p["w2"]) ** 2))(params)
+  loss, g = jax.value_and_grad(loss_fn)(params, xb)
   updates, opt_state = opt.update(g, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss
 
@@ -78,6 +97,29 @@ for i in range(n_steps):
   step_times[i] = time.perf_counter() - t
 ks = max(n_steps // 10, 1)
 
+# The same steps in this process: every rank's batch is known here, and the
+# fused all-reduce gives the mean of the ranks' gradients.
+ref_opt = optax.sgd(1e-2, momentum=0.9)
+
+
+@jax.jit
+def ref_step(p, s):
+  grads = [jax.grad(loss_fn)(p, jnp.ones((16, 32)) * (r + 1)) for r in range(rt.size)]
+  g = jax.tree.map(lambda *gs: sum(gs) / rt.size, *grads)
+  updates, s = ref_opt.update(g, s, p)
+  return optax.apply_updates(p, updates), s
+
+
+ref, ref_state = params0, ref_opt.init(params0)
+for _ in range(10 + n_steps):
+  ref, ref_state = ref_step(ref, ref_state)
+leaves = [np.asarray(v) for v in jax.tree.leaves(params)]
+finite = all(np.isfinite(v).all() for v in leaves) and bool(np.isfinite(np.asarray(loss)))
+matches = all(np.allclose(a, np.asarray(b), rtol=1e-4, atol=1e-6)
+              for a, b in zip(leaves, jax.tree.leaves(ref)))
+digest = b"".join(v.tobytes() for v in leaves)
+same_everywhere = all(d == digest for d in rt.comm.allgather(digest))
+
 print("SOAK " + json.dumps({
     "rank": rt.rank, "collectives": n_calls, "steps": n_steps,
     # Growth over each loop, measured from after its warm-up.
@@ -88,4 +130,7 @@ print("SOAK " + json.dumps({
     "call_us_last10": round(1e6 * float(np.median(times[-k:])), 1),
     "step_us_first10": round(1e6 * float(np.median(step_times[:ks])), 1),
     "step_us_last10": round(1e6 * float(np.median(step_times[-ks:])), 1),
+    "calls_value": calls_value, "calls_ok": bool(calls_ok),
+    "steps_finite": bool(finite), "steps_match_reference": bool(matches),
+    "steps_same_on_every_rank": bool(same_everywhere),
 }), flush=True)
