@@ -184,6 +184,44 @@ def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: Harnes
   return out
 
 
+# --- checking results ---------------------------------------------------------------
+
+# A cell that holds this prefix instead of a figure was checked and found wrong:
+# the script exits non-zero (``wrong_results``).
+WRONG = "WRONG RESULT: "
+
+
+class WrongResult(Exception):
+  """A row's result differs from its reference; it is never timed."""
+
+
+def check_close(got, want, what: str, *, rtol: float, atol: float = 0.0) -> None:
+  """Raises WrongResult unless ``got`` matches ``want`` everywhere (NumPy's allclose)."""
+  import numpy as np
+  got = np.asarray(got, dtype=np.float64)
+  want = np.broadcast_to(np.asarray(want, dtype=np.float64), got.shape)
+  bad = ~np.isclose(got, want, rtol=rtol, atol=atol)
+  if got.shape != np.shape(want) or bad.any():
+    i = int(np.argmax(bad.ravel())) if bad.any() else 0
+    raise WrongResult(f"{what}: {int(bad.sum())} of {got.size} elements differ (rtol {rtol:g}, "
+                      f"atol {atol:.3g}); first at flat index {i}: got {float(got.ravel()[i])!r}, "
+                      f"expected {float(want.ravel()[i])!r}")
+
+
+def wrong_results(rows: Sequence[Row]) -> list[str]:
+  """One line per cell whose result was wrong."""
+  return [f"{r.label} [{k}]: {v[len(WRONG):]}" for r in rows for k, v in r.cells.items()
+          if isinstance(v, str) and v.startswith(WRONG)]
+
+
+def exit_status(rows: Sequence[Row]) -> int:
+  """1 (and the wrong cells on stderr) if any result was wrong, else 0."""
+  bad = wrong_results(rows)
+  for line in bad:
+    print(f"wrong result: {line}", file=sys.stderr, flush=True)
+  return 1 if bad else 0
+
+
 # --- rows and results -------------------------------------------------------------
 
 @dataclasses.dataclass

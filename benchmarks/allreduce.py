@@ -25,6 +25,8 @@ Rows (median µs per operation, max over ranks):
 
 Writes ``allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
 (default ``benchmarks/results/``) and prints the table and the issue-3 targets.
+Every row's result is checked against NumPy before it is timed; the script
+exits 1 if any result is wrong.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from _common import HarnessComm, Row, Timing  # noqa: E402
+from _common import HarnessComm, Row, Timing, WrongResult  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 CHAIN = 10
@@ -68,13 +70,23 @@ class Skip(Exception):
 #
 # A builder compiles, checks the result once against NumPy, and returns a step
 # that runs one call and blocks on it. Checking first means a wrong answer can
-# never be reported as a fast one.
+# never be reported as a fast one: it is a WRONG RESULT cell, and the script
+# exits non-zero.
 
 def _expect(got, want, what: str) -> None:
+  _common.check_close(got, want, what, rtol=1e-5)
+
+
+def pattern(n: int, rank: int):
+  """Rank ``rank``'s input: it differs along the buffer, so a misplaced block shows."""
   import numpy as np
-  got = np.asarray(got)
-  if not np.allclose(got, want, rtol=1e-5):
-    raise RuntimeError(f"{what}: wrong result, got {got.ravel()[:4]} expected {want}")
+  return (np.arange(n) % 7 + rank + 1).astype(np.float32)
+
+
+def pattern_sum(n: int, ranks: int, copies: int = 1):
+  """The sum of ``pattern`` over ranks (each held by ``copies`` devices); exact in float32."""
+  import numpy as np
+  return copies * (ranks * (np.arange(n) % 7) + ranks * (ranks + 1) / 2)
 
 
 def _raw(hc: HarnessComm, in_place: bool) -> Callable[[int], tuple[Callable[[], Any], int]]:
@@ -84,15 +96,15 @@ def _raw(hc: HarnessComm, in_place: bool) -> Callable[[int], tuple[Callable[[], 
   def build(nbytes: int):
     n = nbytes // 4
     comm = hc.comm.Dup()  # its own communicator, as a user's code would have
-    send = np.full(n, hc.rank + 1, np.float32)
+    send = pattern(n, hc.rank)
     recv = np.empty(n, np.float32)
     if in_place:
       comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)
-      _expect(send, hc.size * (hc.size + 1) / 2, "mpi4py in place")
-      send[:] = 0
+      _expect(send, pattern_sum(n, hc.size), "mpi4py in place")
+      send[:] = 0  # zeros stay zeros, however often they are summed
       return (lambda: comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)), 1
     comm.Allreduce(send, recv, op=MPI.SUM)
-    _expect(recv, hc.size * (hc.size + 1) / 2, "mpi4py out of place")
+    _expect(recv, pattern_sum(n, hc.size), "mpi4py out of place")
     return (lambda: comm.Allreduce(send, recv, op=MPI.SUM)), 1
   return build
 
@@ -129,9 +141,9 @@ def _jitted_allreduce(hc: HarnessComm, reduce_fn, what: str, *, chained: int = 1
     body = _chain(reduce_fn, chained)
     if donate:
       f = jax.jit(body, donate_argnums=0)
-      x = jnp.full(n, hc.rank + 1, jnp.float32)
+      x = jnp.asarray(pattern(n, hc.rank))
       y = f(x)
-      _expect(y, hc.size * (hc.size + 1) / 2, what)
+      _expect(y, pattern_sum(n, hc.size), what)
       if not x.is_deleted():
         raise Skip("XLA did not donate the input buffer on this platform")
       # Zeros stay zeros, so the output can be fed back in forever.
@@ -142,8 +154,12 @@ def _jitted_allreduce(hc: HarnessComm, reduce_fn, what: str, *, chained: int = 1
         state[0].block_until_ready()
       return step, chained
     f = jax.jit(body)
-    x = jnp.full(n, 1.0 if chained > 1 else hc.rank + 1, jnp.float32)
-    want = float(hc.size) ** chained if chained > 1 else hc.size * (hc.size + 1) / 2
+    if chained > 1:  # the same x everywhere: each all-reduce multiplies it by the ranks
+      x = jnp.asarray(pattern(n, 0))
+      want = float(hc.size) ** chained * pattern(n, 0)
+    else:
+      x = jnp.asarray(pattern(n, hc.rank))
+      want = pattern_sum(n, hc.size)
     _expect(f(x), want, what)
     return (lambda: f(x).block_until_ready()), chained
   return build
@@ -211,6 +227,8 @@ def _measure(hc: HarnessComm, specs: list[tuple[str, str, str, Any]], sizes: lis
         built = builds[row.key](s)
       except Skip as e:
         err = str(e)
+      except WrongResult as e:
+        err = _common.WRONG + str(e)
       except Exception as e:
         err = f"{type(e).__name__}: {e}"
         if args.verbose:
@@ -218,7 +236,7 @@ def _measure(hc: HarnessComm, specs: list[tuple[str, str, str, Any]], sizes: lis
       errs = hc.comm.allgather(_one_line(err))
       if any(errs):
         row.cells[s] = next(e for e in errs if e)
-        _log(hc, f"{row.label} @ {_common.fmt_size(s)}: skipped: {row.cells[s]}")
+        _log(hc, f"{row.label} @ {_common.fmt_size(s)}: not timed: {row.cells[s]}")
         continue
       steps[row.key] = built
     trials = args.trials or (5 if args.quick else _common.default_trials(s))
@@ -327,15 +345,15 @@ def gloo_factory(hc: HarnessComm):
                             out_specs=P("i")))
   L = len(jax.local_devices())
 
-  def global_array(n: int, value: float):
-    shards = [jax.device_put(jnp.full(n, value, jnp.float32), d) for d in jax.local_devices()]
+  def global_array(n: int, local):
+    shards = [jax.device_put(jnp.asarray(local), d) for d in jax.local_devices()]
     return jax.make_array_from_single_device_arrays((len(devices) * n,), sharding, shards)
 
   def build(nbytes: int):
     n = nbytes // 4
-    x = global_array(n, hc.rank + 1)
+    x = global_array(n, pattern(n, hc.rank))
     y = f(x)
-    want = L * sum(range(1, hc.size + 1))
+    want = pattern_sum(n, hc.size, copies=L)
     for shard in y.addressable_shards:
       _expect(shard.data, want, f"gloo psum ({impl})")
     return (lambda: f(x).block_until_ready()), 1
@@ -566,7 +584,7 @@ def main(argv=None) -> int:
         rows += _failed_rows(phase, res, sizes) if isinstance(res, str) else res
       report(rows, sizes, hc.size, args, meta)
     hc.idle_barrier()
-    return 0
+    return hc.bcast(_common.exit_status(rows) if hc.rank == 0 else None)
 
   # Plain shell: every phase is its own mpirun job.
   rows: list[Row] = []
@@ -583,7 +601,7 @@ def main(argv=None) -> int:
       rows += res[0]
       meta = meta or res[1]
   report(rows, sizes, args.np, args, meta)
-  return 0
+  return _common.exit_status(rows)
 
 
 if __name__ == "__main__":

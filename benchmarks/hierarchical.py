@@ -17,7 +17,8 @@ Run from a plain shell; it starts one bounded ``mpirun`` job per layout::
   python benchmarks/hierarchical.py --quick    # smoke test
 
 Writes ``hierarchical.json``, ``.md`` and ``.png`` to ``--out`` (default
-``benchmarks/results/``).
+``benchmarks/results/``). Every row's result is checked against NumPy before
+it is timed; the script exits 1 if any result is wrong.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def _hier_factory(hc: HarnessComm):
   def build(nbytes: int):
     n = nbytes // 4
     base = mpijax.process_index() * L
-    host = np.stack([np.full(n, base + l + 1, np.float32) for l in range(L)])
+    host = np.stack([ar.pattern(n, base + l) for l in range(L)])  # global device g: pattern(g)
     x = place(host)
-    ar._expect(f(x), G * (G + 1) / 2, "mpijax hierarchical psum")
+    ar._expect(f(x), ar.pattern_sum(n, G), "mpijax hierarchical psum")
     x = place(np.zeros_like(host))
     return (lambda: jax.block_until_ready(f(x))), 1
   return build
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
       rows += res[0]
       meta.setdefault("phases", {})[phase] = {"ranks": nprocs, "env": env, **res[1]}
   report(rows, sizes, args, meta)
-  return 0
+  return _common.exit_status(rows)
 
 
 if __name__ == "__main__":
