@@ -191,6 +191,7 @@ def test_allreduce_many_mixed_dtypes_in_one_call(mode):
   shapes = [(2, 3), (7,), (4,), (3,), ()]
   xs = [rank_input(R, sh, dt) for sh, dt in zip(shapes, dtypes)]
   got = run(mode, lambda v: allreduce_many(v), xs)
+  assert len(got) == len(xs)
   for g, sh, dt in zip(got, shapes, dtypes):
     assert_close(g, np_reduce(all_inputs(sh, dt), "sum", dt), dt)
   text = jax.jit(lambda v: allreduce_many([a * 2 for a in v])).lower(xs).as_text()
@@ -627,6 +628,7 @@ def test_fused_all_reduce_of_many_buffers(count):
   sizes = [(i * 7919) % 30000 + 1 for i in range(count)]
   xs = [jnp.full(n, float(R + i % 5), jnp.float32) for i, n in enumerate(sizes)]
   for got in (allreduce_many(xs), jax.jit(lambda vs: allreduce_many([v * 1 for v in vs]))(xs)):
+    assert len(got) == count
     for i, (g, n) in enumerate(zip(got, sizes)):
       np.testing.assert_array_equal(np.asarray(g), np.full(n, N * (i % 5) + N * (N - 1) / 2))
 

@@ -128,7 +128,9 @@ def test_data_parallel_training(rt, in_shared_dir):
 
   params = {"w": jnp.zeros(8), "b": jnp.zeros(())}
   # The README's optax.adamw(1e-3) would need many more steps on this small problem.
-  source = _block("train.DataParallel(").replace("adamw(1e-3)", "adamw(1e-1)")
+  source = _block("train.DataParallel(")
+  assert "adamw(1e-3)" in source, "README: the DataParallel example no longer uses adamw(1e-3)"
+  source = source.replace("adamw(1e-3)", "adamw(1e-1)")
   ns = {"loss_fn": loss_fn, "params": params, "x": x, "y": y, "x_test": x, "y_test": y, "epochs": 10}
   _run(source, ns)
   final = ns["dp"].evaluate(ns["state"], (x, y), batch_size=512)

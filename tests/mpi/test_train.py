@@ -82,6 +82,7 @@ def batch_size(at_least, ranks):
 
 
 def assert_trees_close(a, b, **tol):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
   for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path), **tol)
 
@@ -391,6 +392,7 @@ def test_checkpoint_resume_is_bit_for_bit(rt, shared_dir):
   restored = train.restore_checkpoint(path, like={"state": fresh(1), "epoch": 0, "step_in_epoch": 0})
   assert restored["step_in_epoch"] == 2 and train.checkpoint_metadata(path) == {"note": "mid"}
   resumed = _run(dp, restored["state"], [(0, restored["step_in_epoch"], 1), (1, 0, 2)])
+  assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(resumed)
   for a, b in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(resumed)):
     a, b = np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a), \
         np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key) else b)

@@ -269,7 +269,9 @@ def test_dry_run_prints_the_exact_command():
   argv = shlex.split(out.stdout.strip())
   assert os.path.basename(argv[0]) in ("mpirun", "mpiexec", "srun")
   assert argv[-7:] == ["python", "-m", "mpijax.run", "-m", "pytest", "-k", "a b"]
-  assert ("MPIJAX_DEVICES_PER_PROCESS=2" in argv) or ("MPIJAX_DEVICES_PER_PROCESS" in argv)
+  # Exported with its value: "-x NAME=2" (Open MPI) or "NAME 2" (Hydra's -genv).
+  assert "MPIJAX_DEVICES_PER_PROCESS=2" in argv or any(
+      a == "MPIJAX_DEVICES_PER_PROCESS" and b == "2" for a, b in zip(argv, argv[1:])), argv
   assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0 and "mpirun" in argv[0])
 
 
