@@ -10,8 +10,11 @@ import pytest
 from tests._launch import REPO, assert_failed_without_hanging, run_mpi, tail
 
 
-def _no_leftovers(marker: str) -> list[str]:
-  out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+def _no_leftovers(script: str) -> list[str]:
+  """Processes still running this checkout's script (by its full path: another
+  checkout on the same machine may run the same test)."""
+  path = str(REPO / "tests" / "scripts" / script)
+  out = subprocess.run(["pgrep", "-af", path], capture_output=True, text=True).stdout
   return [line for line in out.splitlines() if "pgrep" not in line]
 
 

@@ -23,8 +23,10 @@ SCRIPTS = REPO / "tests" / "scripts"
 STALL_TIMEOUT = 5  # MPIJAX_TIMEOUT for these jobs, seconds
 
 
-def _leftovers(marker: str) -> list[str]:
-  out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+def _leftovers(script: str) -> list[str]:
+  """Processes still running this checkout's script (by its full path: another
+  checkout on the same machine may run the same test)."""
+  out = subprocess.run(["pgrep", "-af", str(SCRIPTS / script)], capture_output=True, text=True).stdout
   return [line for line in out.splitlines() if "pgrep" not in line]
 
 
