@@ -34,6 +34,13 @@ def _parse_optional_int(text: str) -> int | None:
   return None if text.strip() == "" else int(text)
 
 
+def _parse_count(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise ValueError("expected an integer >= 0")
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   name: str  # without the MPIJAX_ prefix, lower case
@@ -146,6 +153,10 @@ _define("bucket_bytes", int, 64 << 20,
 _define("fuse_leaf_bytes", int, 256 << 10,
         "Gradient leaves of at least this many bytes are all-reduced on their "
         "own, without the packing copy; smaller leaves share buckets.")
+_define("restart_attempt", _parse_count, 0,
+        "Which run of a restarted job this is: 0 on the first run, 1 on the first "
+        "restart, ... Set on every rank by mpijax-run --max-restarts; read with "
+        "mpijax.train.restart_attempt().")
 
 
 def settings() -> list[Setting]:

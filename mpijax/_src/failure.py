@@ -16,6 +16,7 @@ import traceback
 from types import TracebackType
 
 _installed = False
+_agreed_exit_codes: set[int] = set()
 _previous_excepthook = None
 _previous_threading_excepthook = None
 
@@ -54,6 +55,16 @@ def abort(exit_code: int = 1) -> None:
   if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
     mpi.COMM_WORLD.Abort(exit_code)
   os._exit(exit_code)
+
+
+def agree_exit_code(code: int) -> None:
+  """Lets ``sys.exit(code)`` end this rank normally under :func:`run_main`.
+
+  For a status every rank reaches together (a collective decision, such as
+  a preemption stop): the ranks finalize MPI and exit with it, instead of
+  one rank's exit aborting the others.
+  """
+  _agreed_exit_codes.add(code)
 
 
 def _excepthook(exc_type, exc, tb):
@@ -117,7 +128,7 @@ def run_main(argv: list[str]) -> None:
       runpy.run_path(argv[0], run_name="__main__")
   except SystemExit as e:
     code = e.code
-    if code is None or code == 0:
+    if code is None or code == 0 or code in _agreed_exit_codes:
       raise
     if not isinstance(code, int):
       print(code, file=sys.stderr)

@@ -3,22 +3,34 @@
 Run it on 4 ranks (CPU is enough; it finishes in well under a minute)::
 
     mpijax-run -n 4 -- python -m mpijax.examples.digits
+    mpijax-run -n 4 -- python -m mpijax.examples.digits --model flax-bn   # Flax, SyncBatchNorm
 
 Every rank loads the same bundled dataset (1797 images shipped with scikit-learn, no download), starts
 from rank 0's parameters (``broadcast``), trains on its own quarter of every
 global batch (``shard_batches``), and averages gradients inside the jitted
-step (``DataParallel`` -> fused bucket all-reduce). Rank 0 shows the progress
-bar and writes, under ``--out``: ``checkpoint.ckpt`` (full training state,
-resumable with ``--resume`` under any rank count), ``metrics.json`` and
-``curves.png`` (loss and accuracy per epoch).
+step (``DataParallel`` -> fused bucket all-reduce). ``--model flax-bn`` is a
+Flax linen CNN with BatchNorm whose statistics are those of the global batch
+(``DataParallel(axis_name="batch")``, ``nn.BatchNorm(axis_name="batch")``).
+
+The run is restartable: it writes numbered checkpoints under
+``OUT/checkpoints`` (every ``--checkpoint-every`` steps and at every epoch's
+end) and, when started again with the same ``--out``, resumes from the newest
+complete one at its step, also under another rank count, ending bit for bit
+where an uninterrupted run ends. SIGTERM or SIGUSR1 (a scheduler's notice)
+makes every rank stop after the same step, checkpoint, and exit with status
+75. Rank 0 shows the progress bar and writes, under ``--out``,
+``metrics.json`` and ``curves.png`` (loss and accuracy per epoch); the last
+lines printed are the final test accuracy and a digest of the parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -136,8 +148,74 @@ def _atomic_write_text(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+# --- model: Flax linen CNN with BatchNorm (--model flax-bn) ----------------------
+
+def flax_bn_model(axis_name: str | None):
+  """conv(32)-BN-relu -> conv(64)-BN-relu -> maxpool -> dense(128)-BN-relu -> dense(10).
+
+  ``axis_name`` is the data axis BatchNorm reduces its statistics over
+  (SyncBatchNorm); None keeps them per rank.
+  """
+  import flax.linen as nn  # only for this model: the plain CNN needs no Flax
+
+  class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+      bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             axis_name=axis_name)
+      x = nn.relu(bn()(nn.Conv(32, (3, 3))(x)))
+      x = nn.relu(bn()(nn.Conv(64, (3, 3))(x)))
+      x = nn.max_pool(x, (2, 2), (2, 2))
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(bn()(nn.Dense(128)(x)))
+      return nn.Dense(10)(x)
+
+  return CNN()
+
+
+def flax_bn_fns(model, label_smoothing: float):
+  """(loss_fn, eval_fn) for DataParallel: batch statistics in training, running averages in eval."""
+
+  def losses(logits, y):
+    targets = optax.smooth_labels(jax.nn.one_hot(y, 10), label_smoothing)
+    return (optax.softmax_cross_entropy(logits, targets),
+            {"accuracy": (jnp.argmax(logits, -1) == y).astype(jnp.float32)})
+
+  def loss_fn(params, model_state, batch):
+    x, y = batch
+    logits, new_state = model.apply({"params": params, **model_state}, x, train=True,
+                                    mutable=["batch_stats"])
+    return losses(logits, y), new_state
+
+  def eval_fn(params, model_state, batch):
+    x, y = batch
+    return losses(model.apply({"params": params, **model_state}, x, train=False), y)
+
+  return loss_fn, eval_fn
+
+
+def init_flax_bn(model, seed: int):
+  """(params, model_state) of the Flax model (its init compiled once)."""
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(seed), jnp.zeros((1, 8, 8, 1), jnp.float32))
+  return variables["params"], {"batch_stats": variables["batch_stats"]}
+
+
+def digest(tree) -> str:
+  """sha256 of every leaf's bytes, in tree order: equal digests = bit-for-bit equal trees."""
+  h = hashlib.sha256()
+  for leaf in jax.tree_util.tree_leaves(tree):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m mpijax.examples.digits", description=__doc__.split("\n")[0])
+  p.add_argument("--model", choices=["cnn", "flax-bn"], default="cnn",
+                 help="cnn: a plain JAX CNN; flax-bn: a Flax linen CNN with BatchNorm (default cnn)")
+  p.add_argument("--bn", choices=["sync", "mean"], default="sync",
+                 help="flax-bn: BatchNorm statistics over the global batch (sync) or per rank, "
+                      "running averages averaged over ranks (mean) (default sync)")
   p.add_argument("--epochs", type=int, default=12, help="epochs to train (default 12)")
   p.add_argument("--batch-size", type=int, default=64,
                  help="GLOBAL batch size, divisible by the rank count (default 64)")
@@ -147,12 +225,22 @@ def parse_args(argv=None):
   p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                  help="send gradients in half precision")
   p.add_argument("--out", default=os.path.join("runs", "digits"),
-                 help="output directory for checkpoint.ckpt, metrics.json, curves.png (default runs/digits)")
-  p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.ckpt if it exists")
+                 help="output directory for checkpoints/, metrics.json, curves.png (default runs/digits)")
+  p.add_argument("--checkpoint-every", type=int, default=20,
+                 help="steps between checkpoints, besides every epoch's end (default 20)")
+  p.add_argument("--fresh", action="store_true",
+                 help="delete OUT/checkpoints and start afresh instead of resuming")
+  p.add_argument("--resume", action="store_true",
+                 help="resume from OUT/checkpoints (the default; kept for old command lines)")
+  p.add_argument("--max-steps", type=int, default=None,
+                 help="stop after this many steps in total (for tests)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--min-accuracy", type=float, default=0.0,
                  help="exit with status 1 if the final test accuracy is below this (e.g. 0.97)")
   return p.parse_args(argv)
+
+
+_HISTORY_KEYS = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_seconds")
 
 
 def main(argv=None) -> int:
@@ -161,45 +249,68 @@ def main(argv=None) -> int:
   rt = mpijax.init()
   rank, ranks = rt.rank, rt.size
   x_train, y_train, x_test, y_test = load_data(args.seed)
-  train.log(f"digits: {len(x_train)} train / {len(x_test)} test images, {ranks} ranks, "
+  train.log(f"digits ({args.model}): {len(x_train)} train / {len(x_test)} test images, {ranks} ranks, "
             f"global batch {args.batch_size} ({args.batch_size // max(ranks, 1)} per rank), "
-            f"{args.epochs} epochs, jax {jax.__version__} on {jax.default_backend()}")
+            f"{args.epochs} epochs, jax {jax.__version__} on {jax.default_backend()}, "
+            f"restart attempt {train.restart_attempt()}")
 
   steps_per_epoch = len(train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=0))
+  total_steps = args.epochs * steps_per_epoch
+  if args.max_steps is not None:
+    total_steps = min(total_steps, args.max_steps)
   schedule = optax.cosine_decay_schedule(args.lr, args.epochs * steps_per_epoch)
-  dp = train.DataParallel(functools.partial(loss_fn, label_smoothing=args.label_smoothing),
-                          optax.adamw(schedule, weight_decay=1e-4), has_aux=True,
-                          compression=args.compression)
-  # Each rank draws different parameters; init() broadcasts rank 0's to all.
-  state = dp.init(init_params(args.seed + rank), rng=jax.random.key(args.seed))
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  optimizer = optax.adamw(schedule, weight_decay=1e-4)
 
-  if rank == 0:
-    os.makedirs(args.out, exist_ok=True)
-  ckpt_path = os.path.join(args.out, "checkpoint.ckpt")
-  history = {"train_loss": [], "train_accuracy": [], "test_loss": [], "test_accuracy": [],
-             "epoch_seconds": [], "ranks": ranks, "global_batch_size": args.batch_size}
-  start_epoch = 0
-  # Rank 0's view decides for every rank: with node-local disks a rank that
-  # does not see the file gets restore_checkpoint's error, on every rank,
-  # instead of training alone while the others wait in the restore.
-  if args.resume and train.broadcast(os.path.exists(ckpt_path)):
-    saved = train.restore_checkpoint(ckpt_path, like={"state": state, "epoch": 0})
-    state, start_epoch = saved["state"], saved["epoch"]
-    history.update({k: v for k, v in train.checkpoint_metadata(ckpt_path)["history"].items()
-                    if k in ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_seconds")})
-    train.log(f"resumed from {ckpt_path} at epoch {start_epoch} (step {int(state.step)})")
-  train.log(f"model: small CNN, {n_params:,} parameters in {len(jax.tree_util.tree_leaves(state.params))} leaves")
+  ckpt_dir = os.path.join(args.out, "checkpoints")
+  if args.fresh and rank == 0:
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+  history = {k: [] for k in _HISTORY_KEYS}
+  history.update(ranks=ranks, global_batch_size=args.batch_size)
+  sums = {"loss": 0.0, "accuracy": 0.0}  # this epoch's metric sums so far
+  common = dict(has_aux=True, compression=args.compression, checkpoint_dir=ckpt_dir,
+                checkpoint_every=args.checkpoint_every or None,
+                checkpoint_metadata=lambda: {"history": history, "args": vars(args),
+                                             "epoch_sums": {k: float(v) for k, v in sums.items()}})
+  if args.model == "cnn":
+    dp = train.DataParallel(functools.partial(loss_fn, label_smoothing=args.label_smoothing),
+                            optimizer, **common)
+    # Each rank draws different parameters; init() broadcasts rank 0's to all.
+    params, model_state = init_params(args.seed + rank), None
+  else:
+    sync = args.bn == "sync"
+    model = flax_bn_model("batch" if sync else None)
+    loss, evaluate = flax_bn_fns(model, args.label_smoothing)
+    dp = train.DataParallel(loss, optimizer, eval_fn=evaluate, axis_name="batch" if sync else None,
+                            state_sync=args.bn, **common)
+    params, model_state = init_flax_bn(model, args.seed + rank)
+  # A restarted run continues from the newest complete checkpoint, else starts afresh.
+  state = dp.resume_or_init(params, rng=jax.random.key(args.seed), model_state=model_state)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  start = int(state.step)
+  if start:
+    saved = train.checkpoint_metadata(train.checkpoint_path(ckpt_dir, start))
+    history.update({k: v for k, v in saved["history"].items() if k in _HISTORY_KEYS})
+    sums.update(saved.get("epoch_sums", {}))
+    train.log(f"resumed from {train.checkpoint_path(ckpt_dir, start)} at step {start} "
+              f"(epoch {start // steps_per_epoch}, step {start % steps_per_epoch} of {steps_per_epoch})")
+  train.log(f"model: {args.model}, {n_params:,} parameters in "
+            f"{len(jax.tree_util.tree_leaves(state.params))} leaves")
 
   eval_batch = -(-len(x_test) // ranks) * ranks  # the whole test set in one padded step
   train_samples, train_seconds, t_first_step = 0, 0.0, None
-  for epoch in range(start_epoch, args.epochs):
+  start_epoch, start_in_epoch = divmod(start, steps_per_epoch)
+  epoch = start_epoch
+  while int(state.step) < total_steps:
     t_epoch = time.perf_counter()
-    batches = train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=epoch)
+    first = start_in_epoch if epoch == start_epoch else 0
+    batches = train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=epoch,
+                                  start_step=first)
     bar = train.progress(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                          disable=args.no_progress, unit="step")
-    sums = {"loss": 0.0, "accuracy": 0.0}
-    for i, batch in enumerate(bar):
+    n_epoch = 0
+    for i, batch in enumerate(bar, start=first):
+      if epoch * steps_per_epoch + i >= total_steps:
+        break
       state, metrics = dp.step(state, batch)
       if t_first_step is None:
         jax.block_until_ready(state)
@@ -207,51 +318,60 @@ def main(argv=None) -> int:
       # metrics are means over the real samples of the global batch; weight
       # them by that count (the last batch may be partial) for epoch means.
       n_real = min(args.batch_size, len(x_train) - i * args.batch_size)
+      n_epoch += n_real
       sums = {k: sums[k] + metrics[k] * n_real for k in sums}
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t_epoch
-    n_epoch = len(x_train)
-    train_loss, train_acc = float(sums["loss"]) / n_epoch, float(sums["accuracy"]) / n_epoch
-    test = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
     if epoch > start_epoch:
       train_samples += n_epoch
       train_seconds += seconds
-    else:  # the run's first step compiled: count only the steps after it
+    elif t_first_step is not None:  # the run's first step compiled: count only the steps after it
       train_samples += n_epoch - min(args.batch_size, n_epoch)
       train_seconds += t_epoch + seconds - t_first_step
-    history["train_loss"].append(train_loss)
-    history["train_accuracy"].append(train_acc)
+    if int(state.step) % steps_per_epoch:
+      break  # --max-steps ended the run inside an epoch
+    test = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
+    n_seen = len(x_train)
+    history["train_loss"].append(float(sums["loss"]) / n_seen)
+    history["train_accuracy"].append(float(sums["accuracy"]) / n_seen)
     history["test_loss"].append(test["loss"])
     history["test_accuracy"].append(test["accuracy"])
     history["epoch_seconds"].append(seconds)
-    train.log(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {train_loss:.4f} acc {train_acc:.4f}  "
-              f"test loss {test['loss']:.4f} acc {test['accuracy']:.4f}  "
-              f"{n_epoch / seconds:,.0f} samples/s")
-    # Every epoch: a killed run resumes (--resume) from the last finished epoch.
-    train.save_checkpoint(ckpt_path, {"state": state, "epoch": epoch + 1},
-                          metadata={"history": history, "args": vars(args)})
+    sums = {"loss": 0.0, "accuracy": 0.0}
+    train.log(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {history['train_loss'][-1]:.4f} "
+              f"acc {history['train_accuracy'][-1]:.4f}  test loss {test['loss']:.4f} "
+              f"acc {test['accuracy']:.4f}  {n_epoch / seconds:,.0f} samples/s")
+    # Every epoch's end: a restart resumes from here at the latest.
+    dp.save(state)
+    epoch += 1
 
-  final = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch) \
-      if start_epoch >= args.epochs else {"accuracy": history["test_accuracy"][-1],
-                                           "loss": history["test_loss"][-1]}
+  final = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
+  if int(state.step) % steps_per_epoch:
+    dp.save(state)
   samples_per_s = train_samples / train_seconds if train_seconds else float("nan")
   wall = time.perf_counter() - t_start
+  params_digest = digest((state.params, state.model_state))
   summary = {
-      "ranks": ranks, "epochs": args.epochs, "global_batch_size": args.batch_size,
-      "steps": int(state.step), "parameters": int(n_params),
-      "test_accuracy": final["accuracy"], "test_loss": final["loss"],
+      "model": args.model, "ranks": ranks, "epochs": args.epochs,
+      "global_batch_size": args.batch_size, "steps": int(state.step),
+      "parameters": int(n_params), "test_accuracy": final["accuracy"], "test_loss": final["loss"],
+      "params_sha256": params_digest, "resumed_from_step": start,
+      "restart_attempt": train.restart_attempt(),
       "train_samples_per_s": samples_per_s, "wall_seconds": wall,
       "compile_and_first_step_seconds": (t_first_step - t_start) if t_first_step else None,
       "compression": args.compression,
   }
   if rank == 0:
+    os.makedirs(args.out, exist_ok=True)
     _atomic_write_text(os.path.join(args.out, "metrics.json"),
                        json.dumps({"summary": summary, "history": history}, indent=2))
-    save_plot(history, os.path.join(args.out, "curves.png"))
+    if history["test_accuracy"]:
+      save_plot(history, os.path.join(args.out, "curves.png"))
   train.log(f"final test accuracy {final['accuracy']:.4f} ({final['accuracy'] * 100:.2f} %), "
             f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation), "
             f"wall {wall:.1f} s")
-  train.log(f"wrote {ckpt_path}, {os.path.join(args.out, 'metrics.json')}, "
+  train.log(f"params sha256 {params_digest} (step {int(state.step)})")
+  train.log(f"wrote {ckpt_dir}, {os.path.join(args.out, 'metrics.json')}, "
             f"{os.path.join(args.out, 'curves.png')}")
   return 0 if final["accuracy"] >= args.min_accuracy else 1
 

@@ -448,9 +448,9 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
     jax.jit(dp.step)(state, (dataset()[0][:4], y[:4]))
   with pytest.raises(ValueError, match=r"DataParallel\(compression='int8'\) is not supported; use None, 'bf16' or 'fp16'"):
     train.DataParallel(per_example_loss, optax.sgd(0.1), compression="int8")
-  per_feature = lambda p, b: (per_example_loss(p, b), {"p": jnp.ones((4, 2))})
-  with pytest.raises(ValueError, match=r"aux\['p'\] has shape \(4, 2\)"):
-    train.DataParallel(per_feature, optax.sgd(0.1), has_aux=True).step(state, (dataset()[0][:4], y[:4]))
+  scalar_losses = lambda p, b: jnp.mean(per_example_loss(p, b))
+  with pytest.raises(ValueError, match=r"per-example losses of shape \[batch\], got shape \(\)"):
+    train.DataParallel(scalar_losses, optax.sgd(0.1)).step(state, (dataset()[0][:4], y[:4]))
 
 
 def test_digits_resume_when_ranks_see_different_files_raises_everywhere(rt, shared_dir):
@@ -459,9 +459,9 @@ def test_digits_resume_when_ranks_see_different_files_raises_everywhere(rt, shar
   from mpijax.examples import digits
   out = os.path.join(shared_dir, f"digits-rank{rt.rank}")
   if rt.rank == 0:
-    os.makedirs(out)
-    with open(os.path.join(out, "checkpoint.ckpt"), "wb") as f:
+    os.makedirs(os.path.join(out, "checkpoints"))
+    with open(train.checkpoint_path(os.path.join(out, "checkpoints"), 5), "wb") as f:
       f.write(b"not a checkpoint")
   with pytest.raises(train.CheckpointError, match=("rank 0: " if rt.size > 1 else "") + ".* is not an mpijax checkpoint"):
-    digits.main(["--out", out, "--resume", "--epochs", "1", "--no-progress",
+    digits.main(["--out", out, "--epochs", "1", "--no-progress",
                  "--batch-size", str(batch_size(64, rt.size))])

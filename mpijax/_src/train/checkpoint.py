@@ -37,6 +37,10 @@ from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src import tree_codec as _codec
 from mpijax._src.train import broadcast as _bcast
 
+class CheckpointMismatch(CheckpointError):
+  """A readable checkpoint that does not fit the target tree (another model or optimizer)."""
+
+
 MAGIC = b"MPIJAXCK"
 VERSION = 1
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
@@ -209,12 +213,13 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
   """
   path = os.fspath(path)
   comm = _comm_or_none(comm)
-  problem, digest, result = "", "", None
+  problem, digest, result, mismatch = "", "", None, False
   try:
     _, specs, payload, digest = read_checkpoint(path)
     like_specs, _, treedef = _codec.flatten(like)
     diff = _bcast.first_difference(like_specs, specs, here="in the target", there="in the checkpoint")
     if diff:
+      mismatch = True
       raise CheckpointError(f"checkpoint {path!r} does not fit the target tree: {diff}. Pass as "
                             "`like` a tree built like the saved one (same model, optimizer and "
                             "extra entries).")
@@ -226,17 +231,20 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, *, comm: Any | None =
   except Exception as e:  # e.g. rebuilding a leaf on its device: still report it on every rank
     problem = f"checkpoint {path!r}: {type(e).__name__}: {e}"
   if comm is not None and comm.Get_size() > 1:
-    reports = mpi_util.allgather_str(comm, ("error:" + problem) if problem else ("ok:" + digest))
-    bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
+    kind = "mismatch:" if mismatch else "error:"
+    reports = mpi_util.allgather_str(comm, (kind + problem) if problem else ("ok:" + digest))
+    bad = [(r, p.split(":", 1)[1]) for r, p in enumerate(reports) if not p.startswith("ok:")]
     if bad:
-      raise CheckpointError("restore_checkpoint failed:\n" +
-                            mpi_util.rank_lines(bad))
+      # Another model's checkpoint on every failing rank: a mismatch, not damage.
+      error = CheckpointMismatch if all(reports[r].startswith("mismatch:") for r, _ in bad) \
+          else CheckpointError
+      raise error("restore_checkpoint failed:\n" + mpi_util.rank_lines(bad))
     if len(set(reports)) > 1:
       raise CheckpointError(
           f"ranks read different files at {path!r} (checksums differ: {sorted(set(reports))}); "
           "put checkpoints on a filesystem every rank sees")
   elif problem:
-    raise CheckpointError(problem)
+    raise (CheckpointMismatch if mismatch else CheckpointError)(problem)
   return result
 
 
