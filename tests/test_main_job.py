@@ -1,6 +1,7 @@
 """The README's main job, as a user runs it: 4-rank training on the bundled digits.
 
-Then a resume of its checkpoint under another rank count (2), one epoch on.
+Then, started again with more epochs under another rank count (2), it resumes
+from its last checkpoint and trains one epoch on.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ def test_main_job_then_resume_at_another_rank_count(tmp_path):
   summary = json.loads((out / "metrics.json").read_text())["summary"]
   assert summary["ranks"] == 4 and summary["test_accuracy"] >= 0.97, summary
   assert summary["train_samples_per_s"] > 0, summary
-  assert (out / "checkpoint.ckpt").is_file() and (out / "curves.png").stat().st_size > 0
+  assert (out / "checkpoints" / f"step_{summary['steps']:09d}.ckpt").is_file()
+  assert (out / "curves.png").stat().st_size > 0
   assert "final test accuracy" in result.stdout, tail(result.stdout)
+  assert f"params sha256 {summary['params_sha256']}" in result.stdout, tail(result.stdout)
 
-  resumed, _ = run_mpi(2, _digits(out, "--epochs", str(summary["epochs"] + 1), "--resume"),
-                       timeout=300)
+  # Started again with the same --out, it resumes by itself.
+  resumed, _ = run_mpi(2, _digits(out, "--epochs", str(summary["epochs"] + 1)), timeout=300)
   assert resumed.returncode == 0, tail(resumed.stdout)
-  assert f"at epoch {summary['epochs']}" in resumed.stdout, tail(resumed.stdout)
+  assert f"at step {summary['steps']} (epoch {summary['epochs']}, step 0 " in resumed.stdout, \
+      tail(resumed.stdout)
   after = json.loads((out / "metrics.json").read_text())
   assert after["summary"]["ranks"] == 2 and after["summary"]["steps"] > summary["steps"]
   assert len(after["history"]["test_accuracy"]) == summary["epochs"] + 1
