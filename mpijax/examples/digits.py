@@ -163,11 +163,12 @@ def flax_bn_model(axis_name: str | None):
     def __call__(self, x, train: bool):
       bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
                              axis_name=axis_name)
-      x = nn.relu(bn()(nn.Conv(32, (3, 3))(x)))
-      x = nn.relu(bn()(nn.Conv(64, (3, 3))(x)))
+      # No bias before a BatchNorm: it would be subtracted right away.
+      x = nn.relu(bn()(nn.Conv(32, (3, 3), use_bias=False)(x)))
+      x = nn.relu(bn()(nn.Conv(64, (3, 3), use_bias=False)(x)))
       x = nn.max_pool(x, (2, 2), (2, 2))
       x = x.reshape(x.shape[0], -1)
-      x = nn.relu(bn()(nn.Dense(128)(x)))
+      x = nn.relu(bn()(nn.Dense(128, use_bias=False)(x)))
       return nn.Dense(10)(x)
 
   return CNN()

@@ -330,7 +330,6 @@ class DataParallel:
       return
     path = self.save(state)
     step = int(state.step)
-    _preempt.agreed_exit()
     if _metrics.is_main_process(self.comm):
       print(f"mpijax.train: preemption requested; every rank stopped after step {step}, "
             f"checkpoint {path}; exiting with status {_preempt.PREEMPTED_EXIT_CODE}",

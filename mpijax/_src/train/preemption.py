@@ -37,6 +37,8 @@ class Preempted(SystemExit):
   A ``SystemExit`` with code 75: uncaught, the program exits with that status
   on every rank (``python -m mpijax.run`` lets it through instead of aborting
   the job, as every rank agreed on it). Catch it to do more before exiting.
+  Raise it yourself only on every rank at the same step (after
+  :func:`stop_requested` said so).
 
   Attributes:
     step: the training step the checkpoint holds.
@@ -46,6 +48,8 @@ class Preempted(SystemExit):
   def __init__(self, step: int | None = None, path: str | None = None):
     super().__init__(PREEMPTED_EXIT_CODE)
     self.step, self.path = step, path
+    # Raised on every rank at the same step, by contract: the exit is agreed.
+    agreed_exit()
 
   def __str__(self) -> str:
     return (f"preempted at step {self.step}: checkpoint {self.path}, exit status "
