@@ -60,8 +60,12 @@ def list_checkpoints(directory: str | os.PathLike, *, comm: Any | None = None) -
   comm = _ckpt._comm_or_none(comm)
   if comm is None or comm.Get_size() == 1:
     return _list_local(directory)
-  text = mpi_util.bcast_str(comm, json.dumps(_list_local(directory)) if comm.Get_rank() == 0 else None, 0)
-  return [(int(s), p) for s, p in json.loads(text)]
+  mine = [(step, os.path.basename(path)) for step, path in _list_local(directory)] \
+      if comm.Get_rank() == 0 else None
+  # Names, not paths: each rank opens them in its own `directory` (on
+  # node-local disks a rank that lacks the file then says so).
+  return [(int(step), os.path.join(directory, name))
+          for step, name in json.loads(mpi_util.bcast_str(comm, json.dumps(mine), 0))]
 
 
 def latest_checkpoint(directory: str | os.PathLike, *, comm: Any | None = None) -> str | None:
