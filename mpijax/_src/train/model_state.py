@@ -24,6 +24,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from mpijax._src.ops.allgather import allgather
+from mpijax._src.ops.allreduce import allreduce
+
 SYNC = "sync"
 MEAN = "mean"
 POLICIES = (SYNC, MEAN)
@@ -136,7 +139,6 @@ def _hashable(x: Any) -> bool:
 
 
 def _allreduce(x: Any, op: str, axis: _Axis) -> Any:
-  from mpijax._src.ops.allreduce import allreduce  # layer 3; imported late
   x = jnp.asarray(x)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.int32)  # as jax.lax.psum: a count
@@ -177,7 +179,6 @@ def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
         "alone, without axis_index_groups")
   axis.calls += 1
   where, tiled = kwargs.get("axis", 0), kwargs.get("tiled", False)
-  from mpijax._src.ops.allgather import allgather  # layer 3; imported late
 
   def leaf(v):
     v = jnp.asarray(v)
