@@ -124,7 +124,7 @@ def _digits_flax(out: Path, ranks: int) -> dict:
 
 
 def test_flax_batchnorm_example_4_ranks_equal_1_rank(tmp_path):
-  from mpijax._src.train import _codec
+  from mpijax._src import tree_codec
   from mpijax._src.train.checkpoint import read_checkpoint
 
   four = _digits_flax(tmp_path / "four", 4)
@@ -133,7 +133,7 @@ def test_flax_batchnorm_example_4_ranks_equal_1_rank(tmp_path):
   leaves = {}
   for name in ("four", "one"):
     _, specs, payload, _ = read_checkpoint(tmp_path / name / "checkpoints" / "step_000000069.ckpt")
-    leaves[name] = dict(zip((s.path for s in specs), _codec.unpack(payload, specs)))
+    leaves[name] = dict(zip((s.path for s in specs), tree_codec.unpack(payload, specs)))
   compared = [p for p in leaves["four"] if p.startswith((".params", ".model_state"))]
   assert any("batch_stats" in p for p in compared) and len(compared) == 17, compared
   for path in compared:
