@@ -30,6 +30,14 @@ def _parse_seconds(text: str) -> float:
   return 0.0 if value == float("inf") else value
 
 
+def _parse_address(text: str) -> str:
+  text = text.strip()
+  host, sep, port = text.rpartition(":")
+  if text and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    raise ValueError("expected 'host:port' with a port in 1..65535, e.g. '10.0.0.1:12345'")
+  return text
+
+
 def _parse_optional_int(text: str) -> int | None:
   return None if text.strip() == "" else int(text)
 
@@ -47,18 +55,20 @@ class Setting:
   parse: Callable[[str], Any]
   default: Any
   doc: str
+  env: str | None = None  # a variable of another project's convention, read as is
 
   @property
   def env_var(self) -> str:
-    return "MPIJAX_" + self.name.upper()
+    return self.env or "MPIJAX_" + self.name.upper()
 
 
 _SETTINGS: dict[str, Setting] = {}
 _OVERRIDES: dict[str, Any] = {}
 
 
-def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> Setting:
-  setting = Setting(name, parse, default, doc)
+def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str,
+            env: str | None = None) -> Setting:
+  setting = Setting(name, parse, default, doc, env)
   _SETTINGS[name] = setting
   return setting
 
@@ -90,6 +100,11 @@ _define("abort_on_exception", _parse_bool, True,
         "has an uncaught exception.")
 _define("launcher", str, "",
         "Force a launcher detector by name (openmpi4, prrte, slurm, mpich, mpi, single).")
+_define("jax_coordinator_address", _parse_address, "",
+        "JAX's own variable: the coordinator address ('host:port') init() uses "
+        "instead of rank 0 picking one, as jax.distributed.initialize() does. "
+        "init(coordinator_address=...) beats it. Must be the same on every rank.",
+        env="JAX_COORDINATOR_ADDRESS")
 
 # --- transport and safety (layers 3 and 8) -----------------------------------
 _define("timeout", _parse_seconds, 300.0,

@@ -348,7 +348,8 @@ def init(*, launcher: str | None = None,
       "single"); default: the first whose variables are present.
     rank, size, local_rank, local_size: explicit values; they beat the
       environment and are still cross-checked against MPI.
-    coordinator_address: "host:port" to use instead of rank 0 picking one.
+    coordinator_address: "host:port" to use instead of rank 0 picking one
+      (default: JAX_COORDINATOR_ADDRESS when set).
     devices_per_process: number of CPU devices per rank (default: the user's
       XLA_FLAGS / jax_num_cpu_devices, else MPIJAX_DEVICES_PER_PROCESS, else 1).
     jax_distributed: also call ``jax.distributed.initialize`` (default off, or
@@ -372,6 +373,8 @@ def init(*, launcher: str | None = None,
     if _runtime is not None:
       return _runtime
     _check_arguments(coordinator_address, devices_per_process, comm)
+    if coordinator_address is None:  # JAX's convention: JAX_COORDINATOR_ADDRESS
+      coordinator_address = config.get("jax_coordinator_address") or None
     info = cluster.detect(launcher or config.get("launcher") or None, rank=rank, size=size,
                           local_rank=local_rank, local_size=local_size)
     MPI = mpi_util.import_mpi()
