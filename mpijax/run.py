@@ -1,12 +1,15 @@
 """``python -m mpijax.run script.py [args]``: run a program so that an uncaught
 exception on any rank aborts the whole MPI job (like ``python -m mpi4py``).
 
-Also accepts ``-m module`` and ``-c code``.
+Also accepts ``-m module`` and ``-c code``; ``--exec PROGRAM [args]`` runs any
+executable instead (without the Python hooks). Either way the rank's
+torchrun-style variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``) are set from the launcher's first.
 """
 
 import sys
 
-from mpijax._src.failure import run_main as _run_main
+from mpijax._src.rank_env import main as _main
 
 if __name__ == "__main__":
-  _run_main(sys.argv[1:])
+  _main(sys.argv[1:])
