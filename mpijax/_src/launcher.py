@@ -7,9 +7,19 @@ ranks exceed the slots, never core binding, output tagged by rank), and a
 Python program runs under ``python -m mpijax.run`` so an uncaught exception on
 one rank aborts the whole job instead of hanging the others.
 
+Every rank sees the torchrun-style variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` set by the rank itself, see
+:mod:`mpijax._src.rank_env`; ``MASTER_ADDR``/``MASTER_PORT`` exported) and
+``MPIJAX_RESTART_ATTEMPT``. The launcher's output passes through mpijax-run
+(:mod:`mpijax._src.joblog`): per-rank logs with ``--log-dir``, and the reason
+an attempt ended. ``--max-restarts`` relaunches a failed job, dropping hosts
+that cannot start processes with ``--min-ranks``.
+
 The launcher runs in its own session. mpijax-run marks itself a child
 subreaper, so ranks orphaned by a dying launcher are reparented to it and can
 still be killed: Ctrl-C, SIGTERM and ``--timeout`` leave no process behind.
+SIGUSR1/SIGUSR2 are passed on to every rank (Slurm's ``--signal`` before the
+time limit).
 """
 
 from __future__ import annotations
@@ -23,12 +33,14 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from typing import Sequence
 
 from mpijax._src import heap
+from mpijax._src import joblog
 
 PROG = "mpijax-run"
 # Seconds between forwarding SIGTERM/SIGINT to the launcher and SIGKILL of
@@ -36,6 +48,14 @@ PROG = "mpijax-run"
 GRACE_SECONDS = 5.0
 TIMEOUT_EXIT_CODE = 124  # like timeout(1)
 DEVICES_ENV = "MPIJAX_DEVICES_PER_PROCESS"
+RESTART_ENV = "MPIJAX_RESTART_ATTEMPT"
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+# EX_TEMPFAIL (sysexits.h): the program was preempted, saved its state and
+# asks to be run again later (Slurm: requeued). Never restarted here.
+PREEMPTED_EXIT_CODE = 75
+MAX_BACKOFF_SECONDS = 60.0
+# Seconds a host gets to start one process before a restart drops it (--min-ranks).
+PREFLIGHT_SECONDS = 30.0
 
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 # CPython options that consume the next argument (``python -W error x.py``).
@@ -304,6 +324,13 @@ class Options:
   launcher_args: list[str] = dataclasses.field(default_factory=list)
   wrap: bool = True
   rank_wrapper: list[str] = dataclasses.field(default_factory=list)
+  log_dir: str | None = None
+  tee: bool = False
+  max_restarts: int = 0
+  restart_backoff: float = 1.0
+  min_ranks: int | None = None
+  master_addr: str | None = None
+  master_port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,13 +344,31 @@ class Situation:
   mpirun_flavor: str | None = None
 
 
-def _forwarded_env(env: dict[str, str], opts: Options) -> list[tuple[str, str | None]]:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one attempt launches: the rank count, the hosts, the attempt number.
+
+  ``hosts`` None means the hosts of the command line (``--hosts``,
+  ``--hostfile``, or none); a list replaces them (hosts that failed were
+  dropped).
+  """
+  np: int | None
+  attempt: int = 0
+  hosts: tuple[tuple[str, int], ...] | None = None
+  master_port: int | None = None
+
+
+def _exports(env: dict[str, str], opts: Options, plan: Plan, master: tuple[str, str]
+             ) -> list[tuple[str, str | None]]:
   """(name, value) pairs to export to every rank; value None = export the current value."""
-  pairs: list[tuple[str, str | None]] = []
+  explicit: dict[str, str] = {}
   if opts.devices_per_process is not None:
-    pairs.append((DEVICES_ENV, str(opts.devices_per_process)))
+    explicit[DEVICES_ENV] = str(opts.devices_per_process)
+  explicit[RESTART_ENV] = str(plan.attempt)
+  explicit["MASTER_ADDR"], explicit["MASTER_PORT"] = master
+  pairs: list[tuple[str, str | None]] = list(explicit.items())
   for name in sorted(env):
-    if name.startswith("MPIJAX_") and not (name == DEVICES_ENV and opts.devices_per_process is not None):
+    if (name.startswith("MPIJAX_") or name == COORDINATOR_ENV) and name not in explicit:
       pairs.append((name, None))
   # glibc reads these at process start, before any thread has its own arena.
   pairs.extend(heap.launcher_env(env))
@@ -341,77 +386,155 @@ def choose_launcher(opts: Options, env: dict[str, str]) -> str:
   return "mpirun"
 
 
-def build_command(opts: Options, sit: Situation) -> list[str]:
-  """The full launcher command line for ``opts`` in situation ``sit``."""
-  program = wrap_program(opts.program) if opts.wrap else list(opts.program)
-  program = opts.rank_wrapper + program
+def output_kind(opts: Options, sit: Situation) -> str:
+  """How the launcher tags the ranks' lines: "openmpi", "mpich" or "srun"."""
+  if choose_launcher(opts, sit.env) == "srun":
+    return "srun"
+  flavor = sit.mpirun_flavor or (sit.mpi.flavor if sit.mpi else "unknown")
+  return "mpich" if flavor == "mpich" else "openmpi"
+
+
+def rank_program(opts: Options) -> list[str]:
+  """What every rank runs: the (wrapped) program, after the rank wrapper.
+
+  A Python program runs under ``python -m mpijax.run``, which also sets the
+  rank's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``;
+  any other program gets them from ``python -m mpijax.run --exec`` first.
+  ``--no-wrap`` runs the program exactly as given.
+  """
+  if not opts.wrap:
+    return opts.rank_wrapper + list(opts.program)
+  program = wrap_program(opts.program)
+  if program != list(opts.program) or _runs_mpijax_run(program):
+    return opts.rank_wrapper + program
+  return [sys.executable, "-m", "mpijax.run", "--exec"] + opts.rank_wrapper + program
+
+
+def _runs_mpijax_run(argv: Sequence[str]) -> bool:
+  return bool(argv) and is_python(argv[0]) and any(
+      a == "mpijax.run" and i > 0 and argv[i - 1] == "-m" for i, a in enumerate(argv))
+
+
+def hosts_of(opts: Options) -> list[tuple[str, int]] | None:
+  """The hosts with slots from --hosts/--hostfile, None without either."""
+  if opts.hostfile:
+    return parse_hostfile(opts.hostfile)
+  if opts.hosts:
+    return parse_hosts(opts.hosts)
+  return None
+
+
+def master_address(opts: Options, sit: Situation, plan: Plan) -> tuple[str, str]:
+  """(MASTER_ADDR, MASTER_PORT) for torchrun-style code: rank 0's host and a free port.
+
+  Rank 0 runs on the first host (Open MPI, Hydra and srun fill hosts in
+  order): the first of --hosts/--hostfile, else the allocation's first node,
+  else this machine. ``--master-addr``/``--master-port`` and the user's own
+  ``MASTER_ADDR``/``MASTER_PORT`` win.
+  """
+  addr = opts.master_addr or sit.env.get("MASTER_ADDR")
+  if not addr:
+    hosts = list(plan.hosts) if plan.hosts is not None else hosts_of(opts)
+    if hosts:
+      addr = hosts[0][0]
+    elif sit.env.get("SLURM_JOB_ID") and (sit.env.get("SLURM_JOB_NODELIST") or sit.env.get("SLURM_NODELIST")):
+      from mpijax._src.cluster.hostlist import expand_hostlist
+      try:
+        nodes = expand_hostlist(sit.env.get("SLURM_JOB_NODELIST") or sit.env["SLURM_NODELIST"])
+      except ValueError:
+        nodes = ()
+      addr = nodes[0] if nodes else "127.0.0.1"
+    else:
+      addr = "127.0.0.1"
+  port = opts.master_port or sit.env.get("MASTER_PORT") or plan.master_port or free_port()
+  return addr, str(port)
+
+
+def free_port() -> int:
+  """A TCP port that is free on this machine now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def build_command(opts: Options, sit: Situation, plan: Plan | None = None) -> list[str]:
+  """The full launcher command line for ``opts`` in situation ``sit`` (attempt ``plan``)."""
+  plan = plan or Plan(np=opts.np)
+  program = rank_program(opts)
   kind = choose_launcher(opts, sit.env)
   if kind == "srun":
-    return _srun_command(opts, sit, program)
+    return _srun_command(opts, sit, plan, program)
   flavor = sit.mpirun_flavor or (sit.mpi.flavor if sit.mpi else "unknown")
   mpirun = opts.mpirun or sit.mpirun or "mpirun"
   if flavor == "mpich":
-    return _hydra_command(opts, sit, mpirun, program)
-  return _openmpi_command(opts, sit, mpirun, program)
+    return _hydra_command(opts, sit, plan, mpirun, program)
+  return _openmpi_command(opts, sit, plan, mpirun, program)
 
 
-def _required_np(opts: Options, sit: Situation) -> int:
-  if opts.np is not None:
-    return opts.np
+def _required_np(plan: Plan) -> int:
+  if plan.np is not None:
+    return plan.np
   raise LaunchError("give the number of ranks with -n N (e.g. mpijax-run -n 4 -- python train.py)")
 
 
-def _slots(opts: Options, sit: Situation) -> int:
-  if opts.hostfile:
-    return sum(s for _, s in parse_hostfile(opts.hostfile))
-  if opts.hosts:
-    return sum(s for _, s in parse_hosts(opts.hosts))
-  return sit.local_slots
+def _slots(opts: Options, sit: Situation, plan: Plan) -> int:
+  hosts = list(plan.hosts) if plan.hosts is not None else hosts_of(opts)
+  return sum(s for _, s in hosts) if hosts is not None else sit.local_slots
 
 
-def _openmpi_command(opts: Options, sit: Situation, mpirun: str, program: list[str]) -> list[str]:
-  n = _required_np(opts, sit)
+def _host_list(hosts: Sequence[tuple[str, int]]) -> str:
+  return ",".join(f"{h}:{s}" for h, s in hosts)
+
+
+def _openmpi_command(opts: Options, sit: Situation, plan: Plan, mpirun: str,
+                     program: list[str]) -> list[str]:
+  n = _required_np(plan)
   cmd = [mpirun, "-n", str(n)]
   if sit.euid == 0:
     cmd.append("--allow-run-as-root")
-  if n > _slots(opts, sit):
+  if n > _slots(opts, sit, plan):
     cmd.append("--oversubscribe")
-  if opts.hostfile:
+  if plan.hosts is not None:
+    cmd += ["--host", _host_list(plan.hosts)]
+  elif opts.hostfile:
     cmd += ["--hostfile", opts.hostfile]
   elif opts.hosts:
-    cmd += ["--host", ",".join(f"{h}:{s}" for h, s in parse_hosts(opts.hosts))]
+    cmd += ["--host", _host_list(parse_hosts(opts.hosts))]
   # Binding a rank to one core starves XLA's thread pools (and JAX's compile threads).
   cmd += ["--bind-to", "none"]
   major = sit.mpi.version[0] if sit.mpi and sit.mpi.flavor == "openmpi" else 5
   cmd += ["--output", "tag"] if major >= 5 else ["--tag-output"]
-  for name, value in _forwarded_env(sit.env, opts):
+  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan)):
     cmd += ["-x", name if value is None else f"{name}={value}"]
   cmd += opts.launcher_args
   return cmd + program
 
 
-def _hydra_command(opts: Options, sit: Situation, mpirun: str, program: list[str]) -> list[str]:
+def _hydra_command(opts: Options, sit: Situation, plan: Plan, mpirun: str,
+                   program: list[str]) -> list[str]:
   # Hydra never refuses more ranks than slots and does not need a root flag.
-  n = _required_np(opts, sit)
+  n = _required_np(plan)
   cmd = [mpirun, "-n", str(n)]
-  if opts.hostfile:
+  if plan.hosts is not None:
+    cmd += ["-hosts", _host_list(plan.hosts)]
+  elif opts.hostfile:
     cmd += ["-f", opts.hostfile]
   elif opts.hosts:
-    cmd += ["-hosts", ",".join(f"{h}:{s}" for h, s in parse_hosts(opts.hosts))]
+    cmd += ["-hosts", _host_list(parse_hosts(opts.hosts))]
   cmd += ["-bind-to", "none", "-prepend-rank"]
-  for name, value in _forwarded_env(sit.env, opts):
+  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan)):
     if value is not None:  # Hydra passes the whole environment on by default
       cmd += ["-genv", name, value]
   cmd += opts.launcher_args
   return cmd + program
 
 
-def _srun_command(opts: Options, sit: Situation, program: list[str]) -> list[str]:
+def _srun_command(opts: Options, sit: Situation, plan: Plan, program: list[str]) -> list[str]:
   if opts.hostfile or opts.hosts:
     raise LaunchError(
         "--hostfile/--hosts choose hosts for mpirun, but inside a Slurm allocation srun runs on "
         "the allocated nodes. Drop them, or pass --launcher mpirun to use mpirun in the allocation.")
-  n = opts.np if opts.np is not None else int(sit.env.get("SLURM_NTASKS", "0") or 0)
+  n = plan.np if plan.np is not None else int(sit.env.get("SLURM_NTASKS", "0") or 0)
   if n <= 0:
     raise LaunchError("give the number of ranks with -n N (SLURM_NTASKS is not set either)")
   cmd = ["srun", "-n", str(n), "--cpu-bind=none", "--label", "--kill-on-bad-exit=1"]
@@ -421,9 +544,13 @@ def _srun_command(opts: Options, sit: Situation, program: list[str]) -> list[str
   if sit.mpi is not None and sit.mpi.flavor == "openmpi" and "SLURM_MPI_TYPE" not in sit.env:
     # Open MPI 4/5 can only be started by srun through PMIx.
     cmd.append("--mpi=pmix")
-  exports = [f"{k}={v}" for k, v in _forwarded_env(sit.env, opts) if v is not None]
-  if exports:
-    cmd.append("--export=" + ",".join(["ALL"] + exports))
+  exports = [(k, v) for k, v in _exports(sit.env, opts, plan, master_address(opts, sit, plan))
+             if v is not None]
+  for k, v in exports:
+    if "," in v:
+      raise LaunchError(f"{k}={v!r} contains a comma, which srun --export cannot pass on; "
+                        f"export {k} in the batch script instead.")
+  cmd.append("--export=" + ",".join(["ALL"] + [f"{k}={v}" for k, v in exports]))
   cmd += opts.launcher_args
   return cmd + program
 
@@ -541,49 +668,284 @@ def _stop(proc: subprocess.Popen, sig: int, grace: float) -> None:
   _reap_all()
 
 
-def run(cmd: list[str], timeout: float | None = None, grace: float = GRACE_SECONDS) -> int:
-  """Runs ``cmd`` in its own session and returns its exit status (128+N for signal N).
 
-  SIGINT/SIGTERM/SIGHUP received meanwhile are forwarded to the launcher; after
-  ``grace`` seconds everything it started is killed. ``timeout`` does the same
-  after that many seconds and returns 124.
+class _Signals:
+  """While active: SIGINT/SIGTERM/SIGHUP are recorded (they stop the job), SIGUSR1/SIGUSR2 are
+  queued to be forwarded to the launcher (which passes them on to every rank)."""
+
+  STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+  FORWARD = (signal.SIGUSR1, signal.SIGUSR2)
+
+  def __init__(self):
+    self.stop: list[int] = []
+    self.pending: list[int] = []
+    self.forwarded: list[int] = []
+    self._previous: dict[int, object] = {}
+
+  def __enter__(self) -> "_Signals":
+    for s in self.STOP:
+      self._previous[s] = signal.signal(s, lambda signum, _f: self.stop.append(signum))
+    for s in self.FORWARD:
+      self._previous[s] = signal.signal(s, lambda signum, _f: self.pending.append(signum))
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+
+  def forward(self, proc: subprocess.Popen) -> None:
+    while self.pending:
+      sig = self.pending.pop(0)
+      print(f"{PROG}: got {signal.Signals(sig).name}; passing it on to every rank",
+            file=sys.stderr, flush=True)
+      try:
+        proc.send_signal(sig)
+      except ProcessLookupError:
+        pass
+      self.forwarded.append(sig)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """How one launch ended."""
+  status: int
+  interrupted: int | None = None  # the stopping signal mpijax-run received
+  timed_out: bool = False
+
+
+def _launch(cmd: list[str], signals: _Signals, deadline: float | None, grace: float,
+            relay: joblog.Relay | None, timeout: float | None) -> Outcome:
+  """Runs ``cmd`` in its own session until it ends, a stopping signal arrives or ``deadline``."""
+  pipe = subprocess.PIPE if relay is not None else None
+  try:
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=pipe, stderr=pipe)
+  except OSError as e:
+    raise LaunchError(f"cannot start {cmd[0]!r}: {e}") from None
+  if relay is not None:
+    relay.attach(proc.stdout, proc.stderr)
+  outcome = None
+  while outcome is None:
+    signals.forward(proc)
+    if signals.stop:
+      sig = signals.stop[0]
+      print(f"{PROG}: got {signal.Signals(sig).name}; stopping all ranks", file=sys.stderr, flush=True)
+      _stop(proc, sig, grace)
+      outcome = Outcome(128 + sig, interrupted=sig)
+      break
+    if deadline is not None and time.monotonic() > deadline:
+      print(f"{PROG}: job exceeded --timeout {timeout:g} s; killed", file=sys.stderr, flush=True)
+      _stop(proc, signal.SIGTERM, grace)
+      outcome = Outcome(TIMEOUT_EXIT_CODE, timed_out=True)
+      break
+    try:
+      code = proc.wait(timeout=0.1)
+    except subprocess.TimeoutExpired:
+      continue
+    # The launcher is gone; anything it left behind (an orphaned rank) goes too.
+    if descendants(os.getpid()):
+      _stop(proc, signal.SIGTERM, min(grace, 2.0))
+    _reap_all()
+    outcome = Outcome(code if code >= 0 else 128 - code)
+  if relay is not None:
+    relay.join()
+  return outcome
+
+
+# --- restarts -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Attempt:
+  """One launch of the job and how it ended."""
+  attempt: int
+  ranks: int | None
+  hosts: list[str] | None
+  started: float  # time.time()
+  seconds: float
+  status: int
+  verdict: str  # "ok", "failed", "preempted", "interrupted", "timeout"
+  reason: str
+
+  def line(self) -> str:
+    hosts = f" on {','.join(self.hosts)}" if self.hosts else ""
+    ranks = f"{self.ranks} ranks" if self.ranks is not None else "ranks"
+    return (f"attempt {self.attempt}: {ranks}{hosts}, {self.seconds:.1f} s, {self.verdict}: "
+            f"{self.reason}")
+
+
+def verdict(outcome: Outcome, reasons: joblog.Reasons) -> tuple[str, int]:
+  """("ok" | "failed" | "preempted" | "interrupted" | "timeout", exit status) of one launch.
+
+  Exit status 75 (EX_TEMPFAIL) is a preempted program that saved its state
+  and asks to be requeued; 130 is a rank stopped by Ctrl-C. Open MPI's
+  launcher can exit 0 after losing a host's daemon and ranks: its message
+  decides then.
+  """
+  if outcome.interrupted is not None:
+    return "interrupted", outcome.status
+  if outcome.timed_out:
+    return "timeout", outcome.status
+  if outcome.status == 0:
+    return ("failed", 1) if reasons.launcher_failed() else ("ok", 0)
+  if outcome.status == PREEMPTED_EXIT_CODE:
+    return "preempted", outcome.status
+  if outcome.status == 128 + signal.SIGINT:
+    return "interrupted", outcome.status
+  return "failed", outcome.status
+
+
+def backoff_seconds(restart: int, base: float) -> float:
+  """Seconds before restart number ``restart`` (1, 2, ...): ``base``, doubling, at most 60."""
+  return min(MAX_BACKOFF_SECONDS, base * 2 ** (restart - 1))
+
+
+def preflight(opts: Options, sit: Situation, hosts: Sequence[tuple[str, int]],
+              timeout: float = PREFLIGHT_SECONDS) -> dict[str, str | None]:
+  """Starts one trivial process on every host at once (through the same launcher and flags).
+
+  Returns:
+    host -> None if it started, else what went wrong.
+  """
+  probe_opts = dataclasses.replace(opts, program=["true"], wrap=False, rank_wrapper=[],
+                                   hostfile=None, hosts=None)
+  procs = {}
+  for host, _ in hosts:
+    cmd = build_command(probe_opts, sit, Plan(np=1, hosts=((host, 1),)))
+    try:
+      procs[host] = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    except OSError as e:
+      procs[host] = e
+  end = time.monotonic() + timeout
+  result: dict[str, str | None] = {}
+  for host, proc in procs.items():
+    if isinstance(proc, OSError):
+      result[host] = str(proc)
+      continue
+    try:
+      out, _ = proc.communicate(timeout=max(0.1, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      out, _ = proc.communicate()
+      result[host] = f"no process started within {timeout:g} s"
+      continue
+    text = " ".join(out.decode(errors="replace").split())
+    if proc.returncode == 0 and not joblog._FATAL.search(text):
+      result[host] = None
+    else:
+      result[host] = f"exit status {proc.returncode}: {text[-300:]}" if text else \
+          f"exit status {proc.returncode}"
+  return result
+
+
+def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> int:
+  """Runs the job, restarting it after a failure up to ``opts.max_restarts`` times.
+
+  Every attempt's exit reason is printed (and kept in ``attempts.jsonl`` with
+  --log-dir). A clean exit, Ctrl-C/SIGTERM, --timeout and exit status 75
+  (preempted) end the job. With --min-ranks, hosts on which a process cannot
+  be started are dropped before a restart, and the job goes on with fewer
+  ranks while at least --min-ranks remain.
+
+  Returns:
+    The exit status of the last attempt.
   """
   _become_subreaper()
-  received: list[int] = []
-
-  def on_signal(signum, _frame):
-    received.append(signum)
-
-  handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-  previous = {s: signal.signal(s, on_signal) for s in handled}
+  relay = joblog.Relay(output_kind(opts, sit), opts.log_dir, opts.tee)
+  hosts = hosts_of(opts)
+  plan = Plan(np=opts.np)
+  deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+  attempts: list[Attempt] = []
+  status = 0
   try:
-    try:
-      proc = subprocess.Popen(cmd, start_new_session=True)
-    except OSError as e:
-      raise LaunchError(f"cannot start {cmd[0]!r}: {e}") from None
-    start = time.monotonic()
-    while True:
-      if received:
-        sig = received[0]
-        print(f"{PROG}: got {signal.Signals(sig).name}; stopping all ranks", file=sys.stderr, flush=True)
-        _stop(proc, sig, grace)
-        return 128 + sig
-      if timeout is not None and time.monotonic() - start > timeout:
-        print(f"{PROG}: job exceeded --timeout {timeout:g} s; killed", file=sys.stderr, flush=True)
-        _stop(proc, signal.SIGTERM, grace)
-        return TIMEOUT_EXIT_CODE
-      try:
-        code = proc.wait(timeout=0.1)
-      except subprocess.TimeoutExpired:
-        continue
-      # The launcher is gone; anything it left behind (an orphaned rank) goes too.
-      if descendants(os.getpid()):
-        _stop(proc, signal.SIGTERM, min(grace, 2.0))
-      _reap_all()
-      return code if code >= 0 else 128 - code
+    with _Signals() as signals:
+      while True:
+        cmd = build_command(opts, sit, plan)
+        detail = f" on {_host_list(plan.hosts)}" if plan.hosts is not None else ""
+        relay.begin(plan.attempt, plan.np or int(sit.env.get("SLURM_NTASKS", "0") or 0), detail)
+        started, t0 = time.time(), time.monotonic()
+        outcome = _launch(cmd, signals, deadline, grace, relay, opts.timeout)
+        kind, status = verdict(outcome, relay.reasons)
+        reason = "completed" if kind == "ok" else relay.reasons.summary(outcome.status)
+        if kind == "ok" and status != outcome.status:
+          reason = f"{reason} (launcher exit status {outcome.status})"
+        attempt = Attempt(plan.attempt, plan.np,
+                          [h for h, _ in plan.hosts] if plan.hosts is not None else
+                          ([h for h, _ in hosts] if hosts else None),
+                          started, time.monotonic() - t0, status, kind, reason)
+        attempts.append(attempt)
+        relay.record(dataclasses.asdict(attempt))
+        if kind == "ok":
+          break
+        more = plan.attempt < opts.max_restarts
+        if kind != "failed" or signals.forwarded or not more:
+          if opts.max_restarts or opts.log_dir or status != outcome.status:
+            relay.note(f"{PROG}: {attempt.line()}")
+          if kind == "failed" and signals.forwarded:
+            relay.note(f"{PROG}: not restarting: the job was sent "
+                       f"{signal.Signals(signals.forwarded[0]).name}")
+          elif kind == "failed" and opts.max_restarts:
+            relay.note(f"{PROG}: giving up after {plan.attempt} restart(s) (--max-restarts "
+                       f"{opts.max_restarts})")
+          break
+        restart = plan.attempt + 1
+        wait = backoff_seconds(restart, opts.restart_backoff)
+        relay.note(f"{PROG}: {attempt.line()}")
+        plan, problem = _next_plan(opts, sit, plan, hosts, relay)
+        if problem:
+          relay.note(f"{PROG}: not restarting: {problem}")
+          break
+        if deadline is not None and time.monotonic() + wait > deadline:
+          relay.note(f"{PROG}: not restarting: --timeout {opts.timeout:g} s would pass first")
+          break
+        relay.note(f"{PROG}: restart {restart} of {opts.max_restarts} in {wait:g} s "
+                   f"({RESTART_ENV}={restart})")
+        if not _sleep(wait, signals):
+          status = 128 + signals.stop[0]
+          relay.note(f"{PROG}: got {signal.Signals(signals.stop[0]).name}; not restarting")
+          break
   finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
+    if len(attempts) > 1:
+      relay.note(f"{PROG}: {len(attempts)} attempts:\n" +
+                 "\n".join("  " + a.line() for a in attempts))
+    relay.close()
+  return status
+
+
+def _next_plan(opts: Options, sit: Situation, plan: Plan, hosts: list[tuple[str, int]] | None,
+               relay: joblog.Relay) -> tuple[Plan, str | None]:
+  """The plan of the next attempt; with --min-ranks, hosts that cannot start a process are dropped."""
+  nxt = dataclasses.replace(plan, attempt=plan.attempt + 1)
+  if opts.min_ranks is None or hosts is None:
+    return nxt, None
+  current = list(plan.hosts) if plan.hosts is not None else hosts
+  checked = preflight(opts, sit, current)
+  bad = [h for h, err in checked.items() if err]
+  if not bad:
+    return nxt, None
+  for h in bad:
+    relay.note(f"{PROG}: dropping host {h}: it cannot start a process ({checked[h]})")
+  left = tuple((h, s) for h, s in current if h not in bad)
+  slots = sum(s for _, s in left)
+  n = min(plan.np or slots, slots)
+  if n < opts.min_ranks:
+    return nxt, (f"{slots} slot(s) left on {_host_list(left) or 'no host'}, fewer than "
+                 f"--min-ranks {opts.min_ranks}")
+  relay.note(f"{PROG}: going on with {n} ranks on {_host_list(left)}")
+  return dataclasses.replace(nxt, np=n, hosts=left), None
+
+
+def _sleep(seconds: float, signals: _Signals) -> bool:
+  """Sleeps; False as soon as a stopping signal arrives."""
+  end = time.monotonic() + seconds
+  while time.monotonic() < end:
+    if signals.stop:
+      return False
+    time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+  return not signals.stop
 
 
 # --- command line -------------------------------------------------------------
@@ -595,12 +957,17 @@ def _parser() -> argparse.ArgumentParser:
       usage=f"{PROG} -n N [options] [--] PROGRAM [ARGS...]",
       description="Start PROGRAM on N MPI ranks with the launcher that fits (mpirun/mpiexec "
                   "of mpi4py's MPI, or srun inside a Slurm allocation). A Python PROGRAM runs "
-                  "under 'python -m mpijax.run', so an uncaught exception aborts every rank.",
+                  "under 'python -m mpijax.run', so an uncaught exception aborts every rank. "
+                  "Every rank sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+                  "MASTER_PORT and MPIJAX_RESTART_ATTEMPT.",
       epilog="Examples:\n"
              f"  {PROG} -n 4 -- python train.py --epochs 3\n"
              f"  {PROG} -n 4 --devices-per-process 2 python -m pytest --with-mpi tests/mpi\n"
-             f"  {PROG} -n 8 --hostfile hosts.txt --timeout 600 -- python -m mpijax.examples.mnist\n"
-             "Exit status: the launcher's (the failing rank's), 124 after --timeout, 128+N after signal N.",
+             f"  {PROG} -n 8 --hostfile hosts.txt --timeout 600 -- python -m mpijax.examples.digits\n"
+             f"  {PROG} -n 4 --log-dir logs --tee --max-restarts 3 -- python train.py\n"
+             f"  {PROG} -n 8 --hosts a:4,b:4 --max-restarts 2 --min-ranks 4 -- python train.py\n"
+             "Exit status: the launcher's (the failing rank's), 124 after --timeout, 128+N after "
+             "signal N, 75 when the program was preempted (it exits 75 after a checkpoint).",
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-n", "-np", "--np", dest="np", type=int, metavar="N", help="number of ranks")
   p.add_argument("--devices-per-process", type=int, metavar="K",
@@ -608,7 +975,8 @@ def _parser() -> argparse.ArgumentParser:
   hosts = p.add_mutually_exclusive_group()
   hosts.add_argument("--hostfile", metavar="F", help="hostfile (Open MPI 'host slots=N' or Hydra 'host:N')")
   hosts.add_argument("--hosts", metavar="H:S,...", help="hosts with slots, e.g. node1:4,node2:4")
-  p.add_argument("--timeout", type=float, metavar="S", help="kill the job after S seconds (exit 124)")
+  p.add_argument("--timeout", type=float, metavar="S",
+                 help="kill the job after S seconds, restarts included (exit 124)")
   p.add_argument("--dry-run", action="store_true", help="print the command and exit")
   p.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
                  help="auto: srun inside a Slurm allocation, else mpirun (default)")
@@ -619,7 +987,32 @@ def _parser() -> argparse.ArgumentParser:
                  help="command each rank runs the program through, e.g. launch/gpu-per-rank.sh "
                       "(the Python wrapper still applies to PROGRAM)")
   p.add_argument("--no-wrap", action="store_true",
-                 help="run a Python PROGRAM as is, without 'python -m mpijax.run'")
+                 help="run PROGRAM exactly as given: no 'python -m mpijax.run', no RANK/LOCAL_RANK/"
+                      "WORLD_SIZE/LOCAL_WORLD_SIZE")
+  logs = p.add_argument_group("logs")
+  logs.add_argument("--log-dir", metavar="DIR",
+                    help="write each rank's output to DIR/rank_<r>.log (appended, one header per "
+                         "attempt), the launcher's to DIR/mpijax-run.log, the attempts to "
+                         "DIR/attempts.jsonl; the console shows only the launcher's lines")
+  logs.add_argument("--tee", action="store_true",
+                    help="with --log-dir: also show the ranks' output on the console")
+  restarts = p.add_argument_group("restarts")
+  restarts.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="relaunch the job after a failure (a rank killed, a non-zero exit, "
+                             "a stall abort) up to N times; a clean exit, Ctrl-C, --timeout and "
+                             "exit status 75 (preempted) are never restarted (default 0)")
+  restarts.add_argument("--restart-backoff", type=float, default=1.0, metavar="S",
+                        help="seconds before the first restart, doubling for each further one, "
+                             f"at most {MAX_BACKOFF_SECONDS:g} (default 1)")
+  restarts.add_argument("--min-ranks", type=int, metavar="M",
+                        help="with --hosts/--hostfile: before a restart, drop the hosts that "
+                             "cannot start a process and go on with fewer ranks while at least "
+                             "M remain")
+  torch = p.add_argument_group("torchrun-style variables")
+  torch.add_argument("--master-addr", metavar="HOST",
+                     help="MASTER_ADDR for every rank (default: rank 0's host)")
+  torch.add_argument("--master-port", type=int, metavar="PORT",
+                     help="MASTER_PORT for every rank (default: a free port)")
   p.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
   return p
 
@@ -639,16 +1032,34 @@ def parse_args(argv: Sequence[str]) -> Options:
     program = ns.program
   if not program:
     parser.error("no PROGRAM given; e.g. mpijax-run -n 4 -- python train.py")
-  for name, value in (("-n", ns.np), ("--devices-per-process", ns.devices_per_process)):
+  for name, value in (("-n", ns.np), ("--devices-per-process", ns.devices_per_process),
+                      ("--min-ranks", ns.min_ranks)):
     if value is not None and value < 1:
       parser.error(f"{name} must be at least 1, got {value}")
   if ns.timeout is not None and ns.timeout <= 0:
     parser.error(f"--timeout must be positive seconds, got {ns.timeout:g}")
+  if ns.max_restarts < 0:
+    parser.error(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
+  if not ns.restart_backoff >= 0:
+    parser.error(f"--restart-backoff must be 0 or more seconds, got {ns.restart_backoff:g}")
+  if ns.tee and not ns.log_dir:
+    parser.error("--tee copies the rank logs to the console: give --log-dir DIR too")
+  if ns.master_port is not None and not 0 < ns.master_port < 65536:
+    parser.error(f"--master-port must be in 1..65535, got {ns.master_port}")
+  if ns.min_ranks is not None:
+    if not (ns.hosts or ns.hostfile):
+      parser.error("--min-ranks drops failed hosts: give them with --hosts or --hostfile")
+    if ns.max_restarts < 1:
+      parser.error("--min-ranks acts before a restart: give --max-restarts N too")
+    if ns.np is not None and ns.min_ranks > ns.np:
+      parser.error(f"--min-ranks {ns.min_ranks} is more than -n {ns.np}")
   return Options(np=ns.np, program=program, devices_per_process=ns.devices_per_process,
                  hostfile=ns.hostfile, hosts=ns.hosts, timeout=ns.timeout, dry_run=ns.dry_run,
                  launcher=ns.launcher, mpirun=ns.mpirun,
                  launcher_args=shlex.split(ns.launcher_args), wrap=not ns.no_wrap,
-                 rank_wrapper=shlex.split(ns.rank_wrapper))
+                 rank_wrapper=shlex.split(ns.rank_wrapper), log_dir=ns.log_dir, tee=ns.tee,
+                 max_restarts=ns.max_restarts, restart_backoff=ns.restart_backoff,
+                 min_ranks=ns.min_ranks, master_addr=ns.master_addr, master_port=ns.master_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -658,11 +1069,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if opts.np is None and choose_launcher(opts, dict(os.environ)) != "srun":
       raise LaunchError("give the number of ranks with -n N (e.g. mpijax-run -n 4 -- python train.py)")
-    cmd = build_command(opts, gather(opts))
+    sit = gather(opts)
+    cmd = build_command(opts, sit)
     if opts.dry_run:
       print(shlex.join(cmd))
       return 0
-    return run(cmd, timeout=opts.timeout)
+    return supervise(opts, sit)
   except LaunchError as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2

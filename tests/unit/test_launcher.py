@@ -26,10 +26,14 @@ MPICH = MPIInfo("mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date:
 HEAP = [("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "1073741824"),
         ("MALLOC_TRIM_THRESHOLD_", "1073741824"), ("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")]
 X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
+# What every launch exports about the job (the port comes from MASTER_PORT in sit()'s environment).
+JOB = [("MPIJAX_RESTART_ATTEMPT", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]
+X_JOB = [a for name, value in JOB for a in ("-x", f"{name}={value}")]
 
 
 def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
-  return Situation(env=env or {"PATH": "/usr/bin"}, euid=euid, local_slots=slots, mpi=mpi,
+  return Situation(env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500"}, euid=euid,
+                   local_slots=slots, mpi=mpi,
                    mpirun=mpirun, mpirun_flavor=mpi.flavor if mpi else None)
 
 
@@ -143,7 +147,8 @@ def test_wrap_program(argv, expected):
 def test_openmpi5_as_root_oversubscribed():
   got = cmd(["-n", "4", "--", "python", "x.py"], sit(euid=0, slots=2))
   assert got == ["/p/bin/mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
-                 "--bind-to", "none", "--output", "tag", *X_HEAP, "python", "-m", "mpijax.run", "x.py"]
+                 "--bind-to", "none", "--output", "tag", *X_JOB, *X_HEAP,
+                 "python", "-m", "mpijax.run", "x.py"]
 
 
 def test_heap_variables_yield_to_the_user():
@@ -209,6 +214,8 @@ def test_hydra_command():
             sit(mpi=MPICH, euid=0, slots=1, mpirun="/p/bin/mpiexec"))
   assert got == ["/p/bin/mpiexec", "-n", "4", "-hosts", "a:2,b:2", "-bind-to", "none", "-prepend-rank",
                  "-genv", "MPIJAX_DEVICES_PER_PROCESS", "2",
+                 "-genv", "MPIJAX_RESTART_ATTEMPT", "0", "-genv", "MASTER_ADDR", "a",
+                 "-genv", "MASTER_PORT", "29500",
                  *[a for name, value in HEAP for a in ("-genv", name, value)],
                  "python", "-m", "mpijax.run", "x.py"]
 
@@ -217,11 +224,13 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
   srun = tmp_path / "srun"
   srun.write_text("#!/bin/sh\n")
   srun.chmod(0o755)
-  env = {"PATH": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}
+  env = {"PATH": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4",
+         "SLURM_JOB_NODELIST": "node[07-08]", "MASTER_PORT": "29500"}
   got = cmd(["-n", "4", "--devices-per-process", "2", "--", "python", "x.py"], sit(env=env))
   assert got == ["srun", "-n", "4", "--cpu-bind=none", "--label", "--kill-on-bad-exit=1",
                  "--mpi=pmix",
-                 "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2," + ",".join(f"{n}={v}" for n, v in HEAP),
+                 "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
+                 "MASTER_ADDR=node07,MASTER_PORT=29500," + ",".join(f"{n}={v}" for n, v in HEAP),
                  "python", "-m", "mpijax.run", "x.py"]
   # -n defaults to the allocation's task count; more than that needs --overcommit.
   assert cmd(["--", "hostname"], sit(env=env))[:3] == ["srun", "-n", "4"]
@@ -236,6 +245,17 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
 def test_launcher_args_and_no_wrap():
   got = cmd(["-n", "2", "--launcher-args", "--mca btl tcp,self", "--no-wrap", "--", "python", "x.py"])
   assert got[-5:] == ["--mca", "btl", "tcp,self", "python", "x.py"]
+
+
+def test_other_programs_get_the_rank_variables_from_mpijax_run_exec():
+  got = cmd(["-n", "2", "--", "./a.out", "--x"])
+  assert got[-6:] == [sys.executable, "-m", "mpijax.run", "--exec", "./a.out", "--x"]
+  got = cmd(["-n", "2", "--rank-wrapper", "w.sh", "--", "python", "-m", "mpi4py", "x.py"])
+  assert got[-9:] == [sys.executable, "-m", "mpijax.run", "--exec", "w.sh", "python", "-m", "mpi4py",
+                      "x.py"]
+  # Already under mpijax.run: nothing added.
+  got = cmd(["-n", "2", "--", "python", "-m", "mpijax.run", "x.py"])
+  assert got[-4:] == ["python", "-m", "mpijax.run", "x.py"] and "--exec" not in got
 
 
 def test_rank_wrapper_goes_before_the_wrapped_program():

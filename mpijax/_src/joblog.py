@@ -1,0 +1,313 @@
+"""The launcher's output, as ``mpijax-run`` passes it on: per-rank logs and exit reasons.
+
+``mpirun``/``srun`` tag every line a rank writes with its rank (Open MPI
+``[1,3]<stdout>: ``, Hydra ``[3] ``, srun ``3: ``). ``mpijax-run`` reads the
+launcher's stdout and stderr through pipes and
+
+* writes each rank's lines, tag removed, to ``DIR/rank_<r>.log``
+  (``--log-dir DIR``), on the console too with ``--tee``, and the
+  launcher's own lines to ``DIR/mpijax-run.log`` and the console; the logs
+  are appended to, with a header line per attempt, and sit on the machine
+  where ``mpijax-run`` runs, whichever host a rank ran on;
+* keeps the launcher's messages and mpijax's failure reports (an uncaught
+  exception, a stall, an MPI error) to say, in one line, why an attempt
+  ended: which rank, on which node, killed by which signal or exiting with
+  which status.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+import threading
+import time
+from typing import IO, Iterable
+
+# One regular expression per tag style; group "rank" is the rank.
+_TAGS = {
+    "openmpi": re.compile(rb"^\[\d+,(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?"),
+    "mpich": re.compile(rb"^\[(?P<rank>\d+)\] ?"),
+    "srun": re.compile(rb"^ *(?P<rank>\d+): "),
+}
+
+_KEEP_LINES = 400  # launcher lines kept for the exit reason
+_READ_BYTES = 1 << 16
+
+
+def split_tag(kind: str, line: bytes) -> tuple[int | None, bytes]:
+  """(rank, text without the tag) of one output line; rank None for the launcher's own lines."""
+  m = _TAGS[kind].match(line)
+  if m is None:
+    return None, line
+  return int(m.group("rank")), line[m.end():]
+
+
+# --- why an attempt ended -------------------------------------------------------
+
+# mpijax's own reports, as the ranks print them (failure.py, the C++ transport).
+_UNCAUGHT = re.compile(r"mpijax: uncaught (\S+?)(?: in thread '[^']*')? on rank (\d+)/\d+")
+_TRACE_LINE = re.compile(r"^\[rank (\d+)/\d+\] (\S.*)$")
+_STALL = re.compile(r"mpijax: stall: (rank \d+.*)")
+_MPI_ERROR = re.compile(r"mpijax: rank (\d+): (\S+ failed in .*)")
+_MISMATCH = re.compile(r"(mpijax: collective mismatch.*)")
+
+# The launchers' messages (whitespace-normalized, since they wrap lines).
+_LAUNCHER_REASONS = [
+    # Open MPI 4 and 5
+    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+) \(([^)]*)\)"),
+     lambda m: f"rank {m[1]} on node {m[2]} was killed by signal {m[3]} ({m[4]})"),
+    (re.compile(r"Process name: \[[^\]]*?,(\d+)\] Exit code: (\d+)"),
+     lambda m: f"rank {m[1]} exited with status {m[2]}"),
+    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) calling \"abort\""),
+     lambda m: f"rank {m[1]} on node {m[2]} called MPI_Abort"),
+    (re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+ with errorcode (\d+)"),
+     lambda m: f"rank {m[1]} called MPI_Abort (error code {m[2]})"),
+    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exiting improperly"),
+     lambda m: f"rank {m[1]} on node {m[2]} exited without MPI_Finalize"),
+    (re.compile(r"A daemon failed to report back.*?Remote host: (\S+)"),
+     lambda m: f"the launcher lost its daemon on host {m[1]} (or could not start it)"),
+    (re.compile(r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (\S+)"),
+     lambda m: f"the launcher lost communication with its daemon on host {m[1]}"),
+    (re.compile(r"(?:ORTE|PRTE) (?:was|is) unable to reliably start one or more daemons"),
+     lambda m: "the launcher could not start its daemons on every host"),
+    # Slurm
+    (re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
+                r"[A-Z][a-z]+(?: [a-z]+)*)"),
+     lambda m: f"task {m[2]} on node {m[1]}: {m[3].lower()}"),
+    # MPICH / Hydra
+    (re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
+                r"|EXIT STATUS: \d+|EXIT CODE: \d+)"),
+     lambda m: f"rank {m[1]} on node {m[2]}: {m[3].lower()}"),
+]
+
+# Messages that mean the job failed even when the launcher's exit status is 0
+# (Open MPI 5's prterun exits 0 when a remote daemon and its ranks are killed).
+_FATAL = re.compile(r"A daemon failed to report back|lost communication with a remote daemon|"
+                    r"unable to reliably start one or more daemons|exited on signal \d+")
+
+
+def describe_status(status: int) -> str:
+  """``exit status 3`` / ``exit status 137 (signal 9, SIGKILL)``."""
+  if status > 128:
+    import signal
+    try:
+      name = signal.Signals(status - 128).name
+      return f"exit status {status} (signal {status - 128}, {name})"
+    except ValueError:
+      pass
+  return f"exit status {status}"
+
+
+@dataclasses.dataclass
+class Reasons:
+  """What the launcher and the ranks said while an attempt ran."""
+  launcher_lines: collections.deque = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=_KEEP_LINES))
+  mpijax: list[str] = dataclasses.field(default_factory=list)
+  last_trace: dict[int, str] = dataclasses.field(default_factory=dict)
+  _uncaught: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+  def rank_line(self, text: str) -> None:
+    m = _TRACE_LINE.match(text)
+    if m:
+      self.last_trace[int(m[1])] = m[2]
+    m = _UNCAUGHT.search(text)
+    if m:
+      self._uncaught.append((int(m[2]), m[1]))
+      return
+    for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}")):
+      m = pattern.search(text)
+      if m and len(self.mpijax) < 8:
+        self.mpijax.append(fmt.format(_shorten(m[1])))
+        return
+    m = _MPI_ERROR.search(text)
+    if m and len(self.mpijax) < 8:
+      self.mpijax.append(f"rank {m[1]}: {_shorten(m[2])}")
+
+  def launcher_line(self, text: str) -> None:
+    self.launcher_lines.append(text)
+
+  def _launcher_text(self) -> str:
+    return " ".join(" ".join(self.launcher_lines).split())
+
+  def launcher_failed(self) -> bool:
+    """The launcher reported a lost daemon or a killed rank (whatever its exit status)."""
+    return _FATAL.search(self._launcher_text()) is not None
+
+  def summary(self, status: int) -> str:
+    """One line: why the attempt ended."""
+    parts: list[str] = []
+    text = self._launcher_text()
+    for pattern, fmt in _LAUNCHER_REASONS:
+      m = pattern.search(text)
+      if m:
+        parts.append(fmt(m))
+        break
+    for rank, exc in self._uncaught[:1]:
+      detail = self.last_trace.get(rank, exc)
+      parts.append(f"rank {rank}: uncaught {_shorten(detail)}")
+    parts += self.mpijax[:1]
+    parts.append(describe_status(status))
+    return "; ".join(parts)
+
+
+def _shorten(text: str, limit: int = 240) -> str:
+  text = " ".join(text.split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# --- the relay ------------------------------------------------------------------
+
+
+class Relay:
+  """Copies the launcher's output to the console and the per-rank logs, and notes failures.
+
+  Args:
+    kind: the tag style, "openmpi", "mpich" or "srun".
+    log_dir: directory for ``rank_<r>.log``, ``mpijax-run.log`` and
+      ``attempts.jsonl``; None to only pass the output on.
+    tee: with ``log_dir``, also show the ranks' lines on the console.
+  """
+
+  def __init__(self, kind: str, log_dir: str | None = None, tee: bool = False,
+               stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None):
+    self.kind = kind
+    self.log_dir = log_dir
+    self.tee = tee
+    self.stdout = stdout if stdout is not None else sys.stdout.buffer
+    self.stderr = stderr if stderr is not None else sys.stderr.buffer
+    self.reasons = Reasons()
+    self._files: dict[int, IO[bytes]] = {}
+    self._lock = threading.Lock()
+    self._threads: list[threading.Thread] = []
+    self._own_log: IO[bytes] | None = None
+    if log_dir is not None:
+      os.makedirs(log_dir, exist_ok=True)
+      self._own_log = open(os.path.join(log_dir, "mpijax-run.log"), "ab")
+
+  # -- attempts --
+
+  def begin(self, attempt: int, ranks: int, detail: str = "") -> None:
+    """Starts an attempt: fresh reasons, and a header line in every rank's log."""
+    self.reasons = Reasons()
+    if self.log_dir is None:
+      return
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    header = f"===== mpijax-run attempt {attempt}: {ranks} ranks, {stamp}{detail} =====\n".encode()
+    with self._lock:
+      for r in range(ranks):
+        f = self._file(r)
+        f.write(header)
+        f.flush()
+      self._write_own(header)
+
+  def record(self, entry: dict) -> None:
+    """Appends one attempt's outcome to ``attempts.jsonl`` (when logging)."""
+    if self.log_dir is None:
+      return
+    with open(os.path.join(self.log_dir, "attempts.jsonl"), "a") as f:
+      f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+  def note(self, text: str) -> None:
+    """mpijax-run's own message: to stderr, and to ``mpijax-run.log``."""
+    data = (text.rstrip("\n") + "\n").encode()
+    with self._lock:
+      try:
+        self.stderr.write(data)
+        self.stderr.flush()
+      except (OSError, ValueError):
+        pass
+      self._write_own(data)
+
+  # -- the pipes --
+
+  def attach(self, stdout_pipe: IO[bytes] | None, stderr_pipe: IO[bytes] | None) -> None:
+    """Starts one reader thread per pipe of the launcher process."""
+    self._threads = []
+    for pipe, console in ((stdout_pipe, self.stdout), (stderr_pipe, self.stderr)):
+      if pipe is None:
+        continue
+      t = threading.Thread(target=self._pump, args=(pipe, console), daemon=True,
+                           name="mpijax-run-relay")
+      t.start()
+      self._threads.append(t)
+
+  def join(self, timeout: float = 5.0) -> None:
+    """Waits until both pipes reached end of file (the launcher and its children are gone)."""
+    end = time.monotonic() + timeout
+    for t in self._threads:
+      t.join(max(0.0, end - time.monotonic()))
+
+  def close(self) -> None:
+    with self._lock:
+      for f in self._files.values():
+        f.close()
+      self._files.clear()
+      if self._own_log is not None:
+        self._own_log.close()
+        self._own_log = None
+
+  def _pump(self, pipe: IO[bytes], console: IO[bytes]) -> None:
+    fd = pipe.fileno()
+    rest = b""
+    while True:
+      try:
+        chunk = os.read(fd, _READ_BYTES)
+      except OSError:
+        chunk = b""
+      if not chunk:
+        if rest:
+          self._lines([rest + b"\n"], console)
+        break
+      data = rest + chunk
+      cut = data.rfind(b"\n") + 1
+      rest = data[cut:]
+      if cut:
+        self._lines(data[:cut].splitlines(keepends=True), console)
+    try:
+      pipe.close()
+    except OSError:
+      pass
+
+  def _lines(self, lines: Iterable[bytes], console: IO[bytes]) -> None:
+    show = bytearray()
+    with self._lock:
+      for line in lines:
+        rank, text = split_tag(self.kind, line)
+        decoded = text.decode(errors="replace").rstrip("\r\n")
+        if rank is None:
+          self.reasons.launcher_line(decoded)
+          show += line
+          self._write_own(line)
+          continue
+        self.reasons.rank_line(decoded)
+        if self.log_dir is None or self.tee:
+          show += line
+        if self.log_dir is not None:
+          self._file(rank).write(text)
+      for f in self._files.values():
+        f.flush()
+      if self._own_log is not None:
+        self._own_log.flush()
+      if show:
+        try:
+          console.write(bytes(show))
+          console.flush()
+        except (OSError, ValueError):
+          pass
+
+  def _file(self, rank: int) -> IO[bytes]:
+    f = self._files.get(rank)
+    if f is None:
+      f = open(os.path.join(self.log_dir, f"rank_{rank}.log"), "ab")
+      self._files[rank] = f
+    return f
+
+  def _write_own(self, data: bytes) -> None:
+    if self._own_log is not None:
+      self._own_log.write(data)
+      self._own_log.flush()

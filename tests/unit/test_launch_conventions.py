@@ -1,0 +1,305 @@
+"""mpijax-run's conventions without launching: torchrun-style variables, exports, the
+restart policy and the exit reasons read from real launcher messages."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import signal
+
+import pytest
+
+from mpijax._src import cluster
+from mpijax._src import config
+from mpijax._src import joblog
+from mpijax._src import launcher
+from mpijax._src import rank_env
+from mpijax._src.launcher import MPIInfo, Situation
+
+DATA = pathlib.Path(__file__).parent / "data"
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "ORTE_", "SLURM_", "SLURMD_", "PMI_",
+                     "MPI_LOCAL", "HYDRA_", "MPIJAX_")
+OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11", "/p/lib/libmpi.so.40")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  for key in list(os.environ):
+    if key.startswith(LAUNCHER_PREFIXES):
+      monkeypatch.delenv(key)
+  monkeypatch.setattr(cluster.mpi, "mpi4py_available", lambda: False)
+
+
+def _load(name):
+  return json.loads((DATA / name).read_text())["env"]
+
+
+# --- RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE ------------------------------------
+
+
+@pytest.mark.parametrize("name,expected", [
+    # Open MPI numbered this node's ranks in mapping order: rank 1 is local rank 2.
+    ("env_prrte_rank1.json", {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}),
+    ("env_openmpi4_rank2.json", {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}),
+    ("env_mpich_rank0.json", {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}),
+])
+def test_torchrun_variables_from_each_launcher(clean_env, monkeypatch, name, expected):
+  for key, value in _load(name).items():
+    monkeypatch.setenv(key, value)
+  target = {"RANK": "stale"}  # a value inherited from the shell is replaced
+  assert rank_env.apply(target) == expected
+  assert target == expected
+
+
+def test_torchrun_variables_from_a_slurm_step(clean_env, monkeypatch):
+  env = _load("env_slurm_rank3.json")
+  for key, value in env.items():
+    monkeypatch.setenv(key, value)
+  info = cluster.detect("slurm")
+  got = rank_env.torchrun_env(rank_env.launch_info())
+  assert got == {"RANK": str(info.rank), "WORLD_SIZE": str(info.size),
+                 "LOCAL_RANK": str(info.local_rank), "LOCAL_WORLD_SIZE": str(info.local_size)}
+
+
+def test_no_launcher_sets_nothing_and_never_asks_mpi(clean_env, monkeypatch):
+  called = []
+  monkeypatch.setattr(cluster.mpi, "mpi4py_available", lambda: called.append(1) or True)
+  target: dict[str, str] = {}
+  assert rank_env.apply(target) == {} and target == {}
+  monkeypatch.setenv("MPIJAX_LAUNCHER", "mpi")  # forcing the MPI detector would initialize MPI
+  assert rank_env.apply(target) == {}
+
+
+def test_malformed_launcher_variable_is_left_to_init(clean_env, monkeypatch):
+  for key, value in _load("env_prrte_rank0.json").items():
+    monkeypatch.setenv(key, value)
+  monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "x")
+  assert rank_env.apply({}) == {}
+
+
+# --- exports ------------------------------------------------------------------------
+
+
+def _sit(env, mpi=OMPI5):
+  return Situation(env=env, euid=1000, local_slots=8, mpi=mpi, mpirun="/p/bin/mpirun",
+                   mpirun_flavor=mpi.flavor)
+
+
+def _exported(argv, env, plan=None):
+  cmd = launcher.build_command(launcher.parse_args(argv), _sit(env), plan)
+  out = {}
+  for i, a in enumerate(cmd[:-1]):
+    if a == "-x":
+      name, _, value = cmd[i + 1].partition("=")
+      out[name] = value if _ else None
+  return out
+
+
+def test_master_address_is_rank_zeros_host(tmp_path):
+  env = {"PATH": "/usr/bin"}
+  got = _exported(["-n", "2", "--", "hostname"], env)
+  assert got["MASTER_ADDR"] == "127.0.0.1" and 0 < int(got["MASTER_PORT"]) < 65536
+  assert _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env)["MASTER_ADDR"] == "n1"
+  hf = tmp_path / "hosts"
+  hf.write_text("# x\nfirst slots=2\nsecond slots=2\n")
+  assert _exported(["-n", "4", "--hostfile", str(hf), "--", "hostname"], env)["MASTER_ADDR"] == "first"
+  # mpirun inside an allocation: the allocation's first node.
+  slurm_env = {**env, "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "gpu[3-4]"}
+  got = _exported(["-n", "2", "--launcher", "mpirun", "--", "hostname"], slurm_env)
+  assert got["MASTER_ADDR"] == "gpu3"
+  # The flags, then the user's own variables, win.
+  got = _exported(["-n", "2", "--master-addr", "h0", "--master-port", "1234", "--", "hostname"],
+                  {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"})
+  assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("h0", "1234")
+  got = _exported(["-n", "2", "--", "hostname"], {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"})
+  assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("mine", "99")
+  # After hosts were dropped, rank 0 runs on the first host left.
+  plan = launcher.Plan(np=2, attempt=1, hosts=(("n2", 2),))
+  got = _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env, plan)
+  assert got["MASTER_ADDR"] == "n2" and got["MPIJAX_RESTART_ATTEMPT"] == "1"
+
+
+def test_restart_attempt_and_jax_coordinator_are_exported():
+  env = {"PATH": "/usr/bin", "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "MPIJAX_RESTART_ATTEMPT": "7"}
+  got = _exported(["-n", "2", "--", "hostname"], env)
+  assert got["JAX_COORDINATOR_ADDRESS"] is None  # forwarded as set
+  assert got["MPIJAX_RESTART_ATTEMPT"] == "0"  # ours, not an outer job's
+
+
+def test_dropped_hosts_replace_the_hostfile(tmp_path):
+  hf = tmp_path / "hosts"
+  hf.write_text("a slots=2\nb slots=2\n")
+  opts = launcher.parse_args(["-n", "4", "--hostfile", str(hf), "--", "hostname"])
+  cmd = launcher.build_command(opts, _sit({"PATH": "/usr/bin"}), launcher.Plan(np=2, hosts=(("a", 2),)))
+  assert "--hostfile" not in cmd and cmd[cmd.index("--host") + 1] == "a:2"
+  assert cmd[cmd.index("-n") + 1] == "2" and "--oversubscribe" not in cmd
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-n", "2", "--tee", "--", "x"], "--log-dir"),
+    (["-n", "2", "--max-restarts", "-1", "--", "x"], "0 or more"),
+    (["-n", "2", "--restart-backoff", "-1", "--", "x"], "0 or more"),
+    (["-n", "2", "--min-ranks", "1", "--max-restarts", "1", "--", "x"], "--hosts or --hostfile"),
+    (["-n", "2", "--hosts", "a:2", "--min-ranks", "1", "--", "x"], "--max-restarts"),
+    (["-n", "2", "--hosts", "a:2", "--min-ranks", "3", "--max-restarts", "1", "--", "x"], "more than -n 2"),
+    (["-n", "2", "--min-ranks", "0", "--", "x"], "at least 1"),
+    (["-n", "2", "--master-port", "70000", "--", "x"], "1..65535"),
+])
+def test_bad_new_arguments(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    launcher.parse_args(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_jax_coordinator_address_setting(monkeypatch):
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  assert config.get("jax_coordinator_address") == ""
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.1.2.3:4567")
+  assert config.get("jax_coordinator_address") == "10.1.2.3:4567"
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.1.2.3")
+  with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS='10.1.2.3' is not valid.*host:port"):
+    config.get("jax_coordinator_address")
+  assert "`JAX_COORDINATOR_ADDRESS`" in config.markdown_table()
+  monkeypatch.setenv("MPIJAX_RESTART_ATTEMPT", "2")
+  assert config.get("restart_attempt") == 2
+  monkeypatch.setenv("MPIJAX_RESTART_ATTEMPT", "-1")
+  with pytest.raises(ValueError, match="MPIJAX_RESTART_ATTEMPT"):
+    config.get("restart_attempt")
+
+
+# --- restart policy -----------------------------------------------------------------
+
+
+def _reasons(*launcher_lines):
+  r = joblog.Reasons()
+  for line in launcher_lines:
+    r.launcher_line(line)
+  return r
+
+
+@pytest.mark.parametrize("outcome,expected", [
+    (launcher.Outcome(0), ("ok", 0)),
+    (launcher.Outcome(1), ("failed", 1)),
+    (launcher.Outcome(137), ("failed", 137)),
+    (launcher.Outcome(75), ("preempted", 75)),
+    (launcher.Outcome(130), ("interrupted", 130)),
+    (launcher.Outcome(130, interrupted=signal.SIGINT), ("interrupted", 130)),
+    (launcher.Outcome(143, interrupted=signal.SIGTERM), ("interrupted", 143)),
+    (launcher.Outcome(124, timed_out=True), ("timeout", 124)),
+])
+def test_verdict(outcome, expected):
+  assert launcher.verdict(outcome, joblog.Reasons()) == expected
+
+
+def test_a_launcher_that_exits_zero_after_losing_a_host_failed():
+  # Open MPI 5.0's prterun, when the processes of a remote host were killed (exit status 0).
+  lost = _reasons(
+      "------------------------------------------------------------",
+      "A daemon failed to report back after being spawned. This could",
+      "be due to several factors, including inability to find the",
+      "back to prterun:", "", "  Local host:    ha77", "  Remote host:   hb77",
+      "  Daemon exit status: 0")
+  assert launcher.verdict(launcher.Outcome(0), lost) == ("failed", 1)
+  assert "lost its daemon on host hb77" in lost.summary(0)
+
+
+def test_backoff_doubles_up_to_a_minute():
+  assert [launcher.backoff_seconds(k, 1.0) for k in (1, 2, 3, 4)] == [1, 2, 4, 8]
+  assert launcher.backoff_seconds(30, 1.0) == launcher.MAX_BACKOFF_SECONDS
+  assert launcher.backoff_seconds(3, 0.0) == 0
+
+
+# --- exit reasons from real launcher output ---------------------------------------------
+
+# Verbatim from Open MPI 5.0.11's prterun (its message boxes wrap lines).
+OMPI_KILLED = """\
+--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 20196 on node vm exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------"""
+OMPI_EXIT = """\
+--------------------------------------------------------------------------
+prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-vm-20198@1,1]
+   Exit code:    3
+--------------------------------------------------------------------------"""
+OMPI_ABORT = """\
+--------------------------------------------------------------------------
+prterun has exited due to process rank 1 with PID 0 on node vm calling
+"abort". This may have caused other processes in the application to be
+terminated by signals sent by prterun (as reported here).
+--------------------------------------------------------------------------"""
+SRUN_KILLED = "srun: error: vm: task 2: Killed"
+SRUN_EXIT = "srun: error: vm: tasks 0-1: Exited with exit code 75"
+
+
+@pytest.mark.parametrize("text,status,expected", [
+    (OMPI_KILLED, 137, "rank 1 on node vm was killed by signal 9 (Killed); exit status 137 (signal 9, SIGKILL)"),
+    (OMPI_EXIT, 3, "rank 1 exited with status 3; exit status 3"),
+    (OMPI_ABORT, 1, "rank 1 on node vm called MPI_Abort; exit status 1"),
+    (SRUN_KILLED, 137, "task 2 on node vm: killed; exit status 137 (signal 9, SIGKILL)"),
+    (SRUN_EXIT, 75, "task 0-1 on node vm: exited with exit code 75; exit status 75"),
+    ("something else", 5, "exit status 5"),
+])
+def test_launcher_reasons(text, status, expected):
+  assert _reasons(*text.splitlines()).summary(status) == expected
+
+
+def test_uncaught_exception_and_stall_reasons():
+  r = _reasons(*OMPI_ABORT.splitlines())
+  for line in ["[rank 2/4] mpijax: uncaught ValueError on rank 2/4; aborting the whole job (exit code 1).",
+               "[rank 2/4] Traceback (most recent call last):",
+               '[rank 2/4]   File "x.py", line 3, in <module>',
+               "[rank 2/4] ValueError: bad batch"]:
+    r.rank_line(line)
+  assert r.summary(1) == ("rank 1 on node vm called MPI_Abort; rank 2: uncaught ValueError: bad batch; "
+                          "exit status 1")
+  s = joblog.Reasons()
+  s.rank_line("mpijax: stall: rank 0 waited 60.0 s in mpijax.ops.allreduce ... Not arrived: rank 3.")
+  assert s.summary(1).startswith("stall: rank 0 waited 60.0 s")
+
+
+# --- the relay ------------------------------------------------------------------------
+
+
+def test_relay_splits_ranks_into_logs_and_keeps_the_launchers_lines(tmp_path):
+  out, err = io.BytesIO(), io.BytesIO()
+  relay = joblog.Relay("openmpi", str(tmp_path), tee=False, stdout=out, stderr=err)
+  relay.begin(0, 2)
+  relay._lines([b"[1,0]<stdout>: hello 0\n", b"[1,1]<stderr>: oops 1\n", b"launcher says\n"], out)
+  relay.begin(1, 2)
+  relay._lines([b"[1,1]<stdout>: again\n"], out)
+  relay.note("mpijax-run: a note")
+  relay.close()
+  r0 = (tmp_path / "rank_0.log").read_text().splitlines()
+  r1 = (tmp_path / "rank_1.log").read_text().splitlines()
+  assert r0[0].startswith("===== mpijax-run attempt 0: 2 ranks") and r0[1] == "hello 0"
+  assert r1[1] == "oops 1" and r1[2].startswith("===== mpijax-run attempt 1") and r1[3] == "again"
+  assert out.getvalue() == b"launcher says\n"  # no --tee: only the launcher's lines on the console
+  own = (tmp_path / "mpijax-run.log").read_text()
+  assert "launcher says" in own and "a note" in own and err.getvalue() == b"mpijax-run: a note\n"
+
+
+@pytest.mark.parametrize("kind,line,rank,text", [
+    ("openmpi", b"[1,12]<stdout>: x y\n", 12, b"x y\n"),
+    ("openmpi", b"[1,3]<stderr>:x\n", 3, b"x\n"),  # Open MPI 4's --tag-output
+    ("mpich", b"[5] x\n", 5, b"x\n"),
+    ("srun", b" 7: x\n", 7, b"x\n"),
+    ("openmpi", b"prterun noticed that\n", None, b"prterun noticed that\n"),
+])
+def test_split_tag(kind, line, rank, text):
+  assert joblog.split_tag(kind, line) == (rank, text)
+
+
+def test_relay_tee_shows_tagged_lines(tmp_path):
+  out = io.BytesIO()
+  relay = joblog.Relay("srun", str(tmp_path), tee=True, stdout=out, stderr=io.BytesIO())
+  relay._lines([b"0: a\n", b"1: b\n"], out)
+  relay.close()
+  assert out.getvalue() == b"0: a\n1: b\n"
+  assert (tmp_path / "rank_1.log").read_text() == "b\n"
