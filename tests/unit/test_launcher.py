@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -404,3 +405,137 @@ def test_timeout_kills_the_job_and_says_so():
   assert "exceeded --timeout 3 s" in out.stderr
   assert time.monotonic() - t < 30
   assert _wait_for(lambda: not _pids(marker), 10), f"left behind: {_pids(marker)}"
+
+
+# --- launch conventions, logs, restarts: real jobs ----------------------------------------
+
+REPORT_RANK_VARIABLES = """
+import json, os
+import jax, mpijax
+rt = mpijax.init(jax_distributed=True)
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "MPIJAX_RESTART_ATTEMPT")
+seen = {n: os.environ.get(n) for n in names}
+seen.update(mpi_rank=rt.rank, coordinator=rt.topology.coordinator_address,
+            jax_processes=jax.process_count())
+print("SEEN " + json.dumps(seen), flush=True)
+"""
+
+
+def _seen(stdout):
+  return [json.loads(line.split("SEEN ", 1)[1]) for line in stdout.splitlines() if "SEEN " in line]
+
+
+@needs_mpirun
+def test_every_rank_sees_its_torchrun_variables_and_the_jax_coordinator():
+  port = launcher.free_port()
+  out = run_cli("-n", "3", "--timeout", "150", "--", "python", "-c", REPORT_RANK_VARIABLES, timeout=180,
+                env={**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"})
+  assert out.returncode == 0, out.stdout + out.stderr
+  seen = sorted(_seen(out.stdout), key=lambda s: s["mpi_rank"])
+  assert len(seen) == 3, out.stdout + out.stderr
+  for r, s in enumerate(seen):
+    assert (s["RANK"], s["WORLD_SIZE"], s["LOCAL_RANK"], s["LOCAL_WORLD_SIZE"]) == (str(r), "3", str(r), "3"), s
+    assert s["MPIJAX_RESTART_ATTEMPT"] == "0", s
+    # init() used the given coordinator, and JAX's distributed runtime came up on it.
+    assert s["coordinator"] == f"127.0.0.1:{port}" and s["jax_processes"] == 3, s
+  assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
+  assert seen[0]["MASTER_ADDR"] == "127.0.0.1" and 0 < int(seen[0]["MASTER_PORT"]) < 65536
+  # Any other program gets them too.
+  out = run_cli("-n", "2", "--timeout", "100", "--", "sh", "-c", 'echo "R=$RANK/$WORLD_SIZE L=$LOCAL_RANK"',
+                timeout=130)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "R=0/2 L=0" in out.stdout and "R=1/2 L=1" in out.stdout, out.stdout
+
+
+STORM = """
+import mpijax
+rt = mpijax.init()
+attempt = mpijax.config.get("restart_attempt")
+print(f"rank {rt.rank} attempt {attempt}", flush=True)
+if rt.rank == 1:
+  raise RuntimeError(f"always fails, attempt {attempt}")
+rt.comm.Barrier()
+"""
+
+
+@needs_mpirun
+def test_restart_storm_stops_after_n_restarts_with_every_reason(tmp_path):
+  t = time.monotonic()
+  out = run_cli("-n", "2", "--timeout", "240", "--max-restarts", "2", "--restart-backoff", "0.2",
+                "--log-dir", str(tmp_path), "--", "python", "-c", STORM, timeout=270)
+  seconds = time.monotonic() - t
+  assert out.returncode == 1, out.stdout + out.stderr
+  attempts = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+  assert [a["attempt"] for a in attempts] == [0, 1, 2], attempts
+  for a in attempts:
+    assert a["verdict"] == "failed" and a["status"] == 1, a
+    assert f"rank 1: uncaught RuntimeError: always fails, attempt {a['attempt']}" in a["reason"], a
+  assert "giving up after 2 restart(s) (--max-restarts 2)" in out.stderr
+  assert "restart 1 of 2 in 0.2 s" in out.stderr and "restart 2 of 2 in 0.4 s" in out.stderr
+  summary = out.stderr[out.stderr.index("3 attempts:"):]
+  assert all(f"attempt {k}: 2 ranks" in summary for k in range(3)), out.stderr
+  # --log-dir without --tee: the ranks' lines only in their logs, appended attempt after attempt.
+  assert "rank 0 attempt" not in out.stdout + out.stderr
+  lines = (tmp_path / "rank_1.log").read_text().splitlines()
+  headers = [i for i, line in enumerate(lines) if line.startswith("===== mpijax-run attempt")]
+  assert len(headers) == 3 and lines[0].startswith("===== mpijax-run attempt 0: 2 ranks"), lines
+  for k, i in enumerate(headers):
+    assert lines[i].startswith(f"===== mpijax-run attempt {k}: 2 ranks") and \
+        lines[i + 1] == f"rank 1 attempt {k}", lines
+  assert "rank 0 attempt 2" in (tmp_path / "rank_0.log").read_text()
+  print(f"restart storm: 3 attempts in {seconds:.1f} s")
+
+
+KILLED_ONCE = """
+import os, signal, mpijax
+rt = mpijax.init()
+attempt = mpijax.config.get("restart_attempt")
+rt.comm.Barrier()
+if attempt == 0 and rt.rank == 1:
+  os.kill(os.getpid(), signal.SIGKILL)
+rt.comm.Barrier()
+print(f"rank {rt.rank} done in attempt {attempt}", flush=True)
+"""
+
+
+@needs_mpirun
+def test_a_killed_rank_is_restarted_and_the_job_completes():
+  out = run_cli("-n", "2", "--timeout", "200", "--max-restarts", "1", "--restart-backoff", "0",
+                "--", "python", "-c", KILLED_ONCE, timeout=230)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "rank 0 done in attempt 1" in out.stdout and "rank 1 done in attempt 1" in out.stdout
+  assert "done in attempt 0" not in out.stdout
+  assert "attempt 0: 2 ranks" in out.stderr and "killed by signal 9 (Killed)" in out.stderr, out.stderr
+
+
+PREEMPTIBLE = """
+import signal, sys, time, mpijax
+rt = mpijax.init()
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))  # a real program checkpoints first
+print(f"rank {rt.rank} ready", flush=True)
+time.sleep(100)
+"""
+
+
+@needs_mpirun
+def test_sigusr1_reaches_every_rank_and_exit_75_is_not_restarted(tmp_path):
+  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "2", "--timeout", "150",
+                           "--max-restarts", "3", "--log-dir", str(tmp_path), "--tee", "--",
+                           "python", "-c", PREEMPTIBLE],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert _wait_for(lambda: (tmp_path / "rank_1.log").exists() and
+                     "ready" in (tmp_path / "rank_1.log").read_text() and
+                     "ready" in (tmp_path / "rank_0.log").read_text(), 120), "ranks did not start"
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 75, out + err
+  assert "got SIGUSR1; passing it on to every rank" in err
+  assert "rank 0 ready" in out and "rank 1 ready" in out  # --tee: on the console too
+  attempts = (tmp_path / "attempts.jsonl").read_text().splitlines()
+  assert len(attempts) == 1 and json.loads(attempts[0])["verdict"] == "preempted", attempts
