@@ -829,16 +829,32 @@ def preflight(opts: Options, sit: Situation, hosts: Sequence[tuple[str, int]],
         os.killpg(proc.pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
-      out, _ = proc.communicate()
+      proc.stdout.close()  # a straggler outside the group may hold the pipe open
+      proc.wait()
       result[host] = f"no process started within {timeout:g} s"
       continue
-    text = " ".join(out.decode(errors="replace").split())
-    if proc.returncode == 0 and not joblog._FATAL.search(text):
+    text = out.decode(errors="replace")
+    reasons = joblog.Reasons()
+    for line in text.splitlines():
+      reasons.launcher_line(line)
+    if proc.returncode == 0 and not reasons.launcher_failed():
       result[host] = None
     else:
-      result[host] = f"exit status {proc.returncode}: {text[-300:]}" if text else \
-          f"exit status {proc.returncode}"
+      result[host] = reasons.summary(proc.returncode) + _outside_boxes(text)
   return result
+
+
+def _outside_boxes(text: str, limit: int = 300) -> str:
+  """The lines of launcher output outside its ``-----`` message boxes (e.g. ssh's own error)."""
+  lines, inside = [], False
+  for line in text.splitlines():
+    if line.strip().startswith("-----"):
+      inside = not inside
+      continue
+    if not inside and line.strip():
+      lines.append(line.strip())
+  extra = " ".join(lines)
+  return f"; {extra[:limit]}" if extra else ""
 
 
 def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> int:

@@ -7,14 +7,21 @@ starts ``mpijax-run -n 4 --hostfile`` (2 slots per host) inside the first
 host; Open MPI reaches the second host through an rsh-style agent that enters
 that namespace, as ssh would. Every rank must see node count 2, local ranks
 0/1 on each host, the coordinator on the first host, and the correct sum of an
-mpijax allreduce across hosts. Namespaces, veth and hosts files are removed in
-a finalizer, always.
+mpijax allreduce across hosts. A second test loses the second host in the
+middle of a job (its processes killed, the rsh agent refusing it from then on)
+and checks that ``mpijax-run --max-restarts --min-ranks`` finishes the job on
+the first host. Namespaces, veth and hosts files are removed in a finalizer,
+always.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -74,3 +81,98 @@ def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
     # Crossed the veth (ranks 2, 3 live in the other namespace), by mpijax's transport.
     assert_mpijax_sums(r, 4)
   print(output)
+
+
+def _refuse(agent: str, host) -> None:
+  """Makes the rsh agent fail for ``host`` the way ssh fails for a dead machine (exit 255)."""
+  with open(agent) as f:
+    lines = f.read().splitlines()
+  lines = [f'  {host.name}) echo "ssh: connect to host {host.name} port 22: No route to host" >&2; exit 255 ;;'
+           if line.strip().startswith(f"{host.name})") else line for line in lines]
+  tmp = agent + ".new"
+  with open(tmp, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  os.chmod(tmp, 0o755)
+  os.replace(tmp, agent)
+
+
+@pytest.mark.timeout(300)
+def test_lost_host_job_completes_on_the_remaining_ranks(two_hosts, tmp_path):
+  """4 ranks on two hosts; the second host's processes are killed and it cannot be reached
+  any more: mpijax-run drops it (--min-ranks 2) and the job finishes on the first host's 2
+  ranks, continuing from its last saved step."""
+  a, b = two_hosts.hosts
+  agent = two_hosts.rsh_agent(str(tmp_path / "agent"))
+  hostfile = tmp_path / "hostfile"
+  hostfile.write_text(f"{a.name} slots=2\n{b.name} slots=2\n")
+  state, logs = tmp_path / "state", tmp_path / "logs"
+  state.mkdir()
+  subnet = two_hosts.subnet
+  mca = (f"--mca plm_ssh_agent {agent} --mca oob_tcp_if_include {subnet} "
+         f"--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include {subnet}")
+  steps = 30
+  launch = [sys.executable, "-m", "mpijax.launch", "-n", "4", "--hostfile", str(hostfile),
+            "--timeout", "240", "--max-restarts", "2", "--restart-backoff", "0.5", "--min-ranks", "2",
+            "--log-dir", str(logs), "--launcher-args", mca, "--",
+            sys.executable, str(REPO / "tests" / "system" / "resumable_job.py"), str(state), str(steps), "0.3"]
+  proc = subprocess.Popen(two_hosts.exec_argv(a, launch), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "MPIJAX_TIMEOUT": "60"},
+                          start_new_session=True)
+  try:
+    killed_at = None
+    end = time.monotonic() + 180
+    while time.monotonic() < end and proc.poll() is None:
+      saved = _read_json(state / "state.json")
+      if saved and saved["step"] >= 3:
+        killed_at = saved["step"]
+        break
+      time.sleep(0.2)
+    assert killed_at is not None, _output(proc, logs)
+    # The host dies: its processes go, and nothing can be started there again.
+    _refuse(agent, b)
+    for pid in _netns_pids(b.netns):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    out, err = proc.communicate(timeout=240)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  text = out + err
+  assert proc.returncode == 0, text + _logs(logs)
+  attempts = [json.loads(line) for line in (logs / "attempts.jsonl").read_text().splitlines()]
+  assert [a_["verdict"] for a_ in attempts] == ["failed", "ok"], attempts
+  assert attempts[0]["ranks"] == 4 and attempts[1]["ranks"] == 2 and attempts[1]["hosts"] == [a.name]
+  assert f"dropping host {b.name}" in err and f"going on with 2 ranks on {a.name}:2" in err, err
+  done = _read_json(state / "done.json")
+  # Every step ran once, summed over all ranks of its attempt: 4 before the loss, 2 after.
+  assert done["step"] == steps and done["total"] == steps * (steps + 1) // 2, done
+  assert done["attempt"] == 1 and done["resumed_from"] >= killed_at, done
+  assert set(done["ranks"][:killed_at]) == {4} and set(done["ranks"][done["resumed_from"]:]) == {2}, done
+  print(text)
+
+
+def _read_json(path):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _netns_pids(ns: str) -> list[int]:
+  r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
+  return [int(p) for p in r.stdout.split()]
+
+
+def _logs(logs) -> str:
+  return "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.log")))
+
+
+def _output(proc, logs) -> str:
+  if proc.poll() is None:
+    os.killpg(proc.pid, signal.SIGKILL)
+  out, err = proc.communicate()
+  return out + err + _logs(logs)

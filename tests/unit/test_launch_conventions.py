@@ -3,6 +3,7 @@ restart policy and the exit reasons read from real launcher messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -303,3 +304,41 @@ def test_relay_tee_shows_tagged_lines(tmp_path):
   relay.close()
   assert out.getvalue() == b"0: a\n1: b\n"
   assert (tmp_path / "rank_1.log").read_text() == "b\n"
+
+
+# --- dropping hosts before a restart ------------------------------------------------------
+
+
+def _fake_mpirun(tmp_path, bad_hosts):
+  """An "mpirun" that fails like Open MPI does when ssh cannot reach one of ``bad_hosts``."""
+  cases = "\n".join(f'  *"--host {h}:1"*) echo "ssh: connect to host {h} port 22: No route to host" >&2\n'
+                    f'    printf -- "-----\\nA daemon failed to report back\\n  Remote host: {h}\\n-----\\n"; '
+                    f'exit 255 ;;' for h in bad_hosts)
+  path = tmp_path / "mpirun"
+  path.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}\nesac\nexit 0\n')
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_preflight_names_the_hosts_that_cannot_start_a_process(tmp_path):
+  mpirun = _fake_mpirun(tmp_path, ["b"])
+  opts = launcher.parse_args(["-n", "4", "--hosts", "a:2,b:2", "--max-restarts", "1", "--min-ranks", "2",
+                              "--mpirun", mpirun, "--", "python", "x.py"])
+  sit = Situation(env={"PATH": "/usr/bin"}, euid=1000, local_slots=2, mpi=OMPI5, mpirun=mpirun,
+                  mpirun_flavor="openmpi")
+  got = launcher.preflight(opts, sit, [("a", 2), ("b", 2)])
+  assert got["a"] is None
+  assert got["b"].startswith("the launcher lost its daemon on host b") and \
+      got["b"].endswith("ssh: connect to host b port 22: No route to host"), got
+  relay = joblog.Relay("openmpi", None, stdout=io.BytesIO(), stderr=io.BytesIO())
+  plan, problem = launcher._next_plan(opts, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  assert problem is None and (plan.np, plan.attempt, plan.hosts) == (2, 1, (("a", 2),))
+  assert b"dropping host b" in relay.stderr.getvalue()
+  # Below --min-ranks: no restart.
+  opts4 = dataclasses.replace(opts, min_ranks=3)
+  _, problem = launcher._next_plan(opts4, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  assert problem == "2 slot(s) left on a:2, fewer than --min-ranks 3"
+  # Every host fine: the next attempt keeps the command line's hosts and rank count.
+  ok = dataclasses.replace(opts, mpirun=_fake_mpirun(tmp_path, []))
+  plan, problem = launcher._next_plan(ok, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  assert problem is None and (plan.np, plan.hosts) == (4, None)
