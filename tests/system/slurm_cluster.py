@@ -18,6 +18,8 @@ import time
 # Debian's mpi/pmix plugin dlopens .../pmix2/lib/libpmix.so, which only libpmix-dev ships.
 PACKAGES = ("slurm-wlm", "munge", "libpmix2", "libpmix-dev")
 INSTALL_TIMEOUT = 150
+# Seconds a job step credential lives, and a requeued job waits (+1 s) before it runs again.
+CRED_EXPIRE = 10
 
 
 def why_unavailable() -> str | None:
@@ -139,9 +141,10 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=10 State=UP OverSubscri
                  "--log-file", os.path.join(self.root, "log", "munged.log"),
                  "--seed-file", os.path.join(self.root, "munge", "seed")], "munged.out")
     _wait(lambda: os.path.exists(sock), 20, "munged did not create its socket")
-    # Slurm's auth/munge plugin finds munged through this option.
+    # Slurm's auth/munge plugin finds munged through this option. cred_expire also sets
+    # how long a requeued job waits before it may start again (default 120 s).
     with open(self.conf, "a") as f:
-      f.write(f"AuthInfo=socket={sock}\n")
+      f.write(f"AuthInfo=socket={sock},cred_expire={CRED_EXPIRE}\n")
     self._spawn(["slurmctld", "-D", "-i", "-f", self.conf], "slurmctld.out")
     self._spawn(["slurmd", "-D", "-f", self.conf, "-N", self.host], "slurmd.out")
     _wait(self.node_idle, 60, "the node did not become idle:\n" + self.logs())

@@ -10,6 +10,11 @@ of starting the ranks are checked:
   Open MPI 5 is a PMIx client, and Debian's mpi/pmix plugin (PMIx 4.2) serves it.
 * mpirun inside the allocation (the fallback for MPIs Slurm cannot start):
   the ranks see the job's SLURM_* variables; mpijax reports launcher "prrte".
+
+Preemption: a job of slurm/cpu.sbatch gets USR1 (as ``--signal=B:USR1@120``
+sends it), the script passes it on through mpijax-run to every rank, the
+program saves its state and exits 75, the script requeues the job, and the
+requeued job resumes from the saved step and finishes.
 """
 
 from __future__ import annotations
@@ -91,34 +96,49 @@ def _stepds(root: str) -> list[int]:
   return out
 
 
-def _submit(cluster, launcher: str, outdir, timeout: float = 150) -> tuple[str, str]:
-  """Submits slurm/cpu.sbatch running rank_report.py and waits for it; returns (job id, output)."""
-  out_file = outdir.parent / f"job-{launcher}.out"
+def _sbatch(cluster, launcher: str, out_file, program: list[str]) -> str:
+  """Submits slurm/cpu.sbatch running ``program``; returns the job id."""
   argv = ["sbatch", "--parsable", f"--ntasks={NTASKS}", "--nodes=1", "--time=5",
           f"--output={out_file}", f"--chdir={REPO}",
           f"--export=ALL,LAUNCHER={launcher},PYTHON={sys.executable},MPIJAX_TIMEOUT=60",
-          str(REPO / "slurm" / "cpu.sbatch"),
-          sys.executable, str(REPO / "tests" / "system" / "rank_report.py"), str(outdir)]
+          str(REPO / "slurm" / "cpu.sbatch"), *program]
   r = cluster.run(argv, timeout=30)
   assert r.returncode == 0, f"sbatch failed: {r.stderr}\n{cluster.logs()}"
-  job_id = r.stdout.strip().split(";")[0]
-  # Poll (sbatch --wait backs off to tens of seconds between checks).
+  return r.stdout.strip().split(";")[0]
+
+
+def _job(cluster, job_id: str) -> dict[str, str]:
+  info = cluster.run(["scontrol", "-o", "show", "job", job_id], timeout=20).stdout
+  return dict(w.split("=", 1) for w in info.split() if "=" in w)
+
+
+def _wait_finished(cluster, job_id: str, out_file, timeout: float) -> tuple[dict[str, str], str]:
+  """Polls until the job left the queue for good; returns its fields and its output.
+
+  (sbatch --wait backs off to tens of seconds between checks.) A requeued job
+  passes through REQUEUED and PENDING again.
+  """
   end = time.monotonic() + timeout
-  state, exit_code = "PENDING", ""
+  fields: dict[str, str] = {}
   while time.monotonic() < end:
-    info = cluster.run(["scontrol", "-o", "show", "job", job_id], timeout=20).stdout
-    fields = dict(w.split("=", 1) for w in info.split() if "=" in w)
-    state, exit_code = fields.get("JobState", "?"), fields.get("ExitCode", "")
-    if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "?"):
-      break
+    fields = _job(cluster, job_id)
+    if fields.get("JobState", "?") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING",
+                                            "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "?"):
+      return fields, _read(out_file)
     time.sleep(0.5)
-  else:
-    cluster.run(["scancel", job_id], timeout=10)
-    raise AssertionError(f"job {job_id} still {state} after {timeout} s:\n{_read(out_file)}\n"
-                         f"{cluster.logs()}")
-  job_output = _read(out_file)
-  assert (state, exit_code) == ("COMPLETED", "0:0"), \
-      f"job {job_id}: {state} {exit_code}\n{job_output}\n{cluster.logs()}"
+  cluster.run(["scancel", job_id], timeout=10)
+  raise AssertionError(f"job {job_id} still {fields.get('JobState')} after {timeout} s:\n"
+                       f"{_read(out_file)}\n{cluster.logs()}")
+
+
+def _submit(cluster, launcher: str, outdir, timeout: float = 150) -> tuple[str, str]:
+  """Submits slurm/cpu.sbatch running rank_report.py and waits for it; returns (job id, output)."""
+  out_file = outdir.parent / f"job-{launcher}.out"
+  job_id = _sbatch(cluster, launcher, out_file,
+                   [sys.executable, str(REPO / "tests" / "system" / "rank_report.py"), str(outdir)])
+  fields, job_output = _wait_finished(cluster, job_id, out_file, timeout)
+  assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), \
+      f"job {job_id}: {fields}\n{job_output}\n{cluster.logs()}"
   return job_id, job_output
 
 
@@ -167,3 +187,53 @@ def test_cpu_sbatch_mpirun_inside_allocation(slurm, report_dir):
   for r in reports:
     assert r["launcher"] in ("prrte", "openmpi"), (r, job_output)
     assert r["slurm_env"]["SLURM_NTASKS"] == str(NTASKS), r["slurm_env"]
+
+
+@pytest.mark.timeout(300)
+def test_preempted_job_is_requeued_and_finishes(slurm, tmp_path):
+  """USR1 to the batch script (what --signal=B:USR1@120 does before the time limit): the ranks
+  save their state and exit 75, slurm/cpu.sbatch requeues the job, and the requeued job
+  resumes from the saved step and completes."""
+  state = tmp_path / "state"
+  state.mkdir()
+  os.chmod(tmp_path, 0o755)
+  out_file = tmp_path / "job.out"
+  steps = 16
+  job_id = _sbatch(slurm, "auto", out_file,
+                   [sys.executable, str(REPO / "tests" / "system" / "resumable_job.py"), str(state),
+                    str(steps), "0.2"])
+  end = time.monotonic() + 150
+  saved = None
+  while time.monotonic() < end:
+    saved = _read_json(state / "state.json")
+    if saved and saved["step"] >= 3:
+      break
+    assert _job(slurm, job_id).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"), _read(out_file)
+    time.sleep(0.3)
+  assert saved and saved["step"] >= 3, f"the job made no progress:\n{_read(out_file)}\n{slurm.logs()}"
+  # To the batch shell only, as Slurm's --signal=B:USR1 does.
+  r = slurm.run(["scancel", "--batch", "--signal=USR1", job_id], timeout=20)
+  assert r.returncode == 0, r.stderr
+  fields, output = _wait_finished(slurm, job_id, out_file, timeout=200)
+  assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), \
+      f"{fields}\n{output}\n{slurm.logs()}"
+  assert fields.get("Restarts") == "1", fields
+  assert "mpijax-cpu: got USR1, passing it on to the ranks" in output, output
+  assert "got SIGUSR1; passing it on to every rank" in output, output
+  preempted = [int(line.split("preempted after step ")[1].split(":")[0])
+               for line in output.splitlines() if "preempted after step " in line]
+  assert preempted and len(set(preempted)) == 1, output  # every rank stopped after the same step
+  assert f"requeueing job {job_id}" in output, output
+  assert "SLURM_RESTART_COUNT=1" in output and f"starting at step {preempted[0]}" in output, output
+  done = _read_json(state / "done.json")
+  assert done["step"] == steps and done["total"] == steps * (steps + 1) // 2, done
+  assert done["resumed_from"] == preempted[0] and len(done["ranks"]) == steps, done
+  print(output)
+
+
+def _read_json(path):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
