@@ -14,7 +14,11 @@
 # Variables: HOSTFILE (Open MPI "host slots=N" or MPICH "host:N" lines),
 # NP (ranks, default: sum of the slots), DEVICES_PER_PROCESS (default 1),
 # IFACE (network interface or CIDR to use for MPI and wire-up, e.g. eth0 or
-# 10.0.0.0/16; default: let MPI choose), TIMEOUT (seconds), PYTHON.
+# 10.0.0.0/16; default: let MPI choose), TIMEOUT (seconds), LOG_DIR (one log per
+# rank, written on this machine), MAX_RESTARTS (relaunch after a failure this
+# many times), MIN_RANKS (with MAX_RESTARTS: before a restart, drop the hosts
+# that cannot start a process and go on while at least this many ranks fit),
+# PYTHON.
 set -euo pipefail
 : "${HOSTFILE:?set HOSTFILE to a hostfile, e.g. HOSTFILE=hosts.txt}"
 PYTHON=${PYTHON:-python}
@@ -25,6 +29,9 @@ if [ -z "${NP:-}" ]; then
 fi
 args=(-n "$NP" --hostfile "$HOSTFILE" --devices-per-process "$DEVICES_PER_PROCESS")
 [ -n "${TIMEOUT:-}" ] && args+=(--timeout "$TIMEOUT")
+[ -n "${LOG_DIR:-}" ] && args+=(--log-dir "$LOG_DIR")
+[ -n "${MAX_RESTARTS:-}" ] && args+=(--max-restarts "$MAX_RESTARTS")
+[ -n "${MIN_RANKS:-}" ] && args+=(--min-ranks "$MIN_RANKS")
 if [ -n "${IFACE:-}" ]; then
   # Open MPI: keep runtime wire-up (oob) and MPI traffic (btl tcp) on one network.
   args+=(--launcher-args "--mca oob_tcp_if_include $IFACE --mca btl_tcp_if_include $IFACE")
