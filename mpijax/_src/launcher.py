@@ -886,8 +886,6 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
         outcome = _launch(cmd, signals, deadline, grace, relay, opts.timeout)
         kind, status = verdict(outcome, relay.reasons)
         reason = "completed" if kind == "ok" else relay.reasons.summary(outcome.status)
-        if kind == "ok" and status != outcome.status:
-          reason = f"{reason} (launcher exit status {outcome.status})"
         attempt = Attempt(plan.attempt, plan.np,
                           [h for h, _ in plan.hosts] if plan.hosts is not None else
                           ([h for h, _ in hosts] if hosts else None),
@@ -920,8 +918,15 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
         relay.note(f"{PROG}: restart {restart} of {opts.max_restarts} in {wait:g} s "
                    f"({RESTART_ENV}={restart})")
         if not _sleep(wait, signals):
-          status = 128 + signals.stop[0]
-          relay.note(f"{PROG}: got {signal.Signals(signals.stop[0]).name}; not restarting")
+          if signals.stop:
+            status = 128 + signals.stop[0]
+            relay.note(f"{PROG}: got {signal.Signals(signals.stop[0]).name}; not restarting")
+          else:
+            # The scheduler's warning with nothing running: the last checkpoint is all
+            # there is to save, so ask to be requeued from it.
+            status = PREEMPTED_EXIT_CODE
+            relay.note(f"{PROG}: got {signal.Signals(signals.pending[0]).name} before the "
+                       f"restart; not restarting, exit {PREEMPTED_EXIT_CODE} (preempted)")
           break
   finally:
     if len(attempts) > 1:
@@ -955,13 +960,13 @@ def _next_plan(opts: Options, sit: Situation, plan: Plan, hosts: list[tuple[str,
 
 
 def _sleep(seconds: float, signals: _Signals) -> bool:
-  """Sleeps; False as soon as a stopping signal arrives."""
+  """Sleeps; False as soon as a stopping or a to-be-forwarded signal arrives."""
   end = time.monotonic() + seconds
   while time.monotonic() < end:
-    if signals.stop:
+    if signals.stop or signals.pending:
       return False
     time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-  return not signals.stop
+  return not (signals.stop or signals.pending)
 
 
 # --- command line -------------------------------------------------------------

@@ -9,6 +9,9 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -342,3 +345,35 @@ def test_preflight_names_the_hosts_that_cannot_start_a_process(tmp_path):
   ok = dataclasses.replace(opts, mpirun=_fake_mpirun(tmp_path, []))
   plan, problem = launcher._next_plan(ok, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
   assert problem is None and (plan.np, plan.hosts) == (4, None)
+
+
+def test_usr1_during_the_back_off_ends_the_job_as_preempted(tmp_path):
+  # An "mpirun" that always fails, a long back-off, and USR1 (Slurm's warning) meanwhile.
+  fail = tmp_path / "mpirun"
+  fail.write_text("#!/bin/sh\necho 'rank 1 failed' >&2\nexit 3\n")
+  fail.chmod(0o755)
+  logs = tmp_path / "logs"
+  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "2", "--max-restarts", "3",
+                           "--restart-backoff", "30", "--mpirun", str(fail), "--log-dir", str(logs),
+                           "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    end = time.monotonic() + 60
+    while time.monotonic() < end and "restart 1 of 3 in 30 s" not in _read(logs / "mpijax-run.log"):
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=20)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == launcher.PREEMPTED_EXIT_CODE, out + err
+  assert "got SIGUSR1 before the restart; not restarting, exit 75" in err, err
+  attempts = (logs / "attempts.jsonl").read_text().splitlines()
+  assert len(attempts) == 1 and json.loads(attempts[0])["status"] == 3
+
+
+def _read(path):
+  try:
+    return path.read_text()
+  except OSError:
+    return ""
