@@ -46,6 +46,51 @@ def split_tag(kind: str, line: bytes) -> tuple[int | None, bytes]:
   return int(m.group("rank")), line[m.end():]
 
 
+_HYDRA_TAG = re.compile(rb"\[(\d+)\] ")
+
+
+class HydraDemux:
+  """Sorts Hydra's output into per-rank lines.
+
+  Hydra's ``-prepend-rank`` tags every chunk it reads from a rank, not every
+  line: a line written in pieces (unbuffered output) carries the tag again
+  where each piece began, and pieces of different ranks can share one output
+  line. Each rank's text is kept until its own newline. A ``[N] `` with N not
+  a rank of the job is text.
+  """
+
+  def __init__(self):
+    self.ranks = 0
+    self._pending: dict[int, bytes] = {}
+
+  def feed(self, line: bytes) -> list[tuple[int | None, bytes]]:
+    """(rank, complete line) pairs; (None, line) for a line of Hydra's own."""
+    if _TAGS["mpich"].match(line) is None:
+      return [(None, line)]
+    parts = _HYDRA_TAG.split(line)
+    chunks: list[list] = []
+    for i in range(1, len(parts), 2):
+      rank = int(parts[i])
+      if rank < self.ranks or not chunks:
+        chunks.append([rank, parts[i + 1]])
+      else:
+        chunks[-1][1] += b"[" + parts[i] + b"] " + parts[i + 1]
+    out: list[tuple[int | None, bytes]] = []
+    for rank, text in chunks:
+      buf = self._pending.pop(rank, b"") + text
+      *complete, rest = buf.split(b"\n")
+      out += [(rank, c + b"\n") for c in complete]
+      if rest:
+        self._pending[rank] = rest
+    return out
+
+  def flush(self) -> list[tuple[int | None, bytes]]:
+    """What is left without a newline (at the end of an attempt)."""
+    out = [(rank, text + b"\n") for rank, text in self._pending.items()]
+    self._pending.clear()
+    return out
+
+
 # --- why an attempt ended -------------------------------------------------------
 
 # mpijax's own reports, as the ranks print them (failure.py, the C++ transport).
@@ -78,10 +123,11 @@ _LAUNCHER_REASONS = [
     (re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
                 r"[A-Z][a-z]+(?: [a-z]+)*)"),
      lambda m: f"task {m[2]} on node {m[1]}: {m[3].lower()}"),
-    # MPICH / Hydra
-    (re.compile(r"RANK (\d+) PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
-                r"|EXIT STATUS: \d+|EXIT CODE: \d+)"),
-     lambda m: f"rank {m[1]} on node {m[2]}: {m[3].lower()}"),
+    # MPICH / Hydra (older versions name the rank, 4.x and 5.x only the PID)
+    (re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
+                r"|EXIT STATUS: \d+|EXIT CODE: \d+)(?:.*?EXIT STRING: (.*?\(signal \d+\)))?"),
+     lambda m: (f"{'rank ' + m[1] if m[1] else 'a rank'} on node {m[2]}: {m[3].lower()}"
+                + (f" ({m[4].lower()})" if m[4] else ""))),
 ]
 
 # Messages that mean the job failed even when the launcher's exit status is 0
@@ -181,6 +227,7 @@ class Relay:
     self.stdout = stdout if stdout is not None else sys.stdout.buffer
     self.stderr = stderr if stderr is not None else sys.stderr.buffer
     self.reasons = Reasons()
+    self._ranks = 0
     self._files: dict[int, IO[bytes]] = {}
     self._lock = threading.Lock()
     self._threads: list[threading.Thread] = []
@@ -194,6 +241,7 @@ class Relay:
   def begin(self, attempt: int, ranks: int, detail: str = "") -> None:
     """Starts an attempt: fresh reasons, and a header line in every rank's log."""
     self.reasons = Reasons()
+    self._ranks = ranks
     if self.log_dir is None:
       return
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -231,7 +279,7 @@ class Relay:
     for pipe, console in ((stdout_pipe, self.stdout), (stderr_pipe, self.stderr)):
       if pipe is None:
         continue
-      t = threading.Thread(target=self._pump, args=(pipe, console), daemon=True,
+      t = threading.Thread(target=self._pump, args=(pipe, console, HydraDemux()), daemon=True,
                            name="mpijax-run-relay")
       t.start()
       self._threads.append(t)
@@ -251,7 +299,8 @@ class Relay:
         self._own_log.close()
         self._own_log = None
 
-  def _pump(self, pipe: IO[bytes], console: IO[bytes]) -> None:
+  def _pump(self, pipe: IO[bytes], console: IO[bytes], hydra: HydraDemux) -> None:
+    hydra.ranks = self._ranks
     fd = pipe.fileno()
     rest = b""
     while True:
@@ -261,34 +310,38 @@ class Relay:
         chunk = b""
       if not chunk:
         if rest:
-          self._lines([rest + b"\n"], console)
+          self._lines([rest + b"\n"], console, hydra)
+        self._lines([], console, hydra, final=True)
         break
       data = rest + chunk
       cut = data.rfind(b"\n") + 1
       rest = data[cut:]
       if cut:
-        self._lines(data[:cut].splitlines(keepends=True), console)
+        self._lines(data[:cut].splitlines(keepends=True), console, hydra)
     try:
       pipe.close()
     except OSError:
       pass
 
-  def _lines(self, lines: Iterable[bytes], console: IO[bytes]) -> None:
+  def _lines(self, lines: Iterable[bytes], console: IO[bytes], hydra: HydraDemux | None = None,
+             final: bool = False) -> None:
     show = bytearray()
     with self._lock:
       for line in lines:
-        rank, text = split_tag(self.kind, line)
-        decoded = text.decode(errors="replace").rstrip("\r\n")
-        if rank is None:
-          self.reasons.launcher_line(decoded)
+        if self.kind == "mpich" and hydra is not None:
+          pieces = hydra.feed(line)
+        else:
+          pieces = [split_tag(self.kind, line)]
+        if pieces and pieces[0][0] is None:  # the launcher's own line
+          self.reasons.launcher_line(line.decode(errors="replace").rstrip("\r\n"))
           show += line
           self._write_own(line)
           continue
-        self.reasons.rank_line(decoded)
         if self.log_dir is None or self.tee:
           show += line
-        if self.log_dir is not None:
-          self._file(rank).write(text)
+        self._rank_lines(pieces)
+      if final and hydra is not None:
+        self._rank_lines(hydra.flush())
       for f in self._files.values():
         f.flush()
       if self._own_log is not None:
@@ -299,6 +352,12 @@ class Relay:
           console.flush()
         except (OSError, ValueError):
           pass
+
+  def _rank_lines(self, pieces: Iterable[tuple[int | None, bytes]]) -> None:
+    for rank, text in pieces:
+      self.reasons.rank_line(text.decode(errors="replace").rstrip("\r\n"))
+      if self.log_dir is not None:
+        self._file(rank).write(text)
 
   def _file(self, rank: int) -> IO[bytes]:
     f = self._files.get(rank)

@@ -153,3 +153,36 @@ def test_collectives_under_mpich_mpiexec(mpich_venv, tmp_path):
     assert got["jit_allreduce"] == [2 * v for v in base], got
     assert got["jit_psum"] == base, got
     assert got["large_equal"] is True, got
+KILLED_ONCE = """
+import os, signal
+import mpijax
+rt = mpijax.init()
+attempt = mpijax.config.get("restart_attempt")
+print("RANK", os.environ["RANK"], "LOCAL_RANK", os.environ["LOCAL_RANK"], "WORLD_SIZE",
+      os.environ["WORLD_SIZE"], "attempt", attempt, "launcher", rt.topology.launcher, flush=True)
+rt.comm.Barrier()
+if attempt == 0 and rt.rank == 1:
+  os.kill(os.getpid(), signal.SIGKILL)
+rt.comm.Barrier()
+"""
+
+
+def test_mpijax_run_under_hydra_logs_per_rank_and_restarts(mpich_venv, tmp_path):
+  """mpijax-run with MPICH's mpiexec: Hydra's rank tags sort the per-rank logs, the ranks see
+  their torchrun-style variables, and a SIGKILLed rank is restarted."""
+  env = dict(os.environ)
+  for var in list(env):
+    if var.startswith(("OMPI_", "PMIX_", "PRTE_")):
+      del env[var]
+  env.pop("PYTHONPATH", None)  # mpijax comes from the venv's (editable) install
+  logs = tmp_path / "logs"
+  r = subprocess.run([str(mpich_venv), "-m", "mpijax.launch", "--mpirun", str(VENV / "bin" / "mpiexec"),
+                      "-n", "2", "--timeout", "150", "--max-restarts", "1", "--restart-backoff", "0",
+                      "--log-dir", str(logs), "--", str(mpich_venv), "-c", KILLED_ONCE],
+                     capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=180)
+  assert r.returncode == 0, tail(r.stdout + r.stderr)
+  assert "attempt 0: 2 ranks" in r.stderr and "exit code: 9" in r.stderr, r.stderr
+  for rank in (0, 1):
+    lines = (logs / f"rank_{rank}.log").read_text().splitlines()
+    for attempt in (0, 1):
+      assert f"RANK {rank} LOCAL_RANK {rank} WORLD_SIZE 2 attempt {attempt} launcher mpich" in lines, lines

@@ -238,6 +238,17 @@ prterun has exited due to process rank 1 with PID 0 on node vm calling
 "abort". This may have caused other processes in the application to be
 terminated by signals sent by prterun (as reported here).
 --------------------------------------------------------------------------"""
+# MPICH 5.0's Hydra mpiexec.
+HYDRA_KILLED = """
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 29668 RUNNING AT vm
+=   EXIT CODE: 9
+=   CLEANING UP REMAINING PROCESSES
+=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES
+===================================================================================
+YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)
+This typically refers to a problem with your application."""
 SRUN_KILLED = "srun: error: vm: task 2: Killed"
 SRUN_EXIT = "srun: error: vm: tasks 0-1: Exited with exit code 75"
 
@@ -248,6 +259,9 @@ SRUN_EXIT = "srun: error: vm: tasks 0-1: Exited with exit code 75"
     (OMPI_ABORT, 1, "rank 1 on node vm called MPI_Abort; exit status 1"),
     (SRUN_KILLED, 137, "task 2 on node vm: killed; exit status 137 (signal 9, SIGKILL)"),
     (SRUN_EXIT, 75, "task 0-1 on node vm: exited with exit code 75; exit status 75"),
+    (HYDRA_KILLED, 9, "a rank on node vm: exit code: 9 (killed (signal 9)); exit status 9"),
+    ("=   RANK 3 PID 1 RUNNING AT n7\n=   KILLED BY SIGNAL: 9 (Killed)", 9,
+     "rank 3 on node n7: killed by signal: 9 (killed); exit status 9"),
     ("something else", 5, "exit status 5"),
 ])
 def test_launcher_reasons(text, status, expected):
@@ -298,6 +312,25 @@ def test_relay_splits_ranks_into_logs_and_keeps_the_launchers_lines(tmp_path):
 ])
 def test_split_tag(kind, line, rank, text):
   assert joblog.split_tag(kind, line) == (rank, text)
+
+
+def test_hydra_pieces_of_lines_go_to_their_ranks(tmp_path):
+  # Hydra tags each piece it reads (unbuffered prints), and pieces of two ranks can share a line:
+  # verbatim from MPICH 5.0's mpiexec with PYTHONUNBUFFERED=1.
+  out = io.BytesIO()
+  relay = joblog.Relay("mpich", str(tmp_path), stdout=out, stderr=io.BytesIO())
+  relay.begin(0, 2)
+  hydra = joblog.HydraDemux()
+  hydra.ranks = 2
+  relay._lines([b"[1] RANK[1]  [1] 1[1]  [1] LOCAL_RANK\n",
+                b"[0] RANK[1] RANK 1 again\n", b"[0]  0 done [7] literally\n",
+                b"[0] unfinished"], out, hydra)
+  relay._lines([], out, hydra, final=True)
+  relay.close()
+  assert (tmp_path / "rank_1.log").read_text().splitlines()[1:] == ["RANK 1 LOCAL_RANK", "RANK 1 again"]
+  assert (tmp_path / "rank_0.log").read_text().splitlines()[1:] == ["RANK 0 done [7] literally",
+                                                                    "unfinished"]
+  assert out.getvalue() == b""  # no --tee
 
 
 def test_relay_tee_shows_tagged_lines(tmp_path):
