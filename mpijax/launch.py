@@ -3,7 +3,8 @@
 Usage::
 
   mpijax-run -n N [--devices-per-process K] [--hostfile F | --hosts h1:s1,h2:s2]
-             [--timeout S] [--dry-run] -- PROGRAM ARGS
+             [--timeout S] [--log-dir DIR [--tee]] [--max-restarts N [--min-ranks M]]
+             [--dry-run] -- PROGRAM ARGS
 
 The console script calls ``sys.exit(main())``; :func:`main` returns the job's
 exit status. See :mod:`mpijax._src.launcher` for what the command adds and why.

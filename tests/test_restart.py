@@ -5,8 +5,8 @@ from the last complete checkpoint in its output directory (with its data
 position) and must finish with >= 97 % test accuracy and parameters bit for
 bit equal to an uninterrupted run at the same rank count (compared through
 the parameter digest the example prints at the end). The test also prints
-how long the restart took, from the kill to the restarted job's "resumed"
-line (the first step follows after JAX's compilation).
+how long the restart took, from the kill to the restarted job's "resumed
+from" line (the first step follows after JAX's compilation).
 
 The seed of the random choice (which epoch, how far into it, which rank) is
 printed; MPIJAX_TEST_KILL_SEED repeats a run.
@@ -30,9 +30,9 @@ RANKS = 4
 EPOCHS = 12
 TIMEOUT = 420
 
-_DIGEST = re.compile(r"(?i)param\w*[ _-]digest\W+([0-9a-f]{8,})")
+_DIGEST = re.compile(r"params sha256 ([0-9a-f]{64})")
 _ACCURACY = re.compile(r"final test accuracy ([0-9.]+)")
-_RESUMED = re.compile(r"(?i)resum\w* .*?(?:step|epoch) (\d+)")
+_RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
 
 
 class _Job:
@@ -111,7 +111,7 @@ def _result(job: _Job) -> tuple[float, str]:
   accuracy = _ACCURACY.findall(job.text)
   digest = _DIGEST.findall(job.text)
   assert accuracy, "the digits example printed no final accuracy:\n" + tail(job.text)
-  assert digest, ("the digits example printed no parameter digest ('parameter digest: <hex>') at the "
+  assert digest, ("the digits example printed no parameter digest ('params sha256 <hex>') at the "
                   "end:\n" + tail(job.text))
   return float(accuracy[-1]), digest[-1]
 
@@ -140,7 +140,7 @@ def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path):
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
     failed = job.wait_for("mpijax-run: attempt 0:", timeout=120, after=killed)
-    resumed = job.wait_for("resum", timeout=TIMEOUT, after=killed)
+    resumed = job.wait_for("resumed from", timeout=TIMEOUT, after=killed)
   finally:
     status = job.finish(TIMEOUT + 30)
   text = job.text

@@ -96,9 +96,9 @@ def _stepds(root: str) -> list[int]:
   return out
 
 
-def _sbatch(cluster, launcher: str, out_file, program: list[str]) -> str:
+def _sbatch(cluster, launcher: str, out_file, program: list[str], ntasks: int = NTASKS) -> str:
   """Submits slurm/cpu.sbatch running ``program``; returns the job id."""
-  argv = ["sbatch", "--parsable", f"--ntasks={NTASKS}", "--nodes=1", "--time=5",
+  argv = ["sbatch", "--parsable", f"--ntasks={ntasks}", "--nodes=1", "--time=5",
           f"--output={out_file}", f"--chdir={REPO}",
           f"--export=ALL,LAUNCHER={launcher},PYTHON={sys.executable},MPIJAX_TIMEOUT=60",
           str(REPO / "slurm" / "cpu.sbatch"), *program]
@@ -199,9 +199,10 @@ def test_preempted_job_is_requeued_and_finishes(slurm, tmp_path):
   os.chmod(tmp_path, 0o755)
   out_file = tmp_path / "job.out"
   steps = 16
+  # 2 ranks: every rank is started twice, on 2 cores.
   job_id = _sbatch(slurm, "auto", out_file,
                    [sys.executable, str(REPO / "tests" / "system" / "resumable_job.py"), str(state),
-                    str(steps), "0.2"])
+                    str(steps), "0.2"], ntasks=2)
   end = time.monotonic() + 150
   saved = None
   while time.monotonic() < end:
