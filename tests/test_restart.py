@@ -145,7 +145,10 @@ def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path):
     status = job.finish(TIMEOUT + 30)
   text = job.text
   assert status == 0, tail(text)
-  assert "killed by signal 9" in text and "restart 1 of 1" in text, tail(text)
+  # The reason names the killed rank's signal, or what another rank hit first when it
+  # noticed (an MPI error, an abort): it depends on when the kill landed.
+  reason = [line for line in text.splitlines() if "mpijax-run: attempt 0:" in line]
+  assert reason and ", failed: " in reason[0] and "restart 1 of 1" in text, tail(text)
   assert failed is not None and resumed is not None, tail(text)
   after_kill = text[text.index("restart 1 of 1"):]
   steps = [int(s) for s in _RESUMED.findall(after_kill)]
@@ -156,6 +159,7 @@ def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path):
   assert digest == ref_digest, (f"parameters differ from the uninterrupted run's: {digest} vs "
                                 f"{ref_digest}\n" + tail(text))
   assert accuracy == ref_accuracy
+  print(reason[0])
   print(f"killed rank {victim} after epoch {epoch}: the launcher saw it {failed - killed:.1f} s later, "
         f"the restarted job resumed {resumed - killed:.1f} s after the kill; final accuracy "
         f"{accuracy:.4f}, digest {digest} (equal to the uninterrupted run's)")
