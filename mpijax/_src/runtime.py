@@ -416,6 +416,8 @@ def init(*, launcher: str | None = None,
     import jax
     if use_dist:
       _start_jax_distributed(address, my_size, my_rank)
+    from mpijax._src import multihost
+    multihost.install()
     local_devices = list(jax.local_devices())
     table = _device_table(private, local_devices, host)
 
