@@ -690,30 +690,43 @@ class GlobalArray:
     return cls(local, shape, dtype, mesh, nspec)
 
   @classmethod
-  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None) -> GlobalArray:
-    """From a global ``jax.Array`` with a ``NamedSharding`` (needs ``jax.distributed``).
+  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None,
+               spec=None) -> GlobalArray:
+    """From a global ``jax.Array`` (sharded over every rank's devices); no copy if it can.
+
+    JAX must know every rank (``mpijax.init()`` with JAX's distributed
+    runtime). When the array's layout is the one ``mesh`` and ``spec`` give,
+    this rank's part is made of the array's own device buffers; otherwise JAX
+    moves the data first (``jax.device_put``, collective).
 
     Args:
       array: e.g. the result of :meth:`to_jax` after ``jax.jit``.
       mesh: the GlobalMesh to use; default a new one with the array's mesh
         axes (creating a mesh is collective).
+      spec: the layout on ``mesh``; default the array's own ``PartitionSpec``
+        (then the array needs a ``NamedSharding`` with ``mesh``'s axes).
     """
     rt = runtime.get("GlobalArray.from_jax")
     _require_distributed(rt, "GlobalArray.from_jax")
     sharding = array.sharding
-    if not isinstance(sharding, NamedSharding):
-      raise TypeError(f"GlobalArray.from_jax needs an array with a NamedSharding, got "
-                      f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding first.")
-    jmesh = sharding.mesh
-    if mesh is None:
-      mesh = GlobalMesh(tuple(jmesh.shape.values()), tuple(jmesh.axis_names))
-    elif tuple(jmesh.axis_names) != mesh.axis_names or dict(jmesh.shape) != mesh.shape:
-      raise ValueError(f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
-                       f"match the given {mesh}")
-    nspec = normalize_spec(sharding.spec, array.ndim, mesh)
+    if spec is None or mesh is None:
+      if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"GlobalArray.from_jax needs an array with a NamedSharding, got "
+                        f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding "
+                        "first, or pass mesh= and spec=.")
+      jmesh = sharding.mesh
+      if mesh is None:
+        mesh = GlobalMesh(tuple(jmesh.shape.values()), tuple(jmesh.axis_names))
+      elif spec is None and (tuple(jmesh.axis_names) != mesh.axis_names
+                             or dict(jmesh.shape) != mesh.shape):
+        raise ValueError(f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
+                         f"match the given {mesh}; pass spec= to lay it out on that mesh.")
+    nspec = normalize_spec(sharding.spec if spec is None else spec, array.ndim, mesh)
+    check_divisible(array.shape, mesh, nspec, "GlobalArray.from_jax")
+    check_contiguous(mesh, nspec)
     want = NamedSharding(jax_mesh(mesh), nspec)
     if not sharding.is_equivalent_to(want, array.ndim):
-      array = jax.device_put(array, want)  # another device order: let JAX move the data
+      array = jax.device_put(array, want)  # another layout: JAX moves the data
     by_device = {s.device: s.data for s in array.addressable_shards}
     local_sharding = _local_sharding(mesh, nspec)
     local_shape = local_shape_of(tuple(array.shape), mesh, nspec, rt.rank)
@@ -773,12 +786,13 @@ class GlobalArray:
     return out
 
   def to_jax(self) -> jax.Array:
-    """A global ``jax.Array`` over JAX's devices (needs ``mpijax.init(jax_distributed=True)``).
+    """The same array as a global ``jax.Array`` over JAX's devices, without a copy.
 
-    mpijax's global device ``p * L + l`` is JAX's ``l``-th local device of
-    process ``p``, so the result has the same layout and JAX's own ``jit``
-    auto-partitioning and ``with_sharding_constraint`` apply to it. No data
-    moves.
+    JAX must know every rank (``mpijax.init()`` with JAX's distributed
+    runtime). mpijax's global device ``p * L + l`` is JAX's ``l``-th local
+    device of process ``p``, so the result has the same layout, its shards
+    are this rank's own device buffers, and JAX's ``jit`` partitioning and
+    ``with_sharding_constraint`` apply to it.
     """
     rt = runtime.get("GlobalArray.to_jax")
     _require_distributed(rt, "GlobalArray.to_jax")
@@ -790,11 +804,12 @@ class GlobalArray:
 
 
 def _require_distributed(rt, what: str) -> None:
-  if not rt.jax_distributed:
+  if jax.process_count() != rt.size:
     raise RuntimeError(
-        f"{what} needs JAX's own multi-process runtime: start with "
-        "mpijax.init(jax_distributed=True) (or MPIJAX_JAX_DISTRIBUTED=1), before anything "
-        "else uses JAX. Without it, use .gather() or .local.")
+        f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
+        f"in this {rt.size}-rank job: start with mpijax.init(jax_distributed=True) (or "
+        "MPIJAX_JAX_DISTRIBUTED=1), before anything else uses JAX. Without it, use .gather() "
+        "or .local.")
 
 
 @functools.lru_cache(maxsize=32)

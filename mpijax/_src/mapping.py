@@ -3,7 +3,7 @@
 Both run the user's function under ``jax.shard_map`` over the mesh's local
 part (this rank's devices) while the axis environment (:mod:`.axes`) tells
 :mod:`mpijax.lax` which named axes span ranks. Both take and return
-GlobalArrays as well as this rank's plain arrays.
+GlobalArrays, global ``jax.Array``s and this rank's plain arrays.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
   def wrapped(*args):
     args, metas, any_ga = _unwrap_args(args)
     ins = _in_specs_tree(in_specs, args)
+    # Global jax.Arrays in: their parts go in, global jax.Arrays come out.
+    args, metas, jax_in = _take_jax_arrays(mesh, args, jax.tree.leaves(ins, is_leaf=_is_pspec),
+                                           metas)
+    any_ga = any_ga or jax_in
     if any_ga:
       _check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_pspec))
     local_ins = jax.tree.map(lambda s: mesh.local_spec(s, keep_size_one=True), ins,
@@ -115,6 +119,8 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     if any_ga:
       specs = jax.tree.leaves(_broadcast_specs(out_specs, out, "out_specs"), is_leaf=_is_pspec)
       out = _wrap_outputs(mesh, out, specs)
+      if jax_in:
+        out = _to_jax_outputs(out)
     return out
 
   return wrapped
@@ -218,6 +224,10 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     leaf_axes = tuple(_mapped_axis(ax, leaf, L, "in_axes")
                       for i, x in zip(dyn_idx, dyn)
                       for ax, leaf in zip(_per_leaf(axes[i], x, "in_axes"), jax.tree.leaves(x)))
+    # A global jax.Array (all devices' rows) in: its part goes in, global jax.Arrays come out.
+    dyn, metas, jax_in = _take_jax_arrays(
+        mesh, tuple(dyn), [_pmap_global_spec(ax, axis_name) for ax in leaf_axes], metas)
+    any_ga = any_ga or jax_in
     if any_ga:  # a GlobalArray must be sharded over the pmap axis along its mapped axis
       _check_arg_specs("mpijax.pmap", mesh, metas,
                          [_pmap_global_spec(ax, axis_name) for ax in leaf_axes])
@@ -238,6 +248,8 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
       specs = [_pmap_global_spec(None if ax is None else ax % np.ndim(leaf), axis_name)
                for ax, leaf in zip(_per_leaf(out_axes, out, "out_axes"), jax.tree.leaves(out))]
       out = _wrap_outputs(mesh, out, specs)
+      if jax_in:
+        out = _to_jax_outputs(out)
     return out
 
   return wrapped
@@ -332,6 +344,42 @@ def _unwrap_args(args: tuple, mesh: GlobalMesh | None = None) -> tuple[tuple, li
     return args, metas, False
   plain = [x.local if _is_global_array(x) else x for x in leaves]
   return jax.tree.unflatten(treedef, plain), metas, True
+
+
+def _is_global_jax_array(x) -> bool:
+  """A concrete ``jax.Array`` spread over several processes (not one rank's part).
+
+  Under a trace (``jax.jit`` around the map) the arguments are this rank's
+  parts, as always: global arrays are taken at the outermost call only.
+  """
+  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+          and not x.is_fully_addressable)
+
+
+def _take_jax_arrays(mesh: GlobalMesh, args: tuple, specs: list,
+                     metas: list) -> tuple[tuple, list, bool]:
+  """Global ``jax.Array`` leaves of ``args`` as this rank's parts on ``mesh`` by ``specs``.
+
+  ``specs`` and ``metas`` (from :func:`_unwrap_args`) have one entry per leaf;
+  each global array's GlobalArray goes into ``metas``. Its part is made of
+  its own buffers when laid out so already, else JAX reshards it first (as
+  ``jax.shard_map`` does). Returns (args, metas, any found).
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  if not any(_is_global_jax_array(x) for x in leaves):
+    return args, metas, False
+  metas = list(metas)
+  for k, (x, spec) in enumerate(zip(leaves, specs)):
+    if _is_global_jax_array(x):
+      metas[k] = GlobalArray.from_jax(x, mesh, spec)
+      leaves[k] = metas[k].local
+  return jax.tree.unflatten(treedef, leaves), metas, True
+
+
+def _to_jax_outputs(out: Any) -> Any:
+  """Each GlobalArray of ``out`` as a global ``jax.Array`` (no copy)."""
+  return jax.tree.map(lambda x: x.to_jax() if _is_global_array(x) else x, out,
+                      is_leaf=_is_global_array)
 
 
 def _check_arg_specs(what: str, mesh: GlobalMesh, metas: list, specs: list) -> None:

@@ -1,0 +1,127 @@
+"""GlobalArray and global jax.Array are one world.
+
+``GlobalArray.to_jax()`` / ``from_jax()`` hand over the same device buffers
+(checked by address) when the layout allows, and ``mpijax.shard_map`` /
+``mpijax.pmap`` take global ``jax.Array``s (sharded over every device of
+every rank) and give global ``jax.Array``s back, so mpijax's collectives and
+JAX's own ``jit`` partitioning mix in one program.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpijax
+from mpijax import lax as mlax
+from mpijax._src.global_array import jax_mesh
+
+
+@pytest.fixture(scope="module")
+def grid(rt):
+  return mpijax.make_mesh((rt.size, rt.local_device_count), ("data", "model"))
+
+
+def _buffers(a) -> dict:
+  return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+
+def _check_global(arr, want) -> None:
+  want = np.asarray(want)
+  assert isinstance(arr, jax.Array) and arr.shape == want.shape
+  for s in arr.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), want[s.index], err_msg=str(s.device))
+
+
+def _global_values(rt):
+  n = rt.size * rt.local_device_count
+  return np.arange(4 * rt.size * 2 * n, dtype=np.float32).reshape(4 * rt.size, 2 * n)
+
+
+@pytest.mark.parametrize("spec", [P("data", "model"), P(), P(None, "model"), P("model", "data"),
+                                  P(("data", "model"))])
+def test_to_jax_and_from_jax_hand_over_the_same_buffers(rt, grid, spec):
+  g = _global_values(rt)
+  ga = mpijax.GlobalArray.from_global(g, grid, spec)
+  arr = ga.to_jax()
+  assert arr.sharding.spec == ga.spec and arr.is_fully_addressable == (rt.size == 1)
+  _check_global(arr, g)
+  assert _buffers(arr) == _buffers(ga.local)  # no copy: the same memory on each device
+  back = mpijax.GlobalArray.from_jax(arr, grid)
+  assert back.spec == ga.spec and _buffers(back.local) == _buffers(arr)
+  np.testing.assert_array_equal(back.gather(), g)
+
+
+def test_from_jax_of_arrays_jax_made(rt, grid):
+  g = _global_values(rt)
+  # JAX's own global array over JAX's devices in their usual order: mpijax's order.
+  mesh = Mesh(np.array(jax.devices()).reshape(rt.size, rt.local_device_count), ("data", "model"))
+  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("model", "data")),
+                                     lambda index: g[index])
+  ga = mpijax.GlobalArray.from_jax(arr, grid)
+  assert ga.spec == P("model", "data") and _buffers(ga.local) == _buffers(arr)
+  np.testing.assert_array_equal(ga.gather(), g)
+  # Devices in another order: the layout differs, JAX moves the data (a copy).
+  flipped = Mesh(np.array(jax.devices()[::-1]).reshape(rt.size, rt.local_device_count),
+                 ("data", "model"))
+  moved = jax.device_put(arr, NamedSharding(flipped, P("data", None)))
+  ga = mpijax.GlobalArray.from_jax(moved, grid)
+  assert ga.spec == P("data", None)
+  np.testing.assert_array_equal(ga.gather(), g)
+  # A layout given explicitly (mesh and spec): laid out so, by JAX.
+  ga = mpijax.GlobalArray.from_jax(arr, grid, spec=P(None, ("data", "model")))
+  assert ga.spec == P(None, ("data", "model"))
+  np.testing.assert_array_equal(ga.gather(), g)
+
+
+def test_shard_map_takes_and_returns_global_jax_arrays(rt, grid):
+  g = _global_values(rt)
+  mesh = jax_mesh(grid)
+  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("data", "model")),
+                                     lambda index: g[index])
+  col_sums = mpijax.shard_map(lambda x: mlax.psum(x.sum(0, keepdims=True), "data"), mesh=grid,
+                              in_specs=P("data", "model"), out_specs=P(None, "model"))(arr)
+  # A global jax.Array comes back: plain JAX code goes on with it.
+  assert isinstance(col_sums, jax.Array) and not isinstance(col_sums, mpijax.GlobalArray)
+  assert col_sums.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+  _check_global(col_sums, g.sum(0, keepdims=True))
+  total = jax.jit(lambda c: c.sum(), out_shardings=NamedSharding(mesh, P()))(col_sums)
+  assert float(total.addressable_data(0)) == g.sum()
+  # An array laid out otherwise than in_specs says: JAX reshards it first, as jax.shard_map.
+  by_rows = jax.device_put(arr, NamedSharding(mesh, P(("data", "model"))))
+  doubled = mpijax.shard_map(lambda x: x * 2, mesh=grid, in_specs=P("data", "model"),
+                             out_specs=P("data", "model"))(by_rows)
+  _check_global(doubled, 2 * g)
+  # Pytrees mixing global jax.Arrays and GlobalArrays give jax.Arrays. (In a
+  # one-rank job every jax.Array is also this rank's part: GlobalArrays then.)
+  ga = mpijax.GlobalArray.from_global(g, grid, P("data", "model"))
+  out = mpijax.shard_map(lambda t: {"sum": t["a"] + t["b"]}, mesh=grid,
+                         in_specs=P("data", "model"), out_specs=P("data", "model"))(
+                             {"a": arr, "b": ga})
+  if rt.size > 1:
+    _check_global(out["sum"], 2 * g)
+  else:
+    np.testing.assert_array_equal(out["sum"].gather(), 2 * g)
+
+
+def test_pmap_takes_and_returns_global_jax_arrays(rt):
+  n, L = rt.size * rt.local_device_count, rt.local_device_count
+  g = np.arange(n * 3, dtype=np.float32).reshape(n, 3)  # one row per device of the job
+  mesh = Mesh(jax.devices(), ("rows",))
+  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("rows")),
+                                     lambda index: g[index])
+  out = mpijax.pmap(lambda x: mlax.psum(x, "i") + mlax.axis_index("i"), axis_name="i")(arr)
+  assert isinstance(out, jax.Array) and out.shape == g.shape
+  _check_global(out, g.sum(0) + np.arange(n)[:, None])
+  # out_axes=None: one replicated result, global too.
+  total = mpijax.pmap(lambda x: mlax.psum(x, "i"), axis_name="i", out_axes=None)(arr)
+  assert total.shape == (3,) and total.is_fully_replicated
+  _check_global(total, g.sum(0))
+  # This rank's rows (a plain local array) still give this rank's rows.
+  local = mpijax.pmap(lambda x: mlax.psum(x, "i"), axis_name="i")(
+      jnp.asarray(g[rt.rank * L:(rt.rank + 1) * L]))
+  np.testing.assert_array_equal(np.asarray(local), np.broadcast_to(g.sum(0), (L, 3)))
