@@ -1,8 +1,9 @@
 """A Flax NNX model trained data-parallel with plain ``jax.jit``, checkpointed with Orbax.
 
-Shared by tests/mpi/test_flax_orbax.py (inside the multi-rank suite) and
-tests/test_flax_orbax_jobs.py, which runs this module as a script on 4 ranks
-to save and on other rank counts to restore::
+tests/test_flax_orbax_jobs.py runs this module as a script on 4 ranks to
+train and save, and on other rank counts to restore (the recipe in
+docs/global-arrays.md, checked in every configuration of tests/mpi, is the
+same training)::
 
     mpijax-run -n 4 -- python -m tests.flax_orbax save PATH
     mpijax-run -n 2 --devices-per-process 2 -- python -m tests.flax_orbax restore PATH
