@@ -45,3 +45,13 @@ def pytest_collection_modifyitems(config, items):
 def rt():
   """The mpijax runtime, initialized once per rank for the whole session."""
   return mpijax.init()
+
+
+@pytest.fixture(scope="session")
+def jax_multiprocess(rt):
+  """Skips unless JAX knows every rank (its distributed runtime is on)."""
+  import jax
+  if jax.process_count() != rt.size:
+    pytest.skip(f"JAX's distributed runtime is off in this job (JAX sees "
+                f"{jax.process_count()} process, the job has {rt.size} ranks): plain JAX "
+                "code does not span the ranks")

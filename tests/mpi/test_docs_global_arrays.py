@@ -53,7 +53,7 @@ def test_global_array_example(rt, in_shared_dir):
   np.testing.assert_array_equal(ns["cols"].gather(), np.arange(32.0).reshape(8, 4))
 
 
-def test_global_array_and_jax_array_example(rt):
+def test_global_array_and_jax_array_example(rt, jax_multiprocess):
   if 8 % rt.size:
     pytest.skip(f"the example splits 8 rows over the ranks; {rt.size} ranks do not divide 8")
   ns: dict = {}
@@ -66,7 +66,7 @@ def test_global_array_and_jax_array_example(rt):
     np.testing.assert_array_equal(np.asarray(s.data), g.sum(0)[s.index])
 
 
-def test_the_guides_example(rt):
+def test_the_guides_example(rt, jax_multiprocess):
   L = rt.local_device_count
   if rt.size * L != 4:
     pytest.skip(f"the example is written for 4 devices in the job, this job has {rt.size * L}")
@@ -82,7 +82,8 @@ def test_the_guides_example(rt):
   assert len(re.findall(r"CPU \d+", printed)) == 4  # the 2 x 2 drawing
 
 
-def test_flax_and_orbax_recipe_equals_one_process_and_round_trips(rt, in_shared_dir):
+def test_flax_and_orbax_recipe_equals_one_process_and_round_trips(rt, jax_multiprocess,
+                                                                   in_shared_dir):
   """A Flax NNX model trained data-parallel with plain jax.jit over every device of
   every rank (each rank its own rows of the global batch) equals the same training in
   one process on one device; its Orbax checkpoint restores bit for bit (on another rank

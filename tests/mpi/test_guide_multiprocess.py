@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 import mpijax
 from tests import guides
 
+pytestmark = pytest.mark.usefixtures("jax_multiprocess")
+
 
 def test_the_guides_session_across_the_ranks(rt):
   # mpijax.init() has started JAX's distributed runtime with the job's

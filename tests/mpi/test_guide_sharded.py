@@ -23,6 +23,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from tests import guides
 
+pytestmark = pytest.mark.usefixtures("jax_multiprocess")
+
 
 def _adapted(n: int) -> dict[str, str]:
   """The guide's blocks, two of them adapted to ``n`` devices."""
@@ -44,7 +46,7 @@ def _adapted(n: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def guide():
+def guide(jax_multiprocess):
   """Runs the whole guide once, as a notebook; per block: (values, printed, namespace)."""
   n = jax.device_count()
   if 8 % n:

@@ -20,6 +20,8 @@ import mpijax
 from mpijax import lax as mlax
 from mpijax._src.global_array import jax_mesh
 
+pytestmark = pytest.mark.usefixtures("jax_multiprocess")
+
 
 @pytest.fixture(scope="module")
 def grid(rt):
