@@ -1,4 +1,8 @@
-"""Type stub for mpijax's C++ MPI transport (mpijax/_src/ffi/csrc/module.cc)."""
+"""Type stub for mpijax's C++ MPI transport (mpijax/_src/ffi/csrc/module.cc).
+
+tests/unit/test_ffi_stub.py checks that every function here has the
+module's parameters (names, kinds, defaults), and the other way round.
+"""
 
 from collections.abc import Sequence
 from typing import Any

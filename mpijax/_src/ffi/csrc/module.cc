@@ -1,6 +1,7 @@
 // The Python module _mpijax_ffi: settings, the communicator and call-site
 // registries, the stall inspector's threads, and the handler capsules for
-// jax.ffi.register_ffi_target. mpijax/_src/ffi/_mpijax_ffi.pyi is its stub.
+// jax.ffi.register_ffi_target. mpijax/_src/ffi/_mpijax_ffi.pyi is its stub
+// (tests/unit/test_ffi_stub.py checks that they agree).
 #include <mpi.h>
 
 #include <algorithm>
