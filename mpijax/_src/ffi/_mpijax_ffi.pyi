@@ -7,6 +7,8 @@ module's parameters (names, kinds, defaults), and the other way round.
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
@@ -31,6 +33,13 @@ def node_paths(comm_id: int) -> list[int]:
   """The node-local all-reduce paths of ``comm_id``, per local device: 0 not
   set up yet, -1 unavailable, 1 shared memory, 2 shared memory and
   cross-memory attach."""
+
+def node_allreduce(handle: int, send: np.ndarray, recv: np.ndarray, *,
+                   op: str = "sum", shm_max_bytes: int = 1048576,
+                   cma_min_bytes: int = 65536, repeat: int = 1) -> list[int]:
+  """Runs the node-local all-reduce's C++ API on the mpi4py communicator
+  ``handle`` ``repeat`` times; each call's path (0 MPI_Allreduce, 1 shared
+  memory, 2 cross-memory attach). Collective; for tests."""
 
 def unregister_comms(comm_id: int) -> None:
   """Forgets the communicators of ``comm_id`` (before they are freed)."""

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -13,8 +14,10 @@
 #include "handlers.h"
 #include "inspector.h"
 #include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
+#include "node_local.h"
 #include "reduce_ops.h"
 #include "registry.h"
 #include "settings.h"
@@ -81,6 +84,68 @@ void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
   s.cma_min_bytes = cma_min_bytes;
 }
 
+// The MPI datatype of a NumPy array's dtype, for node_allreduce.
+MPI_Datatype ArrayType(nb::dlpack::dtype t) {
+  using nb::dlpack::dtype_code;
+  if (t.lanes == 1 && t.code == static_cast<uint8_t>(dtype_code::Float)) {
+    if (t.bits == 32) return MPI_FLOAT;
+    if (t.bits == 64) return MPI_DOUBLE;
+  }
+  if (t.lanes == 1 && t.code == static_cast<uint8_t>(dtype_code::Int)) {
+    if (t.bits == 32) return MPI_INT32_T;
+    if (t.bits == 64) return MPI_INT64_T;
+  }
+  throw nb::type_error("node_allreduce: float32, float64, int32 or int64 "
+                       "arrays only");
+}
+
+using CpuArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// node_local::Allreduce on an mpi4py communicator, `repeat` times with one
+// state (set up by the first); the path of each call.
+std::vector<int> NodeAllreduce(uintptr_t handle, CpuArray send, CpuArray recv,
+                               const std::string& op, int64_t shm_max_bytes,
+                               int64_t cma_min_bytes, int repeat) {
+  MPI_Datatype dt = ArrayType(send.dtype());
+  if (send.dtype() != recv.dtype() || send.size() != recv.size()) {
+    throw nb::value_error("node_allreduce: send and recv must have the same "
+                          "dtype and size");
+  }
+  if (send.size() > static_cast<size_t>(INT32_MAX)) {
+    throw nb::value_error("node_allreduce: more than 2**31 - 1 elements");
+  }
+  MPI_Op mop = op == "sum"    ? MPI_SUM
+               : op == "prod" ? MPI_PROD
+               : op == "min"  ? MPI_MIN
+               : op == "max"  ? MPI_MAX
+                              : MPI_OP_NULL;
+  if (mop == MPI_OP_NULL) {
+    throw nb::value_error(("node_allreduce: op must be 'sum', 'prod', 'min' "
+                           "or 'max', got '" + op + "'").c_str());
+  }
+  node_local::Limits limits;
+  limits.shm_max_bytes = shm_max_bytes;
+  limits.cma_min_bytes = cma_min_bytes;
+  node_local::Comm c(HandleToComm(handle), limits);
+  const void* sendbuf =
+      send.data() == recv.data() ? MPI_IN_PLACE : send.data();
+  std::vector<int> paths;
+  int rc = MPI_SUCCESS;
+  {
+    nb::gil_scoped_release release;
+    for (int i = 0; i < repeat && rc == MPI_SUCCESS; ++i) {
+      rc = node_local::Allreduce(c, sendbuf, recv.data(),
+                                 static_cast<int>(recv.size()), dt, mop);
+      paths.push_back(c.last_path);
+    }
+  }
+  if (rc != MPI_SUCCESS) {
+    throw std::runtime_error("node_allreduce: error " + std::to_string(rc) +
+                             ": " + c.last_error);
+  }
+  return paths;
+}
+
 }  // namespace
 }  // namespace mpijax::detail
 
@@ -138,6 +203,16 @@ NB_MODULE(_mpijax_ffi, m) {
   "yet (no all-reduce has needed them), -1 unavailable (ranks on several "
   "nodes, or no shared memory), 1 shared memory, 2 shared memory and "
   "cross-memory attach. For diagnostics and tests; read between calls.");
+
+  m.def("node_allreduce", &NodeAllreduce, nb::arg("handle"), nb::arg("send"),
+        nb::arg("recv"), nb::kw_only(), nb::arg("op") = "sum",
+        nb::arg("shm_max_bytes") = int64_t{1} << 20,
+        nb::arg("cma_min_bytes") = int64_t{64} << 10, nb::arg("repeat") = 1,
+        "Runs the node-local all-reduce's C++ API (node_local::Allreduce, for "
+        "libraries outside mpijax's handlers) on the mpi4py communicator "
+        "`handle` (MPI._handleof), `repeat` times with one state; recv may be "
+        "send (in place). Returns each call's path: 0 MPI_Allreduce, 1 "
+        "shared memory, 2 cross-memory attach. Collective; for tests.");
 
   m.def("unregister_comms", &UnregisterComms, nb::arg("comm_id"),
   "Forgets the communicators of comm_id (before Python frees them).");

@@ -21,7 +21,7 @@
 //
 // Building it into another target: compile ${MPIJAX_NODE_LOCAL_SOURCES}
 // (CMakeLists.txt) with MPI's include directories and this directory on the
-// include path.
+// include path. mpijax's module tests this API through node_allreduce().
 #ifndef MPIJAX_FFI_NODE_LOCAL_H_
 #define MPIJAX_FFI_NODE_LOCAL_H_
 
