@@ -224,9 +224,13 @@ Status Setup(Comm& c, Caller& caller, int64_t segment_bytes) {
   char name[64] = {0};
   int fd = -1;
   if (r == 0) {
-    std::snprintf(name, sizeof name, "/mpijax-%d-%lld",
+    // The counter's address tells apart two copies of this code in one
+    // process (mpijax's module and another library built with it).
+    std::snprintf(name, sizeof name, "/mpijax-%d-%lld-%llx",
                   static_cast<int>(getpid()),
-                  static_cast<long long>(g_shm_files.fetch_add(1)));
+                  static_cast<long long>(g_shm_files.fetch_add(1)),
+                  static_cast<unsigned long long>(
+                      reinterpret_cast<uintptr_t>(&g_shm_files)));
     fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd >= 0 && ftruncate(fd, static_cast<off_t>(total)) != 0) {
       close(fd);
