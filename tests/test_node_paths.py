@@ -38,3 +38,14 @@ def test_a_rank_in_another_pid_namespace_turns_cross_memory_attach_off():
                           str(SCRIPTS / "cma_paths.py")], timeout=120, wrap=False)
   assert result.returncode == 0, tail(result.stdout)
   assert _paths(result.stdout) == {0: "[1]", 1: "[1]"}, tail(result.stdout)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_cpp_api_reduces_on_a_plain_communicator(ranks):
+  # node_local::Allreduce, as a library outside mpijax's handlers calls it:
+  # every path is taken where it should be, and every result is right.
+  result, _ = run_mpi(ranks, [sys.executable, str(SCRIPTS / "node_allreduce_api.py")],
+                      timeout=180)
+  assert result.returncode == 0, tail(result.stdout)
+  want = "[1, 1, 1, 2, 2, 2, 2, 2, 2, 1, 1, 1, 0, 0, 0, 1, 2]"
+  assert _paths(result.stdout) == {r: want for r in range(ranks)}, tail(result.stdout)

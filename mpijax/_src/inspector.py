@@ -1,6 +1,6 @@
 """The stall inspector's Python side: start and stop the responder thread.
 
-The C++ transport (``mpijax_ffi.cc``) keeps, per communicator and local
+The C++ transport (``ffi/csrc/``) keeps, per communicator and local
 device, what the last mpijax call was and whether it is still inside it. A
 responder thread answers other ranks' status queries on a private clone of
 the runtime's communicator; a collective that waits longer than

@@ -1,43 +1,62 @@
-"""Type stub for mpijax's C++ MPI transport (mpijax/_src/ffi/mpijax_ffi.cc)."""
+"""Type stub for mpijax's C++ MPI transport (mpijax/_src/ffi/csrc/module.cc).
 
+tests/unit/test_ffi_stub.py checks that every function here has the
+module's parameters (names, kinds, defaults), and the other way round.
+"""
+
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 def registrations() -> dict[str, Any]:
   """FFI target name -> handler capsule, for jax.ffi.register_ffi_target."""
 
-def setup(max_chunk_bytes: int, timeout_s: float, stall_abort: bool = True,
-          check_every: bool = False, blocking_min_bytes: int = 0,
-          ring_min_bytes: int = 131072,
-          ring_in_place_min_bytes: int = 4194304,
-          shm_max_bytes: int = 1048576) -> None:
+def setup(*, max_chunk_bytes: int, timeout_s: float, stall_abort: bool,
+          check_every: bool, blocking_min_bytes: int, ring_min_bytes: int,
+          ring_in_place_min_bytes: int, shm_max_bytes: int,
+          cma_min_bytes: int) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
   action, whether every call's signature is compared across ranks, the sizes
-  from which collectives block and all-reduces run the ring, and up to which
-  all-reduces go through node-local shared memory."""
+  from which collectives block and all-reduces run the ring, up to which
+  all-reduces go through node-local shared memory, and from which they run
+  by cross-memory attach."""
 
-def register_comms(handles: list[int], check_handles: list[int], key: int,
-                   ordinals: list[int]) -> int:
+def register_comms(handles: Sequence[int], check_handles: Sequence[int],
+                   key: int, ordinals: Sequence[int]) -> int:
   """Registers one communicator (and one signature-check communicator) per
   local device index; ``key`` is the id all its ranks agreed on; ``ordinals``
   are XLA's device ordinals (jax device ids) of the local devices in index
-  order. Returns the id used as the ops' ``comm``
-  attribute."""
+  order. Returns the id used as the ops' ``comm`` attribute."""
+
+def node_paths(comm_id: int) -> list[int]:
+  """The node-local all-reduce paths of ``comm_id``, per local device: 0 not
+  set up yet, -1 unavailable, 1 shared memory, 2 shared memory and
+  cross-memory attach."""
+
+def node_allreduce(handle: int, send: np.ndarray, recv: np.ndarray, *,
+                   op: str = "sum", shm_max_bytes: int = 1048576,
+                   cma_min_bytes: int = 65536, repeat: int = 1) -> list[int]:
+  """Runs the node-local all-reduce's C++ API on the mpi4py communicator
+  ``handle`` ``repeat`` times; each call's path (0 MPI_Allreduce, 1 shared
+  memory, 2 cross-memory attach). Collective; for tests."""
+
+def unregister_comms(comm_id: int) -> None:
+  """Forgets the communicators of ``comm_id`` (before they are freed)."""
 
 def register_site(text: str, slot: int) -> int:
   """Registers a call site's description and check slot (one per (signature,
   communicator)); returns its id (``site`` attribute)."""
 
 def start_inspector(handle: int) -> bool:
-  """Starts the stall inspector's responder thread on a private communicator."""
+  """Starts the stall inspector's responder and watchdog threads on a private
+  communicator; False if not started."""
 
 def stop_inspector() -> None:
   """Stops and joins the responder thread."""
 
 def status(key: int, device: int) -> str:
   """'<calls> <phase> <text>' for (communicator key, device), as sent to askers."""
-
-def unregister_comms(comm_id: int) -> None:
-  """Forgets the communicators of ``comm_id`` (before they are freed)."""
 
 def build_mpi_version() -> str:
   """MPI family and version of the mpi.h this module was compiled with."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpijax._src import config
 from mpijax._src import ffi as _ffi
 
-_pushed: tuple | None = None
+_pushed: dict[str, int | float | bool] | None = None
 
 
 def push_settings() -> None:
@@ -17,11 +17,14 @@ def push_settings() -> None:
         f"MPIJAX_STALL_ACTION={action!r} is not valid: use 'abort' (report the "
         "stall, then end the job) or 'warn' (report it and keep waiting).")
   timeout = config.parse("timeout", config.get("timeout"))  # also after config.update
-  settings = (int(config.get("max_chunk_bytes")), timeout,
-              action == "abort", bool(config.get("check")),
-              int(config.get("blocking_min_bytes")), int(config.get("ring_min_bytes")),
-              int(config.get("ring_in_place_min_bytes")), int(config.get("shm_max_bytes")),
-              int(config.get("cma_min_bytes")))
+  settings = dict(
+      max_chunk_bytes=int(config.get("max_chunk_bytes")), timeout_s=timeout,
+      stall_abort=action == "abort", check_every=bool(config.get("check")),
+      blocking_min_bytes=int(config.get("blocking_min_bytes")),
+      ring_min_bytes=int(config.get("ring_min_bytes")),
+      ring_in_place_min_bytes=int(config.get("ring_in_place_min_bytes")),
+      shm_max_bytes=int(config.get("shm_max_bytes")),
+      cma_min_bytes=int(config.get("cma_min_bytes")))
   if settings != _pushed:
-    _ffi.load().setup(*settings)
+    _ffi.load().setup(**settings)
     _pushed = settings

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace mpijax {
+namespace mpijax::detail {
 
 inline float BitsToFloat(uint32_t bits) {
   float f;
@@ -72,6 +72,6 @@ inline uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(v >> 13);
 }
 
-}  // namespace mpijax
+}  // namespace mpijax::detail
 
 #endif  // MPIJAX_FFI_HALF_H_

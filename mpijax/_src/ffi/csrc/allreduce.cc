@@ -1,0 +1,172 @@
+#include "allreduce.h"
+
+#include <algorithm>
+#include <string>
+
+#include "inspector.h"
+#include "node_local.h"
+#include "reduce_ops.h"
+#include "ring.h"
+#include "settings.h"
+#include "signature.h"
+#include "wait.h"
+
+namespace mpijax::detail {
+namespace {
+
+ffi::Error ToFfi(const node_local::Status& s) {
+  if (s.ok()) return ffi::Error::Success();
+  return ffi::Error(static_cast<ffi::ErrorCode>(s.code), s.message);
+}
+
+node_local::Status FromFfi(const ffi::Error& e) {
+  if (e.success()) return {};
+  return {static_cast<int>(*e.errc()), e.message()};
+}
+
+// A handler as the node-local all-reduce's caller: stalls go to the stall
+// inspector, failures are worded with the call's description and the
+// settings that avoid them.
+class HandlerCaller : public node_local::Caller {
+ public:
+  HandlerCaller(const CallInfo& info, ffi::DataType type, int64_t divisor)
+      : info_(info), type_(type), divisor_(divisor) {
+    sig = info.sig;
+    finishes = divisor != 1;
+  }
+  node_local::Status Finish(char* p, size_t count) override {
+    return FromFfi(DivideInPlace(type_, p, count, divisor_));
+  }
+  double Timeout() const override {
+    return g_settings.timeout_s.load(std::memory_order_relaxed);
+  }
+  void Stalled(double waited_s) override { ReportStall(info_, waited_s); }
+  void Blocking(bool inside) override {
+    info_.dc->status.blocking_since_ns.store(inside ? NowNs() : 0,
+                                             std::memory_order_relaxed);
+  }
+  node_local::Status MpiFailed(int rc, const char* call) override {
+    return FromFfi(MpiError(rc, call, info_));
+  }
+  node_local::Status Mismatch(int rank, int64_t rank_sig, int64_t rank_bytes,
+                              int64_t my_bytes) override {
+    if (rank_sig != info_.sig) return FromFfi(MismatchError(info_, info_.sig));
+    std::string what = rank_bytes != my_bytes
+        ? " reduces " + std::to_string(rank_bytes) + " bytes, this rank " +
+              std::to_string(my_bytes)
+        : " takes another transport path (MPIJAX_SHM_MAX_BYTES and "
+          "MPIJAX_CMA_MIN_BYTES must be the same on every rank)";
+    return {node_local::kInternal,
+            info_.Describe() + ": rank " + std::to_string(rank) + what};
+  }
+  node_local::Status CmaFailed(int rank, const std::string& how) override {
+    return {node_local::kInternal,
+            info_.Describe() + ": the cross-memory all-reduce failed on rank " +
+                std::to_string(rank) + " (" + how +
+                "); MPIJAX_CMA_MIN_BYTES=0 turns this path off."};
+  }
+
+ private:
+  const CallInfo& info_;
+  ffi::DataType type_;
+  int64_t divisor_;
+};
+
+// Sets up dc's node-local paths if no call has tried yet (collective: the
+// same call on every rank); whether they are mapped.
+ffi::ErrorOr<bool> NodeReady(const CallInfo& info) {
+  node_local::Comm& node = info.dc->node;
+  if (node.state != 0) return node.state == 1;
+  HandlerCaller caller(info, info.dtype, 1);
+  bool ready = false;
+  node_local::Status s = node_local::Ready(
+      node, caller, g_settings.shm_max_bytes.load(), &ready);
+  if (!s.ok()) return ffi::Unexpected(ToFfi(s));
+  return ready;
+}
+
+// Whether an all-reduce of `bytes` goes through shared memory (setting it up
+// at the first call that could). Not with several local devices per rank:
+// their reductions already meet in XLA's local collectives first.
+ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
+  DevComm* dc = info.dc;
+  int64_t max_bytes = g_settings.shm_max_bytes.load(std::memory_order_relaxed);
+  if (dc == nullptr || dc->local_devices != 1 || info.comm_size < 2 ||
+      max_bytes <= 0 || bytes == 0 || bytes > static_cast<size_t>(max_bytes))
+    return false;
+  auto ready = NodeReady(info);
+  if (ready.has_error()) return ready;
+  return *ready && bytes <= dc->node.segment_bytes();
+}
+
+}  // namespace
+
+ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
+  int64_t min_bytes = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
+  if (info.dc == nullptr || info.dc->local_devices != 1 ||
+      info.comm_size < 2 || min_bytes <= 0 ||
+      bytes < static_cast<size_t>(min_bytes) ||
+      buffers > node_local::kCmaMaxBuffers)
+    return false;
+  auto ready = NodeReady(info);
+  if (ready.has_error()) return ready;
+  return *ready && info.dc->node.cma_ok;
+}
+
+ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
+                        ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
+                        int64_t divisor) {
+  // A bad divisor fails here, on every rank, before any rank waits.
+  if (divisor != 1) {
+    if (auto e = DivideInPlace(type, nullptr, 0, divisor); e.failure())
+      return e;
+  }
+  HandlerCaller caller(info, type, divisor);
+  return ToFfi(node_local::CmaAllreduce(info.dc->node, caller, spans, dt, mop));
+}
+
+ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
+                           ffi::AnyBuffer x, ffi::AnyBuffer out, int64_t op,
+                           int64_t divisor) {
+  ffi::DataType type = x.element_type();
+  size_t n = x.element_count();
+  const char* src = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out.untyped_data());
+  MPI_Datatype dt;
+  MPI_Op mop;
+  if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
+  size_t es = ffi::ByteWidth(type);
+  bool in_place = src == dst;  // the output aliases the (donated) input
+  auto cma = UseCma(info, n * es, 1);
+  if (cma.has_error()) return cma.error();
+  if (*cma || UseRing(info, n * es, in_place)) {
+    Spans spans(es);
+    spans.Add(src, dst, n);
+    if (*cma) return CmaAllreduce(info, spans, type, dt, mop, divisor);
+    return RingSegments(info, comm, spans, type, dt, mop, divisor);
+  }
+  auto shm = UseShm(info, n * es);
+  if (shm.has_error()) return shm.error();
+  if (*shm) {
+    HandlerCaller caller(info, type, divisor);
+    return ToFfi(node_local::ShmAllreduce(info.dc->node, caller, src, dst, n,
+                                          es, dt, mop));
+  }
+  size_t chunk = ChunkElems(es);
+  for (size_t off = 0; off < n; off += chunk) {
+    int count = static_cast<int>(std::min(chunk, n - off));
+    const void* send = in_place ? MPI_IN_PLACE : src + off * es;
+    MPIJAX_COLLECTIVE(
+        info, comm, count * es,
+        MPI_Allreduce(send, dst + off * es, count, dt, mop, comm),
+        MPI_Iallreduce(send, dst + off * es, count, dt, mop, comm, &req_));
+    if (divisor != 1) {
+      if (auto e = DivideInPlace(type, dst + off * es, count, divisor);
+          e.failure())
+        return e;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace mpijax::detail

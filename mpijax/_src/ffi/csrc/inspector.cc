@@ -1,0 +1,310 @@
+#include "inspector.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "settings.h"
+
+namespace mpijax::detail {
+
+std::atomic<bool> g_watchdog_running{false};
+
+namespace {
+
+constexpr int kQueryTag = 7001;
+constexpr int kReplyTagBase = 7002;  // + (query sequence % 20000)
+constexpr double kReplyWaitS = 2.0;
+
+std::mutex g_insp_mu;                  // start / stop
+std::atomic<MPI_Comm> g_insp_comm{MPI_COMM_NULL};
+std::thread* g_responder = nullptr;    // joined by StopInspector
+std::atomic<bool> g_responder_stop{false};
+std::thread* g_watchdog = nullptr;     // joined by StopInspector
+std::atomic<int64_t> g_query_seq{0};
+
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s);
+  return buf;
+}
+
+void ResponderLoop(MPI_Comm comm) {
+  struct Pending {
+    MPI_Request req;
+    std::unique_ptr<std::string> text;
+  };
+  std::vector<Pending> pending;
+  while (!g_responder_stop.load(std::memory_order_relaxed)) {
+    for (size_t i = 0; i < pending.size();) {
+      int done = 0;
+      MPI_Test(&pending[i].req, &done, MPI_STATUS_IGNORE);
+      if (done) {
+        pending[i] = std::move(pending.back());
+        pending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kQueryTag, comm, &flag, &st) != MPI_SUCCESS)
+      break;
+    if (!flag) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    int64_t q[3];  // key, device, reply tag
+    MPI_Recv(q, 3, MPI_INT64_T, st.MPI_SOURCE, kQueryTag, comm,
+             MPI_STATUS_IGNORE);
+    Pending p{MPI_REQUEST_NULL,
+              std::make_unique<std::string>(DescribeStatus(q[0], q[1]))};
+    MPI_Isend(p.text->data(), static_cast<int>(p.text->size()), MPI_CHAR,
+              st.MPI_SOURCE, static_cast<int>(q[2]), comm, &p.req);
+    pending.push_back(std::move(p));
+  }
+  for (auto& p : pending) {  // an asker that died: drop, leak the text
+    MPI_Cancel(&p.req);
+    MPI_Request_free(&p.req);
+    p.text.release();
+  }
+}
+
+// The watchdog thread guards blocking MPI calls (large messages): a thread
+// inside one cannot poll its own deadline, so this thread looks at every
+// (communicator, device) status a few times per second and, once a blocking
+// call has run past MPIJAX_TIMEOUT, reports the stall like WaitAll does (the
+// responder threads of the other ranks answer) and aborts the job, or with
+// MPIJAX_STALL_ACTION=warn reports again every timeout. It replaces an
+// MPI_Ibarrier round trip before every large call.
+void WatchdogLoop() {
+  struct Seen {
+    int64_t since;    // the blocking call being watched
+    int64_t next_ns;  // when to report (again)
+  };
+  std::vector<std::pair<DevComm*, Seen>> seen;
+  while (!g_responder_stop.load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    double timeout = g_settings.timeout_s.load(std::memory_order_relaxed);
+    if (timeout <= 0) continue;
+    int64_t period = static_cast<int64_t>(timeout * 1e9);
+    int64_t now = NowNs();
+    struct Due {
+      DevComm* dc;
+      int64_t device;
+      int64_t since;
+    };
+    std::vector<Due> due;
+    {
+      std::lock_guard<std::mutex> lock(g_comms_mu);
+      for (auto& e : g_comms) {
+        for (size_t d = 0; d < e.devs.size(); ++d) {
+          DevComm* dc = e.devs[d].get();
+          int64_t since =
+              dc->status.blocking_since_ns.load(std::memory_order_relaxed);
+          if (since != 0 && now - since > period)
+            due.push_back({dc, static_cast<int64_t>(d), since});
+        }
+      }
+    }
+    for (const Due& u : due) {
+      auto it = std::find_if(seen.begin(), seen.end(),
+                             [&](const auto& p) { return p.first == u.dc; });
+      if (it == seen.end()) {
+        seen.push_back({u.dc, {0, 0}});
+        it = seen.end() - 1;
+      }
+      if (it->second.since != u.since) it->second = {u.since, u.since + period};
+      if (now < it->second.next_ns) continue;
+      it->second.next_ns += period;
+      CallInfo info{"collective", ffi::DataType::INVALID,
+                    ffi::Span<const int64_t>(nullptr, 0), CommSize(u.dc->comm),
+                    u.dc->key, u.device};
+      info.dc = u.dc;
+      info.site = u.dc->status.site.load(std::memory_order_relaxed);
+      ReportStall(info, (now - u.since) * 1e-9);
+    }
+  }
+}
+
+}  // namespace
+
+bool StartInspector(MPI_Comm comm) {
+  std::lock_guard<std::mutex> lock(g_insp_mu);
+  if (g_responder != nullptr) return false;
+  int level = 0;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_MULTIPLE) return false;
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  g_insp_comm = comm;
+  g_responder_stop = false;
+  g_responder = new std::thread(ResponderLoop, comm);
+  g_watchdog = new std::thread(WatchdogLoop);
+  g_watchdog_running = true;
+  return true;
+}
+
+void StopInspector() {
+  std::lock_guard<std::mutex> lock(g_insp_mu);
+  g_responder_stop = true;
+  g_watchdog_running = false;  // from now on large calls check arrival first
+  if (g_watchdog != nullptr) {
+    g_watchdog->join();
+    delete g_watchdog;
+    g_watchdog = nullptr;
+  }
+  if (g_responder != nullptr) {
+    g_responder->join();
+    delete g_responder;
+    g_responder = nullptr;
+  }
+  g_insp_comm = MPI_COMM_NULL;
+}
+
+std::string DescribeStatus(int64_t key, int64_t device) {
+  DevComm* dc = FindDev(key, device);
+  if (dc == nullptr) return "0 0 has not used this communicator yet";
+  const Status& st = dc->status;
+  int64_t calls = st.calls.load(std::memory_order_relaxed);
+  int phase = st.phase.load(std::memory_order_relaxed);
+  int64_t site = st.site.load(std::memory_order_relaxed);
+  double secs = (NowNs() - st.since_ns.load(std::memory_order_relaxed)) * 1e-9;
+  std::ostringstream s;
+  s << calls << " " << phase << " ";
+  if (calls == 0) {
+    s << "idle, no call on this communicator yet";
+  } else if (phase == 0) {
+    s << "idle since " << Seconds(secs) << " s; last: " << SiteText(site)
+      << ", call #" << calls;
+  } else {
+    s << "in call #" << calls << " since " << Seconds(secs) << " s: "
+      << (phase == 1 ? "signature check before " : "") << SiteText(site);
+  }
+  return s.str();
+}
+
+void ReportStall(const CallInfo& info, double waited) {
+  DevComm* dc = info.dc;
+  MPI_Comm insp = g_insp_comm.load();
+  int my_insp_rank = insp == MPI_COMM_NULL ? -1 : CommRank(insp);
+  const Status& st = dc->status;
+  int64_t my_calls = st.calls.load(std::memory_order_relaxed);
+  int my_phase = st.phase.load(std::memory_order_relaxed);
+  int n = CommSize(dc->comm), me = CommRank(dc->comm);
+  std::ostringstream s;
+  s << "mpijax: stall: rank " << (insp == MPI_COMM_NULL ? me : my_insp_rank)
+    << " waited " << Seconds(waited) << " s in "
+    << (my_phase == 1 ? "the signature check before " : "")
+    << SiteText(info.site) << " (call #" << my_calls << " on communicator "
+    << dc->key;
+  if (info.device != 0) s << ", local device " << info.device;
+  s << ").";
+  if (insp == MPI_COMM_NULL) {
+    s << " (The stall inspector is off: mpijax.init() did not start it, so "
+         "the other ranks cannot be asked.)";
+  } else {
+    std::vector<int> ranks(n), world(n);
+    for (int i = 0; i < n; ++i) ranks[i] = i;
+    MPI_Group g, wg;
+    MPI_Comm_group(dc->comm, &g);
+    MPI_Comm_group(insp, &wg);
+    MPI_Group_translate_ranks(g, n, ranks.data(), wg, world.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+    int tag = kReplyTagBase + static_cast<int>(g_query_seq++ % 20000);
+    // Queries outlive this call if a peer never receives them: leaked.
+    auto* queries = new std::vector<int64_t>(3 * n);
+    std::vector<MPI_Request> sends;
+    for (int r = 0; r < n; ++r) {
+      if (r == me || world[r] == MPI_UNDEFINED) continue;
+      int64_t* q = queries->data() + 3 * r;
+      q[0] = dc->key; q[1] = info.device; q[2] = tag;
+      MPI_Request req;
+      MPI_Isend(q, 3, MPI_INT64_T, world[r], kQueryTag, insp, &req);
+      sends.push_back(req);
+    }
+    std::vector<std::string> answer(n);
+    std::vector<bool> got(n, false);
+    got[me] = true;
+    auto until = Clock::now() + std::chrono::milliseconds(
+                                    static_cast<int>(kReplyWaitS * 1000));
+    int missing = n - 1;
+    while (missing > 0 && Clock::now() < until) {
+      bool any = false;
+      for (int r = 0; r < n; ++r) {
+        if (got[r] || world[r] == MPI_UNDEFINED) continue;
+        int flag = 0;
+        MPI_Status rs;
+        MPI_Iprobe(world[r], tag, insp, &flag, &rs);
+        if (!flag) continue;
+        int len = 0;
+        MPI_Get_count(&rs, MPI_CHAR, &len);
+        answer[r].resize(len);
+        MPI_Recv(answer[r].data(), len, MPI_CHAR, world[r], tag, insp,
+                 MPI_STATUS_IGNORE);
+        got[r] = true;
+        --missing;
+        any = true;
+      }
+      if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    bool all_sent = true;
+    for (auto& req : sends) {
+      int done = 0;
+      MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      if (!done) { all_sent = false; MPI_Request_free(&req); }
+    }
+    if (all_sent) delete queries;
+    std::vector<std::string> late, arrived;
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      std::string who = "rank " + std::to_string(world[r]);
+      if (!got[r]) {
+        late.push_back(who + " (no answer within " + Seconds(kReplyWaitS) +
+                       " s: the process died, is exiting, or is stuck "
+                       "outside mpijax)");
+        continue;
+      }
+      long long calls = 0;
+      int phase = 0, used = 0;
+      std::sscanf(answer[r].c_str(), "%lld %d %n", &calls, &phase, &used);
+      if (calls == my_calls && phase == my_phase) {
+        arrived.push_back(std::to_string(world[r]));
+      } else {
+        late.push_back(who + " (" + answer[r].substr(used) + ")");
+      }
+    }
+    if (late.empty()) {
+      s << " Every rank has arrived; the network may be stuck.";
+    } else {
+      s << " Not arrived: ";
+      for (size_t i = 0; i < late.size(); ++i) s << (i ? ", " : "") << late[i];
+      s << ".";
+    }
+    if (!arrived.empty()) {
+      s << " Waiting in the same call: rank" << (arrived.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < arrived.size(); ++i)
+        s << (i ? "," : "") << arrived[i];
+      s << ".";
+    }
+  }
+  s << " Every rank must call the same collectives in the same order "
+       "(MPIJAX_TIMEOUT=" << g_settings.timeout_s.load()
+    << " s; MPIJAX_STALL_ACTION="
+    << (g_settings.stall_abort.load() ? "abort" : "warn") << ").\n";
+  std::string text = s.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+  if (g_settings.stall_abort.load()) {
+    // Give the launcher's output forwarding time to pass the report on.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+}
+
+}  // namespace mpijax::detail

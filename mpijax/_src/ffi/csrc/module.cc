@@ -1,0 +1,254 @@
+// The Python module _mpijax_ffi: settings, the communicator and call-site
+// registries, the stall inspector's threads, and the handler capsules for
+// jax.ffi.register_ffi_target. mpijax/_src/ffi/_mpijax_ffi.pyi is its stub
+// (tests/unit/test_ffi_stub.py checks that they agree).
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "handlers.h"
+#include "inspector.h"
+#include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+#include "node_local.h"
+#include "reduce_ops.h"
+#include "registry.h"
+#include "settings.h"
+
+namespace nb = nanobind;
+
+namespace mpijax::detail {
+namespace {
+
+// Open MPI's MPI_Comm is a pointer, MPICH's an int; mpi4py's
+// MPI._handleof() gives the same bits as a Python int in both cases. (A
+// template so the branch not taken is never instantiated.)
+template <typename Comm = MPI_Comm>
+Comm HandleToComm(uintptr_t handle) {
+  if constexpr (std::is_pointer_v<Comm>) {
+    return reinterpret_cast<Comm>(handle);
+  } else {
+    return static_cast<Comm>(handle);
+  }
+}
+
+std::vector<MPI_Comm> HandlesToComms(const std::vector<uintptr_t>& handles) {
+  std::vector<MPI_Comm> comms;
+  for (uintptr_t h : handles) comms.push_back(HandleToComm(h));
+  return comms;
+}
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+std::string LinkedLibraryVersion() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(text, &len);
+  return std::string(text, len);
+}
+
+void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
+           bool check_every, int64_t blocking_min_bytes,
+           int64_t ring_min_bytes, int64_t ring_in_place_min_bytes,
+           int64_t shm_max_bytes, int64_t cma_min_bytes) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    throw nb::value_error("mpijax: MPI is not initialized; import mpi4py.MPI "
+                          "(or call mpijax.init()) first.");
+  }
+  if (max_chunk_bytes <= 0) {
+    throw nb::value_error(("max_chunk_bytes must be positive, got " +
+                           std::to_string(max_chunk_bytes)).c_str());
+  }
+  InitTypesOnce();
+  Settings& s = g_settings;
+  s.max_chunk_bytes = max_chunk_bytes;
+  s.timeout_s = timeout_s;
+  s.stall_abort = stall_abort;
+  s.check_every = check_every;
+  s.blocking_min_bytes = blocking_min_bytes;
+  s.ring_min_bytes = ring_min_bytes;
+  s.ring_in_place_min_bytes = ring_in_place_min_bytes;
+  s.shm_max_bytes = std::min<int64_t>(shm_max_bytes, int64_t{1} << 30);
+  s.cma_min_bytes = cma_min_bytes;
+}
+
+// The MPI datatype of a NumPy array's dtype, for node_allreduce.
+MPI_Datatype ArrayType(nb::dlpack::dtype t) {
+  using nb::dlpack::dtype_code;
+  if (t.lanes == 1 && t.code == static_cast<uint8_t>(dtype_code::Float)) {
+    if (t.bits == 32) return MPI_FLOAT;
+    if (t.bits == 64) return MPI_DOUBLE;
+  }
+  if (t.lanes == 1 && t.code == static_cast<uint8_t>(dtype_code::Int)) {
+    if (t.bits == 32) return MPI_INT32_T;
+    if (t.bits == 64) return MPI_INT64_T;
+  }
+  throw nb::type_error("node_allreduce: float32, float64, int32 or int64 "
+                       "arrays only");
+}
+
+using CpuArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// node_local::Allreduce on an mpi4py communicator, `repeat` times with one
+// state (set up by the first); the path of each call.
+std::vector<int> NodeAllreduce(uintptr_t handle, CpuArray send, CpuArray recv,
+                               const std::string& op, int64_t shm_max_bytes,
+                               int64_t cma_min_bytes, int repeat) {
+  MPI_Datatype dt = ArrayType(send.dtype());
+  if (send.dtype() != recv.dtype() || send.size() != recv.size()) {
+    throw nb::value_error("node_allreduce: send and recv must have the same "
+                          "dtype and size");
+  }
+  if (send.size() > static_cast<size_t>(INT32_MAX)) {
+    throw nb::value_error("node_allreduce: more than 2**31 - 1 elements");
+  }
+  MPI_Op mop = op == "sum"    ? MPI_SUM
+               : op == "prod" ? MPI_PROD
+               : op == "min"  ? MPI_MIN
+               : op == "max"  ? MPI_MAX
+                              : MPI_OP_NULL;
+  if (mop == MPI_OP_NULL) {
+    throw nb::value_error(("node_allreduce: op must be 'sum', 'prod', 'min' "
+                           "or 'max', got '" + op + "'").c_str());
+  }
+  node_local::Limits limits;
+  limits.shm_max_bytes = shm_max_bytes;
+  limits.cma_min_bytes = cma_min_bytes;
+  node_local::Comm c(HandleToComm(handle), limits);
+  const void* sendbuf =
+      send.data() == recv.data() ? MPI_IN_PLACE : send.data();
+  std::vector<int> paths;
+  int rc = MPI_SUCCESS;
+  {
+    nb::gil_scoped_release release;
+    for (int i = 0; i < repeat && rc == MPI_SUCCESS; ++i) {
+      rc = node_local::Allreduce(c, sendbuf, recv.data(),
+                                 static_cast<int>(recv.size()), dt, mop);
+      paths.push_back(c.last_path);
+    }
+  }
+  if (rc != MPI_SUCCESS) {
+    throw std::runtime_error("node_allreduce: error " + std::to_string(rc) +
+                             ": " + c.last_error);
+  }
+  return paths;
+}
+
+}  // namespace
+}  // namespace mpijax::detail
+
+NB_MODULE(_mpijax_ffi, m) {
+  using namespace mpijax::detail;
+  m.doc() = "mpijax's MPI transport: XLA FFI handlers and communicator table.";
+
+  m.def("registrations", [] {
+    nb::dict d;
+    d["mpijax_allreduce"] = Capsule(kAllreduce);
+    d["mpijax_allreduce_many"] = Capsule(kAllreduceMany);
+    d["mpijax_allgather"] = Capsule(kAllgather);
+    d["mpijax_reduce_scatter"] = Capsule(kReduceScatter);
+    d["mpijax_alltoall"] = Capsule(kAlltoall);
+    d["mpijax_bcast"] = Capsule(kBcast);
+    d["mpijax_reduce"] = Capsule(kReduce);
+    d["mpijax_ppermute"] = Capsule(kPpermute);
+    d["mpijax_barrier"] = Capsule(kBarrier);
+    d["mpijax_join"] = Capsule(kJoin);
+    d["mpijax_gate"] = Capsule(kGate);
+    return d;
+  }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
+
+  m.def("setup", &Setup, nb::kw_only(), nb::arg("max_chunk_bytes"),
+        nb::arg("timeout_s"), nb::arg("stall_abort"), nb::arg("check_every"),
+        nb::arg("blocking_min_bytes"), nb::arg("ring_min_bytes"),
+        nb::arg("ring_in_place_min_bytes"), nb::arg("shm_max_bytes"),
+        nb::arg("cma_min_bytes"),
+        "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, "
+        "stall action, whether every call's signature is checked, the sizes "
+        "from which collectives block and all-reduces run the ring, up to "
+        "which all-reduces go through node-local shared memory, and from "
+        "which they run by cross-memory attach.");
+
+  m.def("register_comms", [](const std::vector<uintptr_t>& handles,
+                             const std::vector<uintptr_t>& check_handles,
+                             int64_t key, const std::vector<int64_t>& ordinals) {
+    if (handles.size() != check_handles.size() ||
+        ordinals.size() != handles.size()) {
+      throw nb::value_error("register_comms: one check communicator and one "
+                            "device ordinal per communicator are needed");
+    }
+    return RegisterComms(HandlesToComms(handles), HandlesToComms(check_handles),
+                         key, ordinals);
+  }, nb::arg("handles"), nb::arg("check_handles"), nb::arg("key"),
+  nb::arg("ordinals"),
+  "Registers one communicator (and one signature-check communicator) per "
+  "local device index (mpi4py handles from MPI._handleof); `key` is the id "
+  "all ranks of the communicator agreed on; `ordinals` are XLA's device "
+  "ordinals (jax device ids) of the local devices in index order. Returns "
+  "the id used as the ops' 'comm' attribute.");
+
+  m.def("node_paths", &NodePaths, nb::arg("comm_id"),
+  "The node-local all-reduce paths of comm_id, per local device: 0 not set up "
+  "yet (no all-reduce has needed them), -1 unavailable (ranks on several "
+  "nodes, or no shared memory), 1 shared memory, 2 shared memory and "
+  "cross-memory attach. For diagnostics and tests; read between calls.");
+
+  m.def("node_allreduce", &NodeAllreduce, nb::arg("handle"), nb::arg("send"),
+        nb::arg("recv"), nb::kw_only(), nb::arg("op") = "sum",
+        nb::arg("shm_max_bytes") = int64_t{1} << 20,
+        nb::arg("cma_min_bytes") = int64_t{64} << 10, nb::arg("repeat") = 1,
+        "Runs the node-local all-reduce's C++ API (node_local::Allreduce, for "
+        "libraries outside mpijax's handlers) on the mpi4py communicator "
+        "`handle` (MPI._handleof), `repeat` times with one state; recv may be "
+        "send (in place). Returns each call's path: 0 MPI_Allreduce, 1 "
+        "shared memory, 2 cross-memory attach. Collective; for tests.");
+
+  m.def("unregister_comms", &UnregisterComms, nb::arg("comm_id"),
+  "Forgets the communicators of comm_id (before Python frees them).");
+
+  m.def("register_site", [](const std::string& text, int64_t slot) {
+    if (slot < 0) throw nb::value_error("register_site: slot must be >= 0");
+    return RegisterSite(text, slot);
+  }, nb::arg("text"), nb::arg("slot"),
+  "Registers a call site's description (e.g. 'allreduce(float32[4], sum) at "
+  "train.py:42') and its check slot (one per (signature, communicator)); "
+  "returns its id, the ops' 'site' attribute.");
+
+  m.def("start_inspector", [](uintptr_t handle) {
+    return StartInspector(HandleToComm(handle));
+  }, nb::arg("handle"),
+  "Starts the stall inspector's responder and watchdog threads on a private "
+  "communicator spanning the job (needs MPI_THREAD_MULTIPLE); False if not "
+  "started.");
+
+  m.def("stop_inspector", [] {
+    nb::gil_scoped_release release;
+    StopInspector();
+  }, "Stops and joins the responder thread (before its communicator is freed).");
+
+  m.def("status", &DescribeStatus, nb::arg("key"), nb::arg("device"),
+  "This process's status line for (communicator key, device), as the stall "
+  "inspector sends it: '<calls> <phase> <text>'.");
+
+  m.def("build_mpi_version", [] {
+#if defined(MPIJAX_BUILD_MPI_VERSION)
+    return std::string(MPIJAX_BUILD_MPI_VERSION);
+#else
+    return std::string("unknown");
+#endif
+  }, "The MPI family and version of the mpi.h this module was compiled with.");
+
+  m.def("linked_library_version", &LinkedLibraryVersion,
+        "MPI_Get_library_version of the libmpi this module resolved to.");
+}

@@ -1,0 +1,7 @@
+#include "settings.h"
+
+namespace mpijax::detail {
+
+Settings g_settings;
+
+}  // namespace mpijax::detail
