@@ -21,12 +21,12 @@ import json
 import os
 import struct
 import time
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src import runtime
 from mpijax._src.fileio import CheckpointError as CheckpointError
@@ -168,9 +168,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
                       mpi_util.rank_lines(bad))
     differ = [r for r, d in enumerate(reports) if d != reports[0]]
     if check_replicated and differ and rank == 0:
-      warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
-                    "saving rank 0's. Replicated state should be identical on every rank "
-                    "(did every rank apply the same all-reduced update?).", RuntimeWarning)
+      log.warning(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank "
+                  "0's; saving rank 0's. Replicated state should be identical on every rank "
+                  "(did every rank apply the same all-reduced update?).")
   elif problem:
     raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n  rank {rank}: {problem}")
   error = ""
