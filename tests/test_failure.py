@@ -20,7 +20,7 @@ def _no_leftovers(script: str) -> list[str]:
 
 @pytest.mark.parametrize("script,wrapped", [
     ("fail_rank2.py", False),        # only the hook that mpijax.init() installs
-    ("fail_rank2_noinit.py", True),  # mpijax-run's python -m mpijax.run wrapper
+    ("fail_rank2_noinit.py", True),  # mpijax-run's python -m mpijax wrapper
 ])
 def test_rank_2_raises_and_the_job_aborts(script, wrapped):
   path = str(REPO / "tests" / "scripts" / script)

@@ -98,10 +98,10 @@ def uninstall() -> None:
 
 
 def run_main(argv: list[str]) -> None:
-  """``python -m mpijax.run [-m module | -c code | script.py] args...``."""
+  """``python -m mpijax [-m module | -c code | script.py] args...``."""
   import runpy
 
-  usage = "usage: python -m mpijax.run (script.py | -m module | -c code) [args ...]"
+  usage = "usage: python -m mpijax (script.py | -m module | -c code | --exec PROGRAM) [args ...]"
   if not argv or argv[0] in ("-h", "--help"):
     print(usage)
     sys.exit(0 if argv else 2)
