@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
-from tests._launch import REPO, assert_failed_without_hanging, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import assert_failed_without_hanging
+from tests._launch import run_mpi
+from tests._launch import tail
 
 
 def _no_leftovers(script: str) -> list[str]:

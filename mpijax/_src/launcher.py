@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from mpijax._src import heap
 from mpijax._src import joblog
@@ -687,7 +687,7 @@ class _Signals:
     self.forwarded: list[int] = []
     self._previous: dict[int, object] = {}
 
-  def __enter__(self) -> "_Signals":
+  def __enter__(self) -> _Signals:
     for s in self.STOP:
       self._previous[s] = signal.signal(s, lambda signum, _f: self.stop.append(signum))
     for s in self.FORWARD:

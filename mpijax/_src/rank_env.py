@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 
 from mpijax._src import cluster
 from mpijax._src import config

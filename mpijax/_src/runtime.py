@@ -14,7 +14,8 @@ import os
 import re
 import socket
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -214,6 +215,7 @@ def _warn_small_cpu_pool(devices: int) -> None:
 def _configure_gpu(local_rank: int, local_size: int) -> None:
   """One GPU per rank, chosen by local rank among the visible ones."""
   import importlib.util
+
   import jax
   has_cuda = any(importlib.util.find_spec(m) is not None
                  for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import REPO, tail
+from tests._launch import REPO
+from tests._launch import tail
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("runuser") is None,

@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 from mpijax._src import launcher
-from mpijax._src.launcher import MPIInfo, Options, Situation
+from mpijax._src.launcher import MPIInfo
+from mpijax._src.launcher import Situation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 from mpijax._src import log
-from tests._launch import REPO, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import run_mpi
+from tests._launch import tail
 
 _LAUNCH_VARS = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPIJAX_LOG_LEVEL")
 

@@ -29,12 +29,11 @@ import numpy as np
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src import runtime
-from mpijax._src.fileio import CheckpointError as CheckpointError
-from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src import tree_codec as _codec
 from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
+from mpijax._src.fileio import CheckpointError as CheckpointError
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
-from mpijax._src import tree_codec as _codec
 from mpijax._src.train import broadcast as _bcast
 
 class CheckpointMismatch(CheckpointError):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpijax._src import failure
 from mpijax._src import mpi_util
