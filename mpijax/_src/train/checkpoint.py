@@ -36,6 +36,7 @@ from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
 from mpijax._src.train import broadcast as _bcast
 
+
 class CheckpointMismatch(CheckpointError):
   """A readable checkpoint that does not fit the target tree (another model or optimizer)."""
 
