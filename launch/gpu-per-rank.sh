@@ -9,9 +9,9 @@
 #   mpijax-run -n 8 --hosts node1:4,node2:4 --rank-wrapper launch/gpu-per-rank.sh -- python train.py
 #   mpijax-run -n 4 --rank-wrapper launch/gpu-per-rank.sh -- python train.py   # one node, 4 GPUs
 #
-# (--rank-wrapper keeps mpijax-run's `python -m mpijax.run` abort-on-exception
+# (--rank-wrapper keeps mpijax-run's `python -m mpijax` abort-on-exception
 # wrapper on the program; with plain mpirun write it yourself:
-#  mpirun -n 4 launch/gpu-per-rank.sh python -m mpijax.run train.py)
+#  mpirun -n 4 launch/gpu-per-rank.sh python -m mpijax train.py)
 #
 # Variables: GPUS_PER_NODE (default: count from nvidia-smi, else 1),
 # GPU_VISIBLE_VAR (CUDA_VISIBLE_DEVICES, or ROCR_VISIBLE_DEVICES for AMD).

@@ -7,6 +7,11 @@ whose named axis spans every device of every rank.
 
 from mpijax._src import config as config
 from mpijax._src import heap as _heap
+from mpijax._src import log as _log
+
+# mpijax's warnings and notices show on stderr unless the program configured
+# logging itself (see mpijax/_src/log.py).
+_log.install()
 
 # Before MPI and JAX start their threads: see mpijax/_src/heap.py.
 _heap.configure()

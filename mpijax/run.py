@@ -1,15 +1,13 @@
-"""``python -m mpijax.run script.py [args]``: run a program so that an uncaught
-exception on any rank aborts the whole MPI job (like ``python -m mpi4py``).
+"""``python -m mpijax.run script.py [args]``: an alias of ``python -m mpijax``.
 
-Also accepts ``-m module`` and ``-c code``; ``--exec PROGRAM [args]`` runs any
-executable instead (without the Python hooks). Either way the rank's
-torchrun-style variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``) are set from the launcher's first.
+Runs a program so that an uncaught exception on any rank aborts the whole
+MPI job (like ``python -m mpi4py``), after setting the rank's torchrun-style
+variables. Also accepts ``-m module``, ``-c code`` and ``--exec PROGRAM``.
 """
 
 import sys
 
-from mpijax._src.rank_env import main as _main
+from mpijax._src.rank_env import main as main
 
 if __name__ == "__main__":
-  _main(sys.argv[1:])
+  main(sys.argv[1:])

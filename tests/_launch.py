@@ -26,7 +26,7 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
             wrap: bool = True) -> tuple[subprocess.CompletedProcess, float]:
   """Runs ``argv`` on ``n`` ranks; returns the result and the wall time.
 
-  ``wrap=False`` runs a Python program without the ``mpijax.run`` wrapper.
+  ``wrap=False`` runs a Python program without the ``python -m mpijax`` wrapper.
 
   The job gets its own process group so a timeout kills every rank.
   """

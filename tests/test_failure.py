@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
-from tests._launch import REPO, assert_failed_without_hanging, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import assert_failed_without_hanging
+from tests._launch import run_mpi
+from tests._launch import tail
 
 
 def _no_leftovers(script: str) -> list[str]:
@@ -20,7 +23,7 @@ def _no_leftovers(script: str) -> list[str]:
 
 @pytest.mark.parametrize("script,wrapped", [
     ("fail_rank2.py", False),        # only the hook that mpijax.init() installs
-    ("fail_rank2_noinit.py", True),  # mpijax-run's python -m mpijax.run wrapper
+    ("fail_rank2_noinit.py", True),  # mpijax-run's python -m mpijax wrapper
 ])
 def test_rank_2_raises_and_the_job_aborts(script, wrapped):
   path = str(REPO / "tests" / "scripts" / script)

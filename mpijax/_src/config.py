@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def _parse_bool(text: str) -> bool:
@@ -21,6 +22,17 @@ def _parse_bool(text: str) -> bool:
   if low in ("0", "false", "no", "off", ""):
     return False
   raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _parse_log_level(text: str) -> str:
+  name = text.strip().upper()
+  name = "WARNING" if name == "WARN" else name
+  if name and name not in _LOG_LEVELS:
+    raise ValueError(f"expected a logging level: {', '.join(_LOG_LEVELS)}")
+  return name
 
 
 def _parse_seconds(text: str) -> float:
@@ -161,6 +173,13 @@ _define("cma_min_bytes", int, 64 * 1024,
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step.")
+
+# --- messages ----------------------------------------------------------------
+_define("log_level", _parse_log_level, "",
+        "Level of the 'mpijax' logger (DEBUG, INFO, WARNING, ERROR, CRITICAL), "
+        "set when mpijax is imported. Unset: INFO (every rank's warnings, rank "
+        "0's notices) unless the program set the logger's level first. DEBUG "
+        "also shows the other ranks' notices.")
 
 # --- training (layer 6) ------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,

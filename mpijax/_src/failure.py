@@ -4,7 +4,10 @@ Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
 traceback (each line prefixed with the rank) and calls
 ``MPI.COMM_WORLD.Abort`` so that the launcher stops every rank, non-zero,
-within seconds.
+within seconds. The traceback is written to stderr directly, not through
+the ``"mpijax"`` logger: the abort follows at once, and a handler of the
+program's (or a logging lock held by the thread that raised) must not stand
+between the report and the abort.
 """
 
 from __future__ import annotations
@@ -15,27 +18,19 @@ import threading
 import traceback
 from types import TracebackType
 
+from mpijax._src import log
+
 _installed = False
 _agreed_exit_codes: set[int] = set()
 _previous_excepthook = None
 _previous_threading_excepthook = None
 
 
-def _rank_label() -> str:
-  mpi = sys.modules.get("mpi4py.MPI")
-  if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-    return f"rank {mpi.COMM_WORLD.Get_rank()}/{mpi.COMM_WORLD.Get_size()}"
-  for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-    if var in os.environ:
-      return f"rank {os.environ[var]}"
-  return "rank ?"
-
-
 def report_and_abort(exc_type: type[BaseException], exc: BaseException,
                      tb: TracebackType | None, *, exit_code: int = 1,
                      where: str = "") -> None:
   """Prints ``exc`` prefixed with this rank, then aborts every rank."""
-  label = _rank_label()
+  label = log.rank_label()
   prefix = f"[{label}] "
   lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
   head = (f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}; "
@@ -103,10 +98,10 @@ def uninstall() -> None:
 
 
 def run_main(argv: list[str]) -> None:
-  """``python -m mpijax.run [-m module | -c code | script.py] args...``."""
+  """``python -m mpijax [-m module | -c code | script.py] args...``."""
   import runpy
 
-  usage = "usage: python -m mpijax.run (script.py | -m module | -c code) [args ...]"
+  usage = "usage: python -m mpijax (script.py | -m module | -c code | --exec PROGRAM) [args ...]"
   if not argv or argv[0] in ("-h", "--help"):
     print(usage)
     sys.exit(0 if argv else 2)

@@ -17,12 +17,14 @@ itself:
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
+
+from mpijax._src import log
 
 # The oldest jax and jaxlib mpijax runs on; pyproject.toml declares the same.
 # Older JAX lacks internals mpijax lowers with: JAX 0.7.0 and 0.7.1 the
@@ -61,7 +63,7 @@ def guarded(install: Callable[[], None], lost: str) -> bool:
   try:
     install()
   except (ImportError, AttributeError) as e:  # a JAX without these internals
-    logging.getLogger("mpijax").warning("mpijax: %s (%r)", lost, e)
+    log.warning(f"{lost} ({e!r})")
     return False
   return True
 

@@ -4,7 +4,7 @@ The launcher (``mpirun``/``mpiexec`` of the MPI that mpi4py uses, or ``srun``
 inside a Slurm allocation) is found automatically, the situation decides the
 flags (``--allow-run-as-root`` only as root, ``--oversubscribe`` only when the
 ranks exceed the slots, never core binding, output tagged by rank), and a
-Python program runs under ``python -m mpijax.run`` so an uncaught exception on
+Python program runs under ``python -m mpijax`` so an uncaught exception on
 one rank aborts the whole job instead of hanging the others.
 
 Every rank sees the torchrun-style variables (``RANK``, ``LOCAL_RANK``,
@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from mpijax._src import heap
 from mpijax._src import joblog
@@ -60,6 +60,10 @@ PREFLIGHT_SECONDS = 30.0
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 # CPython options that consume the next argument (``python -W error x.py``).
 _PY_OPTS_WITH_ARG = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+# The abort-on-exception wrapper (``python -m mpijax``), and the modules that
+# already are one.
+WRAPPER = "mpijax"
+_WRAPPERS = frozenset({"mpijax", "mpijax.run", "mpi4py", "mpi4py.run"})
 
 
 class LaunchError(Exception):
@@ -269,13 +273,13 @@ def is_python(program: str) -> bool:
 
 
 def wrap_program(argv: Sequence[str]) -> list[str]:
-  """Runs a Python program under ``python -m mpijax.run``; other programs unchanged.
+  """Runs a Python program under ``python -m mpijax``; other programs unchanged.
 
-  ``python [opts] X args`` -> ``python [opts] -m mpijax.run X args``,
-  ``python [opts] -m mod args`` -> ``python [opts] -m mpijax.run -m mod args``,
-  ``python [opts] -c code args`` -> ``python [opts] -m mpijax.run -c code args``.
-  Already-wrapped programs (``-m mpijax.run``, ``-m mpi4py``) and an
-  interactive ``python`` are left alone.
+  ``python [opts] X args`` -> ``python [opts] -m mpijax X args``,
+  ``python [opts] -m mod args`` -> ``python [opts] -m mpijax -m mod args``,
+  ``python [opts] -c code args`` -> ``python [opts] -m mpijax -c code args``.
+  Already-wrapped programs (``-m mpijax``, its alias ``-m mpijax.run``,
+  ``-m mpi4py``) and an interactive ``python`` are left alone.
   """
   argv = list(argv)
   if not argv or not is_python(argv[0]):
@@ -286,15 +290,15 @@ def wrap_program(argv: Sequence[str]) -> list[str]:
     if a in ("-m", "-c"):
       if i + 1 >= len(argv):
         return argv
-      if a == "-m" and argv[i + 1] in ("mpijax.run", "mpi4py", "mpi4py.run"):
+      if a == "-m" and argv[i + 1] in _WRAPPERS:
         return argv
-      return argv[:i] + ["-m", "mpijax.run"] + argv[i:]
+      return argv[:i] + ["-m", WRAPPER] + argv[i:]
     if a.startswith("-m") or a.startswith("-c"):  # -mpkg / -cCODE
-      if a.startswith("-m") and a[2:] in ("mpijax.run", "mpi4py", "mpi4py.run"):
+      if a.startswith("-m") and a[2:] in _WRAPPERS:
         return argv
-      return argv[:i] + ["-m", "mpijax.run", a[:2], a[2:]] + argv[i + 1:]
+      return argv[:i] + ["-m", WRAPPER, a[:2], a[2:]] + argv[i + 1:]
     if a == "-":
-      return argv[:i] + ["-m", "mpijax.run"] + argv[i:]
+      return argv[:i] + ["-m", WRAPPER] + argv[i:]
     if a == "--":
       i += 1
       break
@@ -304,7 +308,7 @@ def wrap_program(argv: Sequence[str]) -> list[str]:
     break
   if i >= len(argv):
     return argv  # interactive interpreter: nothing to wrap
-  return argv[:i] + ["-m", "mpijax.run"] + argv[i:]
+  return argv[:i] + ["-m", WRAPPER] + argv[i:]
 
 
 # --- the command --------------------------------------------------------------
@@ -397,22 +401,23 @@ def output_kind(opts: Options, sit: Situation) -> str:
 def rank_program(opts: Options) -> list[str]:
   """What every rank runs: the (wrapped) program, after the rank wrapper.
 
-  A Python program runs under ``python -m mpijax.run``, which also sets the
+  A Python program runs under ``python -m mpijax``, which also sets the
   rank's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``;
-  any other program gets them from ``python -m mpijax.run --exec`` first.
+  any other program gets them from ``python -m mpijax --exec`` first.
   ``--no-wrap`` runs the program exactly as given.
   """
   if not opts.wrap:
     return opts.rank_wrapper + list(opts.program)
   program = wrap_program(opts.program)
-  if program != list(opts.program) or _runs_mpijax_run(program):
+  if program != list(opts.program) or _runs_the_wrapper(program):
     return opts.rank_wrapper + program
-  return [sys.executable, "-m", "mpijax.run", "--exec"] + opts.rank_wrapper + program
+  return [sys.executable, "-m", WRAPPER, "--exec"] + opts.rank_wrapper + program
 
 
-def _runs_mpijax_run(argv: Sequence[str]) -> bool:
+def _runs_the_wrapper(argv: Sequence[str]) -> bool:
+  """``python ... -m mpijax`` (or its alias ``-m mpijax.run``): it sets the variables itself."""
   return bool(argv) and is_python(argv[0]) and any(
-      a == "mpijax.run" and i > 0 and argv[i - 1] == "-m" for i, a in enumerate(argv))
+      a in ("mpijax", "mpijax.run") and i > 0 and argv[i - 1] == "-m" for i, a in enumerate(argv))
 
 
 def hosts_of(opts: Options) -> list[tuple[str, int]] | None:
@@ -682,7 +687,7 @@ class _Signals:
     self.forwarded: list[int] = []
     self._previous: dict[int, object] = {}
 
-  def __enter__(self) -> "_Signals":
+  def __enter__(self) -> _Signals:
     for s in self.STOP:
       self._previous[s] = signal.signal(s, lambda signum, _f: self.stop.append(signum))
     for s in self.FORWARD:
@@ -978,7 +983,7 @@ def _parser() -> argparse.ArgumentParser:
       usage=f"{PROG} -n N [options] [--] PROGRAM [ARGS...]",
       description="Start PROGRAM on N MPI ranks with the launcher that fits (mpirun/mpiexec "
                   "of mpi4py's MPI, or srun inside a Slurm allocation). A Python PROGRAM runs "
-                  "under 'python -m mpijax.run', so an uncaught exception aborts every rank. "
+                  "under 'python -m mpijax', so an uncaught exception aborts every rank. "
                   "Every rank sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
                   "MASTER_PORT and MPIJAX_RESTART_ATTEMPT.",
       epilog="Examples:\n"
@@ -1008,7 +1013,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="command each rank runs the program through, e.g. launch/gpu-per-rank.sh "
                       "(the Python wrapper still applies to PROGRAM)")
   p.add_argument("--no-wrap", action="store_true",
-                 help="run PROGRAM exactly as given: no 'python -m mpijax.run', no RANK/LOCAL_RANK/"
+                 help="run PROGRAM exactly as given: no 'python -m mpijax', no RANK/LOCAL_RANK/"
                       "WORLD_SIZE/LOCAL_WORLD_SIZE")
   logs = p.add_argument_group("logs")
   logs.add_argument("--log-dir", metavar="DIR",

@@ -8,8 +8,8 @@ rendezvous. These differ per rank, so the launcher cannot set them: every
 rank sets its own, from the launcher's variables as the cluster layer reads
 them, before the program starts.
 
-``python -m mpijax.run PROGRAM`` does this in the process that then runs
-PROGRAM; ``python -m mpijax.run --exec PROGRAM ARGS`` does it and then
+``python -m mpijax PROGRAM`` does this in the process that then runs
+PROGRAM; ``python -m mpijax --exec PROGRAM ARGS`` does it and then
 replaces itself with any (non-Python) PROGRAM. ``MASTER_ADDR`` and
 ``MASTER_PORT`` are the same on every rank: ``mpijax-run`` exports them.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 
 from mpijax._src import cluster
 from mpijax._src import config
@@ -74,7 +74,8 @@ def apply(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
 
 
 def main(argv: Sequence[str]) -> None:
-  """``python -m mpijax.run``: set the rank's variables, then run the program.
+  """``python -m mpijax`` (alias ``python -m mpijax.run``): set the rank's variables,
+  then run the program.
 
   ``--exec PROGRAM ARGS`` replaces this process with PROGRAM (any executable);
   otherwise PROGRAM is Python (``script.py``, ``-m module``, ``-c code``) and
@@ -84,10 +85,10 @@ def main(argv: Sequence[str]) -> None:
   apply()
   if argv and argv[0] == "--exec":
     if len(argv) < 2:
-      sys.exit("usage: python -m mpijax.run --exec PROGRAM [ARGS ...]")
+      sys.exit("usage: python -m mpijax --exec PROGRAM [ARGS ...]")
     try:
       os.execvp(argv[1], argv[1:])
     except OSError as e:
-      sys.exit(f"mpijax.run: cannot run {argv[1]!r}: {e}")
+      sys.exit(f"python -m mpijax: cannot run {argv[1]!r}: {e}")
   from mpijax._src.failure import run_main
   run_main(argv)

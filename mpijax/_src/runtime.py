@@ -13,9 +13,9 @@ import dataclasses
 import os
 import re
 import socket
-import sys
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from mpijax._src import cluster
 from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import inspector
+from mpijax._src import log
 from mpijax._src import mpi_util
 
 
@@ -205,16 +206,16 @@ def _size_cpu_pool(devices: int) -> None:
 def _warn_small_cpu_pool(devices: int) -> None:
   threads = _cpu_pool_threads(devices)
   if devices > 1 and threads < 2 * devices:
-    print(f"mpijax: warning: JAX's CPU client has {threads} threads for {devices} local devices "
-          f"(fewer than 2 per device): independent multi-device calls dispatched back to back "
-          f"can stall. Call mpijax.init() before JAX starts (mpijax then sets "
-          f"PJRT_NPROC={2 * devices}), or set PJRT_NPROC={2 * devices} yourself.",
-          file=sys.stderr)
+    log.warning(f"JAX's CPU client has {threads} threads for {devices} local devices "
+                f"(fewer than 2 per device): independent multi-device calls dispatched back "
+                f"to back can stall. Call mpijax.init() before JAX starts (mpijax then sets "
+                f"PJRT_NPROC={2 * devices}), or set PJRT_NPROC={2 * devices} yourself.")
 
 
 def _configure_gpu(local_rank: int, local_size: int) -> None:
   """One GPU per rank, chosen by local rank among the visible ones."""
   import importlib.util
+
   import jax
   has_cuda = any(importlib.util.find_spec(m) is not None
                  for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
@@ -232,9 +233,8 @@ def _configure_gpu(local_rank: int, local_size: int) -> None:
     return
   index = local_rank if n is None else local_rank % n
   if n is not None and local_size > n:
-    print(f"mpijax: warning: {local_size} ranks on this node share {n} visible GPUs "
-          f"(CUDA_VISIBLE_DEVICES={visible!r}); rank {local_rank} uses GPU {index}.",
-          file=sys.stderr)
+    log.warning(f"{local_size} ranks on this node share {n} visible GPUs "
+                f"(CUDA_VISIBLE_DEVICES={visible!r}); rank {local_rank} uses GPU {index}.")
   # Indexes JAX's view, which already honours CUDA_VISIBLE_DEVICES.
   jax.config.update("jax_cuda_visible_devices", str(index))
 
@@ -380,10 +380,9 @@ def init(*, launcher: str | None = None,
     MPI = mpi_util.import_mpi()
     base = comm if comm is not None else MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-      print(f"mpijax: warning: MPI was initialized with thread level {MPI.Query_thread()} "
-            "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
-            "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE.",
-            file=sys.stderr)
+      log.warning(f"MPI was initialized with thread level {MPI.Query_thread()} "
+                  "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
+                  "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE.")
     if comm is None:
       _raise_on_every_rank(base, [_check("rank", info.launcher, info.rank, base.Get_rank()),
                                   _check("size", info.launcher, info.size, base.Get_size())])

@@ -1,4 +1,4 @@
-"""Rank 2 raises before mpijax.init(); run under `python -m mpijax.run`."""
+"""Rank 2 raises before mpijax.init(); run under `python -m mpijax`."""
 
 from mpi4py import MPI
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import REPO, tail
+from tests._launch import REPO
+from tests._launch import tail
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("runuser") is None,
@@ -64,7 +65,7 @@ def test_mpijax_run_as_an_ordinary_user(nobody_env):
   env, home = nobody_env
   dry = _as_nobody(env, "-n", "2", "--dry-run", "--", "python", "-c", "pass")
   assert dry.returncode == 0, dry.stderr
-  assert "--allow-run-as-root" not in dry.stdout and "mpijax.run" in dry.stdout, dry.stdout
+  assert "--allow-run-as-root" not in dry.stdout and "-m mpijax -c pass" in dry.stdout, dry.stdout
   run = _as_nobody(env, "-n", "2", "--timeout", "120", "--", "python", "-c",
                    "import os, mpijax; rt = mpijax.init(); print('UID', os.getuid(), rt.rank, rt.size)")
   out = run.stdout + run.stderr

@@ -47,14 +47,17 @@ def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
   assert "PJRT_NPROC" not in runtime.os.environ
 
 
-def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, capsys):
+def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, caplog):
   from mpijax._src import runtime
   monkeypatch.delenv("NPROC", raising=False)
   monkeypatch.setenv("PJRT_NPROC", "3")
   runtime._size_cpu_pool(2)
   assert runtime.os.environ["PJRT_NPROC"] == "3"
-  err = capsys.readouterr().err
-  assert "3 threads for 2 local devices" in err and "PJRT_NPROC=4" in err, err
+  [record] = [r for r in caplog.records if r.name == "mpijax"]
+  text = record.getMessage()
+  assert record.levelname == "WARNING" and ": warning: JAX's CPU client has 3 threads" in text, text
+  assert "3 threads for 2 local devices" in text and "PJRT_NPROC=4" in text, text
+  caplog.clear()
   monkeypatch.setenv("PJRT_NPROC", "4")
   runtime._size_cpu_pool(2)
-  assert capsys.readouterr().err == ""
+  assert not [r for r in caplog.records if r.name == "mpijax"]

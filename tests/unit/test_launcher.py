@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 from mpijax._src import launcher
-from mpijax._src.launcher import MPIInfo, Options, Situation
+from mpijax._src.launcher import MPIInfo
+from mpijax._src.launcher import Situation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")
@@ -123,14 +124,17 @@ def test_parse_hostfile_both_formats(tmp_path):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    ("python train.py --lr 1", "python -m mpijax.run train.py --lr 1"),
-    ("python3 -m pytest -x tests", "python3 -m mpijax.run -m pytest -x tests"),
-    ("python -u -X dev -W error x.py a", "python -u -X dev -W error -m mpijax.run x.py a"),
-    ("python -c 'print(1)'", "python -m mpijax.run -c 'print(1)'"),
-    ("python -mpytest", "python -m mpijax.run -m pytest"),
-    ("/usr/bin/python3.11 s.py", "/usr/bin/python3.11 -m mpijax.run s.py"),
-    (f"{sys.executable} s.py", f"{sys.executable} -m mpijax.run s.py"),
+    ("python train.py --lr 1", "python -m mpijax train.py --lr 1"),
+    ("python3 -m pytest -x tests", "python3 -m mpijax -m pytest -x tests"),
+    ("python -u -X dev -W error x.py a", "python -u -X dev -W error -m mpijax x.py a"),
+    ("python -c 'print(1)'", "python -m mpijax -c 'print(1)'"),
+    ("python -mpytest", "python -m mpijax -m pytest"),
+    ("/usr/bin/python3.11 s.py", "/usr/bin/python3.11 -m mpijax s.py"),
+    (f"{sys.executable} s.py", f"{sys.executable} -m mpijax s.py"),
+    ("python -m mpijax s.py", "python -m mpijax s.py"),
+    ("python -mmpijax s.py", "python -mmpijax s.py"),
     ("python -m mpijax.run s.py", "python -m mpijax.run s.py"),
+    ("python -m mpijax.launch s.py", "python -m mpijax -m mpijax.launch s.py"),
     ("python -m mpi4py s.py", "python -m mpi4py s.py"),
     ("python", "python"),
     ("python -u", "python -u"),
@@ -149,7 +153,7 @@ def test_openmpi5_as_root_oversubscribed():
   got = cmd(["-n", "4", "--", "python", "x.py"], sit(euid=0, slots=2))
   assert got == ["/p/bin/mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
                  "--bind-to", "none", "--output", "tag", *X_JOB, *X_HEAP,
-                 "python", "-m", "mpijax.run", "x.py"]
+                 "python", "-m", "mpijax", "x.py"]
 
 
 def test_heap_variables_yield_to_the_user():
@@ -218,7 +222,7 @@ def test_hydra_command():
                  "-genv", "MPIJAX_RESTART_ATTEMPT", "0", "-genv", "MASTER_ADDR", "a",
                  "-genv", "MASTER_PORT", "29500",
                  *[a for name, value in HEAP for a in ("-genv", name, value)],
-                 "python", "-m", "mpijax.run", "x.py"]
+                 "python", "-m", "mpijax", "x.py"]
 
 
 def test_srun_inside_allocation(monkeypatch, tmp_path):
@@ -232,7 +236,7 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
                  "--mpi=pmix",
                  "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
                  "MASTER_ADDR=node07,MASTER_PORT=29500," + ",".join(f"{n}={v}" for n, v in HEAP),
-                 "python", "-m", "mpijax.run", "x.py"]
+                 "python", "-m", "mpijax", "x.py"]
   # -n defaults to the allocation's task count; more than that needs --overcommit.
   assert cmd(["--", "hostname"], sit(env=env))[:3] == ["srun", "-n", "4"]
   assert "--overcommit" in cmd(["-n", "8", "--", "hostname"], sit(env=env))
@@ -248,20 +252,21 @@ def test_launcher_args_and_no_wrap():
   assert got[-5:] == ["--mca", "btl", "tcp,self", "python", "x.py"]
 
 
-def test_other_programs_get_the_rank_variables_from_mpijax_run_exec():
+def test_other_programs_get_the_rank_variables_from_the_wrappers_exec():
   got = cmd(["-n", "2", "--", "./a.out", "--x"])
-  assert got[-6:] == [sys.executable, "-m", "mpijax.run", "--exec", "./a.out", "--x"]
+  assert got[-6:] == [sys.executable, "-m", "mpijax", "--exec", "./a.out", "--x"]
   got = cmd(["-n", "2", "--rank-wrapper", "w.sh", "--", "python", "-m", "mpi4py", "x.py"])
-  assert got[-9:] == [sys.executable, "-m", "mpijax.run", "--exec", "w.sh", "python", "-m", "mpi4py",
+  assert got[-9:] == [sys.executable, "-m", "mpijax", "--exec", "w.sh", "python", "-m", "mpi4py",
                       "x.py"]
-  # Already under mpijax.run: nothing added.
-  got = cmd(["-n", "2", "--", "python", "-m", "mpijax.run", "x.py"])
-  assert got[-4:] == ["python", "-m", "mpijax.run", "x.py"] and "--exec" not in got
+  # Already under the wrapper (or its alias mpijax.run): nothing added.
+  for module in ("mpijax", "mpijax.run"):
+    got = cmd(["-n", "2", "--", "python", "-m", module, "x.py"])
+    assert got[-4:] == ["python", "-m", module, "x.py"] and "--exec" not in got
 
 
 def test_rank_wrapper_goes_before_the_wrapped_program():
   got = cmd(["-n", "2", "--rank-wrapper", "launch/gpu-per-rank.sh", "--", "python", "x.py"])
-  assert got[-5:] == ["launch/gpu-per-rank.sh", "python", "-m", "mpijax.run", "x.py"]
+  assert got[-5:] == ["launch/gpu-per-rank.sh", "python", "-m", "mpijax", "x.py"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -289,7 +294,7 @@ def test_dry_run_prints_the_exact_command():
   assert out.returncode == 0, out.stderr
   argv = shlex.split(out.stdout.strip())
   assert os.path.basename(argv[0]) in ("mpirun", "mpiexec", "srun")
-  assert argv[-7:] == ["python", "-m", "mpijax.run", "-m", "pytest", "-k", "a b"]
+  assert argv[-7:] == ["python", "-m", "mpijax", "-m", "pytest", "-k", "a b"]
   # Exported with its value: "-x NAME=2" (Open MPI) or "NAME 2" (Hydra's -genv).
   assert "MPIJAX_DEVICES_PER_PROCESS=2" in argv or any(
       a == "MPIJAX_DEVICES_PER_PROCESS" and b == "2" for a, b in zip(argv, argv[1:])), argv

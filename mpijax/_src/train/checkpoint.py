@@ -21,21 +21,21 @@ import json
 import os
 import struct
 import time
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src import runtime
-from mpijax._src.fileio import CheckpointError as CheckpointError
-from mpijax._src.fileio import fsync_dir as _fsync_dir
+from mpijax._src import tree_codec as _codec
 from mpijax._src.fileio import WRITE_ATOMIC_SUFFIX
+from mpijax._src.fileio import CheckpointError as CheckpointError
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
-from mpijax._src import tree_codec as _codec
 from mpijax._src.train import broadcast as _bcast
+
 
 class CheckpointMismatch(CheckpointError):
   """A readable checkpoint that does not fit the target tree (another model or optimizer)."""
@@ -168,9 +168,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
                       mpi_util.rank_lines(bad))
     differ = [r for r, d in enumerate(reports) if d != reports[0]]
     if check_replicated and differ and rank == 0:
-      warnings.warn(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank 0's; "
-                    "saving rank 0's. Replicated state should be identical on every rank "
-                    "(did every rank apply the same all-reduced update?).", RuntimeWarning)
+      log.warning(f"save_checkpoint({path!r}): the state on ranks {differ} differs from rank "
+                  "0's; saving rank 0's. Replicated state should be identical on every rank "
+                  "(did every rank apply the same all-reduced update?).")
   elif problem:
     raise TypeError(f"save_checkpoint({path!r}) wrote nothing:\n  rank {rank}: {problem}")
   error = ""

@@ -5,14 +5,15 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import os
-import sys
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
 from mpijax._src.train import _host
@@ -330,10 +331,8 @@ class DataParallel:
       return
     path = self.save(state)
     step = int(state.step)
-    if _metrics.is_main_process(self.comm):
-      print(f"mpijax.train: preemption requested; every rank stopped after step {step}, "
-            f"checkpoint {path}; exiting with status {_preempt.PREEMPTED_EXIT_CODE}",
-            file=sys.stderr, flush=True)
+    log.notice(f"mpijax.train: preemption requested; every rank stopped after step {step}, "
+               f"checkpoint {path}; exiting with status {_preempt.PREEMPTED_EXIT_CODE}")
     raise _preempt.Preempted(step, path)
 
   def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpijax._src import failure
 from mpijax._src import mpi_util
@@ -35,7 +36,7 @@ class Preempted(SystemExit):
   """Raised on every rank, at the same step, once the preemption checkpoint is written.
 
   A ``SystemExit`` with code 75: uncaught, the program exits with that status
-  on every rank (``python -m mpijax.run`` lets it through instead of aborting
+  on every rank (``python -m mpijax`` lets it through instead of aborting
   the job, as every rank agreed on it). Catch it to do more before exiting.
   Raise it yourself only on every rank at the same step (after
   :func:`stop_requested` said so).
@@ -125,5 +126,5 @@ def stop_requested(comm: Any | None = None) -> bool:
 
 
 def agreed_exit() -> None:
-  """Marks exit status 75 as agreed by every rank (no job abort in ``mpijax.run``)."""
+  """Marks exit status 75 as agreed by every rank (no job abort in ``python -m mpijax``)."""
   failure.agree_exit_code(PREEMPTED_EXIT_CODE)

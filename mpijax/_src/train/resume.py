@@ -12,18 +12,18 @@ preemption (the newest readable checkpoint).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mpijax._src import config
+from mpijax._src import log
 from mpijax._src import mpi_util
-from mpijax._src.train import checkpoint as _ckpt
 from mpijax._src.train import _host
+from mpijax._src.train import checkpoint as _ckpt
 
 _NAME = re.compile(r"step_(\d+)\.ckpt")
-logger = logging.getLogger("mpijax")
 
 
 def restart_attempt() -> int:
@@ -150,11 +150,10 @@ def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
       reason = str(e).replace("\n", "\n    ")
       skipped.append(f"{path}: {reason}")
       if rank == 0:
-        logger.warning("mpijax.train.resume_or_init: skipping unreadable checkpoint %s: %s",
-                       path, reason)
+        log.warning(f"mpijax.train.resume_or_init: skipping unreadable checkpoint {path}: "
+                    f"{reason}")
       continue
-    if rank == 0:
-      logger.info("mpijax.train.resume_or_init: resumed from %s (step %d)", path, step)
+    log.notice(f"mpijax.train.resume_or_init: resumed from {path} (step {step})")
     return restored
   if skipped:
     raise _ckpt.CheckpointError(
