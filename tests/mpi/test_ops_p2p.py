@@ -158,6 +158,29 @@ def test_send_then_recv_against_recv_then_send_in_jit():
   ops.barrier()
 
 
+def test_calls_in_unused_nested_jit_loop_and_branch_still_run():
+  """A nested jax.jit, fori_loop or cond whose results are unused keeps the
+  mpijax calls inside (JAX drops such an equation whole when it carries no
+  effect: the sends never left, and the receiver waited forever)."""
+  if PARTNER is not None:
+    if R % 2 == 0:
+      send_jit = jax.jit(lambda x: (ops.send(x, PARTNER, tag=11), x)[1])
+
+      @jax.jit
+      def step(x):
+        send_jit(x)
+        jax.lax.fori_loop(0, 2, lambda i, c: (ops.send(c + i, PARTNER, tag=12), c)[1], x)
+        jax.lax.cond(x[0] > 0, lambda v: (ops.send(v * 5, PARTNER, tag=13), v)[1],
+                     lambda v: v, x)
+        return x + 1
+
+      np.testing.assert_array_equal(step(jnp.ones(2)), [2.0, 2.0])
+    else:
+      got = [ops.recv(jnp.zeros(2), PARTNER, tag=t) for t in (11, 12, 12, 13)]
+      np.testing.assert_array_equal(np.stack(got), [[1, 1], [1, 1], [2, 2], [5, 5]])
+  ops.barrier()
+
+
 def test_only_the_pair_calls_while_others_run_collectives():
   """Ranks 0 and 1 exchange before an all-reduce; the others go straight to it.
   (A signature check on the point-to-point calls would pair with the others'
