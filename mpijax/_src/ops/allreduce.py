@@ -18,6 +18,7 @@ from jax.interpreters import ad, batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
+from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
 from mpijax._src.ops.allgather import allgather_p
 
@@ -32,7 +33,9 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
     op: "sum", "prod", "min", "max" (numbers), "and", "or", "xor"
       (bitwise, integers and bool), or "mean" (floating and complex dtypes:
       the sum divided by the number of ranks, in the same call, so the
-      division costs no extra pass over the buffer).
+      division costs no extra pass over the buffer); or an mpi4py ``MPI.Op``
+      (MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX, MPI.BAND, MPI.BOR, MPI.BXOR, and
+      the logical MPI.LAND, MPI.LOR, MPI.LXOR on integers and bool).
     comm: an mpi4py communicator (default: the runtime's); mpijax works on a
       private clone of it.
 
@@ -43,6 +46,11 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
     >>> total = mpijax.ops.allreduce(jnp.ones(3))  # doctest: +SKIP
   """
   x = dtypes.as_array("mpijax.ops.allreduce", x)
+  info = communicators.resolve_comm(comm, "mpijax.ops.allreduce")
+  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.allreduce", info.size)
+  if resolved.logical:
+    return allreduce(mpi_ops.as_logical(x), resolved.name, comm=comm).astype(x.dtype)
+  op = resolved.name
   if op not in dtypes.REDUCE_OPS + ("mean",):
     raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
                      f"{dtypes.REDUCE_OPS + ('mean',)}.")
@@ -55,7 +63,6 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
     op = "sum"
     divisor = None  # the communicator's size, known once it is resolved
   dtypes.check_reduce_op("mpijax.ops.allreduce", op, x.dtype)
-  info = communicators.resolve_comm(comm, "mpijax.ops.allreduce")
   if divisor is None:
     divisor = info.size
   return allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor)
@@ -145,8 +152,8 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   Args:
     xs: a non-empty list of arrays of supported dtypes; the same list of
       shapes and dtypes on every rank.
-    op: "sum", "prod", "min", "max", "and", "or", "xor" (as for
-      :func:`allreduce`; every array's dtype must support it).
+    op: "sum", "prod", "min", "max", "and", "or", "xor" or an mpi4py
+      ``MPI.Op`` (as for :func:`allreduce`; every array's dtype must support it).
     comm: an mpi4py communicator (default: the runtime's).
 
   Returns:
@@ -155,10 +162,15 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   xs = [dtypes.as_array("mpijax.ops.allreduce_many", x) for x in xs]
   if not xs:
     raise ValueError("mpijax allreduce_many got an empty list; pass at least one array.")
+  info = communicators.resolve_comm(comm, "mpijax allreduce_many")
+  ops = [mpi_ops.resolve(op, x.dtype, "mpijax allreduce_many", info.size) for x in xs]
+  op = ops[0].name
+  dtypes_in = [x.dtype for x in xs]
+  xs = [mpi_ops.as_logical(x) if r.logical else x for x, r in zip(xs, ops)]
   for x in xs:
     dtypes.check_reduce_op("mpijax allreduce_many", op, x.dtype)
-  info = communicators.resolve_comm(comm, "mpijax allreduce_many")
-  return allreduce_many_p.bind(*xs, comm_id=info.id, op=op)
+  outs = allreduce_many_p.bind(*xs, comm_id=info.id, op=op)
+  return [o.astype(d) if r.logical else o for o, d, r in zip(outs, dtypes_in, ops)]
 
 
 def _many_abstract_eval(*xs, comm_id, op):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax.interpreters import batching
+
 from mpijax._src.ops import communicators
 from mpijax._src.ops import lowering
 from mpijax._src.ops import primitive
@@ -28,5 +30,10 @@ def _attrs(*, comm_id):
   return dict(comm=primitive.i64(comm_id))
 
 
+def _batch(args, dims, *, comm_id):
+  return barrier_p.bind(comm_id=comm_id), []
+
+
 barrier_p.def_abstract_eval(_abstract_eval)
 lowering.register_ffi_lowering(barrier_p, "mpijax_barrier", _attrs)
+batching.primitive_batchers[barrier_p] = _batch

@@ -18,6 +18,7 @@ from jax.interpreters import ad, batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
+from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
 
 bcast_p = primitive.make_primitive("mpijax_bcast")
@@ -62,7 +63,8 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
 
   Args:
     x: array of a supported dtype; same shape on every rank.
-    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor").
+    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor"), or an
+      mpi4py ``MPI.Op`` (see :func:`mpijax.ops.allreduce`).
     root: the receiving rank (a Python int).
     comm: an mpi4py communicator (default: the runtime's).
 
@@ -70,8 +72,13 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
     The reduction on ``root``, zeros of ``x``'s shape elsewhere.
   """
   x = dtypes.as_array("mpijax.ops.reduce", x)
-  dtypes.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
   info = communicators.resolve_comm(comm, "mpijax.ops.reduce")
+  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.reduce", info.size)
+  if resolved.logical:
+    out = reduce(mpi_ops.as_logical(x), resolved.name, root, comm=comm)
+    return out.astype(x.dtype)
+  op = resolved.name
+  dtypes.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
   _check_root("mpijax.ops.reduce", root, info.size)
   return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
 

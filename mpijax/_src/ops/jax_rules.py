@@ -15,6 +15,10 @@ by ``import mpijax``) replaces these CPU lowering rules:
 * 14 XLA collectives (``psum``, ``all_gather``, ...): in programs that make an
   mpijax call, they join the chain (:func:`order_xla_collectives`).
 
+It also replaces the dead-code rules of calls and control flow whose bodies
+make an mpijax call: they are kept whole, results used or not
+(:func:`keep_calls_with_mpi`).
+
 On a JAX that lacks an internal one of them needs, that replacement is left
 out and a warning says what is lost (:func:`mpijax._src.jax_compat.guarded`).
 """
@@ -56,6 +60,41 @@ def install() -> None:
   jax_compat.guarded(
       thread_shard_maps, "the order token does not enter multi-device shard_map bodies; two "
       "independent such bodies in one jitted function are ordered only by data dependencies")
+  jax_compat.guarded(
+      keep_calls_with_mpi, "a nested jax.jit, loop or branch whose results are unused is "
+      "dropped with the mpijax calls inside it")
+
+
+def keep_calls_with_mpi() -> None:
+  """Keeps calls and control flow whose bodies make an mpijax call, used or not.
+
+  The primitives' own dead-code rule keeps every mpijax call (see
+  primitive.make_primitive), but JAX drops a whole nested ``jax.jit``, loop
+  or branch whose results are unused and which carries no JAX effect, with
+  the calls inside: a jitted ``send`` whose result the caller ignores
+  never sent, and its receiver waited forever. Such an equation now counts
+  all its results as used.
+  """
+  from jax._src import ad_checkpoint, core as core_internal, custom_derivatives
+  from jax._src import pjit, shard_map
+  from jax._src.interpreters import partial_eval as pe
+  from jax._src.lax.control_flow import conditionals, loops
+
+  for prim in (pjit.jit_p, core_internal.closed_call_p, core_internal.call_p,
+               conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
+               custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
+               shard_map.shard_map_p):
+    default = pe.dce_rules.get(prim, pe._default_dce_rule)
+
+    def rule(used_outputs, eqn, default=default):
+      if not all(used_outputs) or not eqn.outvars:
+        if any(ordering.calls_mpi(j) for j in jax_compat.jaxprs_in_params(eqn.params)):
+          if not eqn.outvars:  # JAX's rules drop these whatever they are told
+            return [True] * len(eqn.invars), eqn
+          used_outputs = [True] * len(used_outputs)
+      return default(used_outputs, eqn)
+
+    pe.dce_rules[prim] = rule
 
 
 def track_programs() -> None:

@@ -52,14 +52,17 @@ def _reusable(value) -> bool:
 
 def register_ffi_lowering(prim: Primitive, target: str,
                           attrs: Callable[..., dict[str, Any]],
-                          in_place_capable: bool = False) -> None:
+                          in_place_capable: bool = False,
+                          signature_avals: Callable[[Any], Any] | None = None) -> None:
   """CPU lowering of ``prim`` to FFI target ``target``, with an order token.
 
   ``attrs(**params)`` gives the custom call's named attributes. With
   ``in_place_capable`` (result i has operand i's shape and dtype), each
   donated or intermediate operand is declared aliased to its result
   (:func:`_reusable`), so XLA hands the handler one buffer and MPI runs in
-  place (no copy, no fresh output).
+  place (no copy, no fresh output). ``signature_avals(ctx)`` gives the
+  avals that describe the call in its signature when the operands' differ
+  between ranks (a scatter's root holds every rank's block).
   """
   lowerings: dict[tuple[int, ...], Callable] = {}
 
@@ -82,7 +85,9 @@ def register_ffi_lowering(prim: Primitive, target: str,
     token = ordering.token_for(chain, block)
     token_ctx = ctx.replace(avals_in=[*ctx.avals_in, ordering.TOKEN_AVAL],
                             avals_out=[*ctx.avals_out, ordering.TOKEN_AVAL])
-    site, sig = call_sites.call_site(ctx, kind, params)
+    site, sig = call_sites.call_site(
+        ctx if signature_avals is None else ctx.replace(avals_in=signature_avals(ctx)),
+        kind, params)
     aliased = tuple(i for i, a in enumerate(args) if _reusable(a)) if in_place_capable else ()
     outs = lowering(aliased)(token_ctx, *args, token, **attrs(**params), site=i64(site),
                              sig=i64(sig))

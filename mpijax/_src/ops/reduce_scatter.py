@@ -15,6 +15,7 @@ from jax.interpreters import ad, batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
+from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
 from mpijax._src.ops.allgather import allgather_p
 
@@ -26,7 +27,8 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
 
   Args:
     x: array with ``x.shape[0] == comm size``; same shape on every rank.
-    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor").
+    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor"), or an
+      mpi4py ``MPI.Op`` (see :func:`mpijax.ops.allreduce`).
     comm: an mpi4py communicator (default: the runtime's).
 
   Returns:
@@ -36,8 +38,13 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
     >>> mine = mpijax.ops.reduce_scatter(jnp.ones((size, 3)))  # doctest: +SKIP
   """
   x = dtypes.as_array("mpijax.ops.reduce_scatter", x)
-  dtypes.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
   info = communicators.resolve_comm(comm, "mpijax.ops.reduce_scatter")
+  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.reduce_scatter", info.size)
+  if resolved.logical:
+    out = reduce_scatter(mpi_ops.as_logical(x), resolved.name, comm=comm)
+    return out.astype(x.dtype)
+  op = resolved.name
+  dtypes.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
   if x.ndim == 0 or x.shape[0] != info.size:
     raise ValueError(
         f"mpijax.ops.reduce_scatter needs x.shape[0] == communicator size "

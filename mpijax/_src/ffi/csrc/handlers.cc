@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -458,6 +459,254 @@ auto OneBufferOp() {
       .Attr<int64_t>("comm");
 }
 
+// Rank r's x lands in block r of root's result, of shape (size, *x.shape);
+// the other ranks' result is empty.
+ffi::Error GatherImpl(int64_t device, ffi::AnyBuffer x,
+                      ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
+                      int64_t root,
+    int64_t site, int64_t sig) {
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  int size = CommSize(comm);
+  CallInfo info{"gather", x.element_type(), x.dimensions(), size, comm_id,
+                device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  if (root < 0 || root >= size) {
+    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
+                                       std::to_string(root) + " out of range");
+  }
+  bool is_root = CommRank(comm) == root;
+  size_t nb = x.size_bytes();
+  if (is_root && out->size_bytes() != nb * size) {
+    return ffi::Error::InvalidArgument(info.Describe() +
+                                       ": root's result is not size x input");
+  }
+  char* src = static_cast<char*>(x.untyped_data());
+  char* dst = is_root ? static_cast<char*>(out->untyped_data()) : nullptr;
+  int r = static_cast<int>(root);
+  size_t chunk = ChunkElems(1);
+  if (nb == 0) return ffi::Error::Success();
+  if (nb <= chunk) {
+    int len = static_cast<int>(nb);
+    // The same byte count on every rank: all ranks choose the same call.
+    MPIJAX_COLLECTIVE(
+        info, comm, nb * size,
+        MPI_Gather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
+        MPI_Igather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
+    return ffi::Error::Success();
+  }
+  for (size_t off = 0; off < nb; off += chunk) {
+    size_t len = std::min(chunk, nb - off);
+    StridedBytes recv_type(len, nb);
+    MPI_Request req;
+    MPIJAX_CHECK_MPI(MPI_Igather(src + off, static_cast<int>(len), MPI_BYTE,
+                                 dst == nullptr ? nullptr : dst + off, 1,
+                                 recv_type.type, r, comm, &req),
+                     info);
+    if (auto e = Wait(&req, info); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// Block r of root's x, of shape (size, *out.shape), lands on rank r. The
+// other ranks' x only gives the shape (it is not read).
+ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
+                       ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
+                       int64_t root,
+    int64_t site, int64_t sig) {
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  int size = CommSize(comm);
+  // Described by the block, the same on every rank.
+  CallInfo info{"scatter", out->element_type(), out->dimensions(), size,
+                comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  if (root < 0 || root >= size) {
+    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
+                                       std::to_string(root) + " out of range");
+  }
+  bool is_root = CommRank(comm) == root;
+  size_t nb = out->size_bytes();
+  if (is_root && x.size_bytes() != nb * size) {
+    return ffi::Error::InvalidArgument(info.Describe() +
+                                       ": root's input is not size x result");
+  }
+  char* src = is_root ? static_cast<char*>(x.untyped_data()) : nullptr;
+  char* dst = static_cast<char*>(out->untyped_data());
+  int r = static_cast<int>(root);
+  size_t chunk = ChunkElems(1);
+  if (nb == 0) return ffi::Error::Success();
+  if (nb <= chunk) {
+    int len = static_cast<int>(nb);
+    MPIJAX_COLLECTIVE(
+        info, comm, nb * size,
+        MPI_Scatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
+        MPI_Iscatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
+    return ffi::Error::Success();
+  }
+  for (size_t off = 0; off < nb; off += chunk) {
+    size_t len = std::min(chunk, nb - off);
+    StridedBytes send_type(len, nb);
+    MPI_Request req;
+    MPIJAX_CHECK_MPI(MPI_Iscatter(src == nullptr ? nullptr : src + off, 1,
+                                  send_type.type, dst + off,
+                                  static_cast<int>(len), MPI_BYTE, r, comm,
+                                  &req),
+                     info);
+    if (auto e = Wait(&req, info); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// Inclusive prefix reduction: rank r gets the reduction of ranks 0..r's x.
+ffi::Error ScanImpl(int64_t device, ffi::AnyBuffer x,
+                    ffi::AnyBuffer /*token_in*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
+    int64_t comm_id,
+                    int64_t op,
+    int64_t site, int64_t sig) {
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  CallInfo info{"scan", x.element_type(), x.dimensions(), CommSize(comm),
+                comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  MPI_Datatype dt;
+  MPI_Op mop;
+  if (auto e = ReductionTypes(x.element_type(), op, &dt, &mop); e.failure())
+    return e;
+  size_t n = x.element_count(), es = ffi::ByteWidth(x.element_type());
+  char* src = static_cast<char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  size_t chunk = ChunkElems(es);
+  for (size_t off = 0; off < n; off += chunk) {
+    int count = static_cast<int>(std::min(chunk, n - off));
+    const void* send = src == dst ? MPI_IN_PLACE : src + off * es;
+    char* recv = dst + off * es;
+    MPIJAX_COLLECTIVE(info, comm, count * es,
+                      MPI_Scan(send, recv, count, dt, mop, comm),
+                      MPI_Iscan(send, recv, count, dt, mop, comm, &req_));
+  }
+  return ffi::Error::Success();
+}
+
+// Point-to-point peers and tags as Python encodes them (mpi4py's constants
+// differ between MPI implementations).
+constexpr int64_t kAnyPeer = -1;   // MPI_ANY_SOURCE
+constexpr int64_t kNoPeer = -2;    // MPI_PROC_NULL
+constexpr int64_t kAnyTagCode = -1;  // MPI_ANY_TAG
+
+int PeerRank(int64_t code) {
+  if (code == kAnyPeer) return MPI_ANY_SOURCE;
+  if (code == kNoPeer) return MPI_PROC_NULL;
+  return static_cast<int>(code);
+}
+
+// Tagged point-to-point messages, as MPI_Send, MPI_Recv and MPI_Sendrecv:
+// only the ranks that exchange make the call, so there is no signature check
+// (that is a collective). Operands: [recv template] [send buffer] order
+// token; results: [received] order token. The template gives the received
+// array's shape and dtype (XLA may hand its buffer over as the result's); a
+// receive from no peer (MPI_PROC_NULL) returns it unchanged. `status`, when
+// nonzero, is the address of an MPI_Status (mpi4py's MPI.Status) that gets
+// the receive's status.
+ffi::Error P2pImpl(int64_t device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, int64_t comm_id, int64_t dest,
+                   int64_t sendtag, int64_t source, int64_t recvtag,
+                   int64_t status_addr, int64_t site, int64_t sig) {
+  bool has_recv = rets.size() == 2;
+  bool has_send = args.size() == (has_recv ? 3u : 2u);
+  if (rets.size() < 1 || rets.size() > 2 || !(has_send || (has_recv && args.size() == 2))) {
+    return ffi::Error::InvalidArgument(
+        "mpijax p2p: unexpected operands (" + std::to_string(args.size()) +
+        ") and results (" + std::to_string(rets.size()) + ")");
+  }
+  std::optional<ffi::AnyBuffer> templ, sendbuf, recvbuf;
+  if (has_recv) {
+    auto a = args.get<ffi::AnyBuffer>(0);
+    auto r = rets.get<ffi::AnyBuffer>(0);
+    if (a.has_error()) return a.error();
+    if (r.has_error()) return r.error();
+    templ.emplace(*a);
+    recvbuf.emplace(**r);
+  }
+  if (has_send) {
+    auto a = args.get<ffi::AnyBuffer>(has_recv ? 1 : 0);
+    if (a.has_error()) return a.error();
+    sendbuf.emplace(*a);
+  }
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  MPI_Comm p2p = comm_dc->check;  // see DevComm
+  int size = CommSize(p2p);
+  const ffi::AnyBuffer& described = has_recv ? *templ : *sendbuf;
+  CallInfo info{has_send && has_recv ? "sendrecv" : has_send ? "send" : "recv",
+                described.element_type(), described.dimensions(), size, comm_id,
+                device};
+  info.dc = comm_dc;
+  info.site = site;
+  info.sig = sig;
+  CallScope scope_(comm_dc->status, site);
+  auto bad_peer = [&](int64_t code, bool any_ok) {
+    return !(code == kNoPeer || (any_ok && code == kAnyPeer) ||
+             (code >= 0 && code < size));
+  };
+  if ((has_send && bad_peer(dest, false)) || (has_recv && bad_peer(source, true))) {
+    return ffi::Error::InvalidArgument(
+        info.Describe() + ": peer (dest " + std::to_string(dest) + ", source " +
+        std::to_string(source) + ") outside the communicator");
+  }
+  int to = PeerRank(dest), from = PeerRank(source);
+  int rtag = recvtag == kAnyTagCode ? MPI_ANY_TAG : static_cast<int>(recvtag);
+  size_t send_nb = has_send ? sendbuf->size_bytes() : 0;
+  size_t recv_nb = has_recv ? recvbuf->size_bytes() : 0;
+  char* src = has_send ? static_cast<char*>(sendbuf->untyped_data()) : nullptr;
+  char* dst = has_recv ? static_cast<char*>(recvbuf->untyped_data()) : nullptr;
+  if (has_recv && from == MPI_PROC_NULL && dst != templ->untyped_data() && recv_nb) {
+    std::memcpy(dst, templ->untyped_data(), recv_nb);
+  }
+  // Messages above max_chunk_bytes go in pieces. MPI keeps one sender's
+  // messages of one tag in order; after the first piece of a receive from any
+  // peer or tag, the others are taken from its sender with its tag.
+  size_t chunk = ChunkElems(1);
+  auto pieces = [&](bool on, size_t nb) {
+    return on ? std::max<size_t>(1, (nb + chunk - 1) / chunk) : 0;
+  };
+  size_t send_pieces = pieces(has_send, send_nb), recv_pieces = pieces(has_recv, recv_nb);
+  MPI_Status first;
+  MPI_Count received = 0;
+  for (size_t i = 0; i < std::max(send_pieces, recv_pieces); ++i) {
+    size_t off = i * chunk;
+    MPI_Request reqs[2];
+    MPI_Status sts[2];
+    int nreq = 0;
+    if (i < recv_pieces) {  // reqs[0]
+      int len = static_cast<int>(std::min(chunk, recv_nb - std::min(off, recv_nb)));
+      MPIJAX_CHECK_MPI(MPI_Irecv(dst + off, len, MPI_BYTE, i ? first.MPI_SOURCE : from,
+                                 i ? first.MPI_TAG : rtag, p2p, &reqs[nreq++]),
+                       info);
+    }
+    if (i < send_pieces) {
+      int len = static_cast<int>(std::min(chunk, send_nb - std::min(off, send_nb)));
+      MPIJAX_CHECK_MPI(MPI_Isend(src + off, len, MPI_BYTE, to,
+                                 static_cast<int>(sendtag), p2p, &reqs[nreq++]),
+                       info);
+    }
+    if (auto e = WaitAll(nreq, reqs, info, sts); e.failure()) return e;
+    if (i < recv_pieces) {
+      MPI_Count got = 0;
+      MPI_Get_elements_x(&sts[0], MPI_BYTE, &got);
+      received += got;
+      if (i == 0) first = sts[0];
+    }
+  }
+  if (status_addr != 0 && has_recv) {
+    if (recv_pieces > 1) MPI_Status_set_elements_x(&first, MPI_BYTE, received);
+    std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(status_addr)),
+                &first, sizeof(MPI_Status));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
@@ -520,6 +769,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
                                   .Arg<ffi::AnyBuffer>()  // order token in
                                   .Ret<ffi::AnyBuffer>()  // order token out
                                   .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGather, GatherImpl,
+                              OneBufferOp()
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatter, ScatterImpl,
+                              OneBufferOp()
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScan, ScanImpl,
+                              OneBufferOp()
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kP2p, P2pImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()  // [template], [send buffer], order token
+                                  .RemainingRets()  // [received], order token
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("dest")
+                                  .Attr<int64_t>("sendtag")
+                                  .Attr<int64_t>("source")
+                                  .Attr<int64_t>("recvtag")
+                                  .Attr<int64_t>("status")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 

@@ -16,6 +16,11 @@ XLA_FFI_Error* kBcast(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kReduce(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPpermute(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kBarrier(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kGather(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kScatter(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kScan(XLA_FFI_CallFrame* call_frame);
+// send, recv and sendrecv: one handler, three names so stall reports name the call.
+XLA_FFI_Error* kP2p(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kJoin(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kGate(XLA_FFI_CallFrame* call_frame);
 }  // extern "C"

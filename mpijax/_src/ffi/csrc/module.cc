@@ -164,6 +164,13 @@ NB_MODULE(_mpijax_ffi, m) {
     d["mpijax_reduce"] = Capsule(kReduce);
     d["mpijax_ppermute"] = Capsule(kPpermute);
     d["mpijax_barrier"] = Capsule(kBarrier);
+    d["mpijax_gather"] = Capsule(kGather);
+    d["mpijax_scatter"] = Capsule(kScatter);
+    d["mpijax_scan"] = Capsule(kScan);
+    // One handler; three names, so stall reports name the call.
+    d["mpijax_send"] = Capsule(kP2p);
+    d["mpijax_recv"] = Capsule(kP2p);
+    d["mpijax_sendrecv"] = Capsule(kP2p);
     d["mpijax_join"] = Capsule(kJoin);
     d["mpijax_gate"] = Capsule(kGate);
     return d;

@@ -41,7 +41,10 @@ struct Status {
 // One local device's private communicators: `comm` carries the collectives,
 // `check` only the signature checks, so a check on one rank can never pair
 // up with (and corrupt) a real collective on another: a divergence there is
-// a stall the inspector reports, never silent garbage.
+// a stall the inspector reports, never silent garbage. `check` also carries
+// the user-tagged point-to-point messages (send, recv): MPI never matches
+// point-to-point messages with collectives, and on `comm` a receive from any
+// tag could take the ring's or ppermute's messages.
 struct DevComm {
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm check = MPI_COMM_NULL;

@@ -52,17 +52,18 @@ class StallClock {
 
 }  // namespace
 
-ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info) {
+ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info,
+                   MPI_Status* statuses) {
   bool concurrent = info.dc != nullptr && info.dc->local_devices > 1;
   if (g_settings.timeout_s.load(std::memory_order_relaxed) <= 0 &&
       !concurrent) {
-    MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE), info);
+    MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, statuses), info);
     return ffi::Error::Success();
   }
   StallClock clock(info);
   for (uint64_t spin = 0;; ++spin) {
     int done = 0;
-    MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), info);
+    MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, statuses), info);
     if (done) return ffi::Error::Success();
     if ((spin & 255) == 255) {
       if (auto e = clock.Check(); e.failure()) return e;

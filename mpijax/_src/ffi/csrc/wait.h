@@ -24,7 +24,8 @@ namespace mpijax::detail {
 // wait with no (communicator, device) to inspect fails instead. Returning an
 // error on a stall is not an option: the pending request still owns XLA's
 // buffers.
-ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info);
+ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info,
+                   MPI_Status* statuses = MPI_STATUSES_IGNORE);
 
 inline ffi::Error Wait(MPI_Request* req, const CallInfo& info) {
   return WaitAll(1, req, info);

@@ -1,0 +1,1 @@
+"""Other libraries' APIs on mpijax's transport (see mpijax.compat)."""

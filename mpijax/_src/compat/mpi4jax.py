@@ -1,0 +1,271 @@
+"""mpi4jax's public API on mpijax's transport.
+
+``import mpijax.compat.mpi4jax as mpi4jax`` runs a program written for
+mpi4jax (the API of mpi4jax 0.8 to 0.9.1: no tokens) on mpijax's MPI
+primitives: the same functions, signatures, return values and autodiff
+rules, with mpi4py ``MPI.Op`` objects and communicators.
+
+What differs from mpi4jax, and why, is listed in docs/mpi4jax.md. In short:
+the calls run on private clones of the communicator (mpijax's contract), so
+importing this module starts the mpijax runtime and registers the default
+communicator and ``MPI.COMM_WORLD`` (collectively, on every rank); CPU only;
+float16 and bfloat16 work too; ``sendrecv`` is also differentiable in
+forward mode; wrong arguments fail at trace time with a message, not by
+aborting the job.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpijax._src import runtime
+from mpijax._src.compat import mpi4jax_autodiff
+from mpijax._src.ops import allgather as _allgather
+from mpijax._src.ops import alltoall as _alltoall
+from mpijax._src.ops import barrier as _barrier
+from mpijax._src.ops import bcast as _bcast
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import gather as _gather
+from mpijax._src.ops import mpi_ops
+from mpijax._src.ops import p2p
+from mpijax._src.ops import scan as _scan
+from mpijax._src.ops import scatter as _scatter
+
+# The mpi4jax API this module matches (for programs that check the version).
+__version__ = "0.9.1"
+
+_NOTSET = object()  # mpi4jax's sentinel for the removed `token` argument
+
+
+def _mpi():
+  from mpijax._src import mpi_util
+  return mpi_util.import_mpi()
+
+
+def _no_token(token: Any) -> None:
+  if token is not _NOTSET:
+    raise RuntimeError(
+        "Explicit token management is not supported for mpi4jax>=0.8.0. "
+        "Tokens are now managed automatically and must not be passed "
+        "as arguments to collective operations anymore.\n"
+        "That is, please adjust your code like this:\n"
+        "     # For mpi4jax<0.8.0:\n"
+        "     result, token = mpi4jax.allgather(x, token=token)\n"
+        "     # For mpi4jax>=0.8.0:\n"
+        "     result = mpi4jax.allgather(x)\n"
+        "(mpijax.compat.mpi4jax orders its calls in program order by itself.)")
+
+
+def _type_error(fn: str, arg: str, expected: str, value: Any) -> TypeError:
+  hint = ""
+  if isinstance(value, jax.core.Tracer):
+    hint = ("\n\nAn abstract tracer was passed where a concrete value is expected. "
+            "Try using the static_argnums argument of jax.jit.")
+  return TypeError(f'{fn} got unexpected type for argument "{arg}" '
+                   f"(expected: {expected}, got: {type(value)}).{hint}")
+
+
+def _int(fn: str, arg: str, value: Any) -> int:
+  """A Python or NumPy integer (not bool, not traced), as mpi4jax accepts."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise _type_error(fn, arg, "integer", value)
+  return operator.index(value)
+
+
+def _comm(fn: str, comm: Any) -> Any:
+  """The communicator (None: mpijax's default, a clone of COMM_WORLD)."""
+  if comm is None:
+    return None
+  if not isinstance(comm, _mpi().Intracomm):
+    raise _type_error(fn, "comm", "['NoneType', 'Intracomm']", comm)
+  return comm
+
+
+def _op(fn: str, op: Any) -> Any:
+  if not isinstance(op, (_mpi().Op, str)):
+    raise _type_error(fn, "op", "Op", op)
+  return op
+
+
+def _nd(x: Any, name: str) -> Any:
+  """``x`` as the input of a function mpi4jax does not differentiate."""
+  return mpi4jax_autodiff.no_derivative(dtypes.as_array(name, x), name)
+
+
+def _rank_size(comm: Any, fn: str) -> tuple[int, int]:
+  info = communicators.resolve_comm(comm, fn)
+  return info.rank, info.size
+
+
+def allreduce(x, op, *, comm=None, token=_NOTSET):
+  """Performs an allreduce: every rank gets the reduction of ``x``.
+
+  Differentiable (``jax.grad``, ``jax.jvp``, ``jax.linear_transpose``) for
+  ``op=MPI.SUM``, with mpi4jax's convention: the transpose of the sum is the
+  identity (each rank keeps its own cotangent).
+
+  Args:
+    x: array or scalar input.
+    op: an mpi4py ``MPI.Op`` (e.g. ``MPI.SUM``), or an mpijax op name.
+    comm: the mpi4py communicator (default: a clone of ``COMM_WORLD``).
+
+  Returns:
+    The result of the allreduce (``x``'s shape and dtype).
+  """
+  _no_token(token)
+  comm, op = _comm("allreduce", comm), _op("allreduce", op)
+  x = dtypes.as_array("allreduce", x)
+  info = communicators.resolve_comm(comm, "allreduce")
+  resolved = mpi_ops.resolve(op, x.dtype, "allreduce", info.size)
+  if resolved.logical:
+    out = allreduce(mpi_ops.as_logical(x), resolved.name, comm=comm)
+    return out.astype(x.dtype)
+  dtypes.check_reduce_op("allreduce", resolved.name, x.dtype)
+  return mpi4jax_autodiff.allreduce_p.bind(x, comm_id=info.id, op=resolved.name)
+
+
+def allgather(x, *, comm=None, token=_NOTSET):
+  """Performs an allgather: every rank gets ``(nproc, *x.shape)``, entry r from rank r."""
+  _no_token(token)
+  return _allgather.allgather(_nd(x, "allgather"), comm=_comm("allgather", comm))
+
+
+def alltoall(x, *, comm=None, token=_NOTSET):
+  """Performs an alltoall: ``x[j]`` goes to rank j, ``out[j]`` comes from rank j.
+
+  ``x``'s first axis must have size ``nproc``.
+  """
+  _no_token(token)
+  comm = _comm("alltoall", comm)
+  _, size = _rank_size(comm, "alltoall")
+  shape = np.shape(x)
+  if not shape or shape[0] != size:
+    raise ValueError(f"Alltoall input must have shape (nproc, ...) = ({size}, ...), "
+                     f"got shape {shape}.")
+  return _alltoall.alltoall(_nd(x, "alltoall"), comm=comm)
+
+
+def barrier(*, comm=None, token=_NOTSET):
+  """Performs a barrier: waits until every rank of ``comm`` has reached it."""
+  _no_token(token)
+  _barrier.barrier(comm=_comm("barrier", comm))
+  return []  # what mpi4jax's barrier primitive returns
+
+
+def bcast(x, root, *, comm=None, token=_NOTSET):
+  """Broadcasts root's ``x``: a new array on the other ranks; root gets ``x`` back.
+
+  On the other ranks ``x`` gives the result's shape and dtype.
+  """
+  _no_token(token)
+  root, comm = _int("bcast", "root", root), _comm("bcast", comm)
+  rank, _ = _rank_size(comm, "bcast")
+  res = _bcast.bcast(_nd(x, "bcast"), root, comm=comm)
+  return x if rank == root else res
+
+
+def gather(x, root, *, comm=None, token=_NOTSET):
+  """Gathers ``x`` onto root: ``(nproc, *x.shape)`` there; the others get ``x`` back."""
+  _no_token(token)
+  root, comm = _int("gather", "root", root), _comm("gather", comm)
+  rank, _ = _rank_size(comm, "gather")
+  res = _gather.gather(_nd(x, "gather"), root, comm=comm)
+  return res if rank == root else x
+
+
+def reduce(x, op, root, *, comm=None, token=_NOTSET):
+  """Reduces ``x`` onto root; the other ranks get ``x`` back unchanged."""
+  _no_token(token)
+  op, root = _op("reduce", op), _int("reduce", "root", root)
+  comm = _comm("reduce", comm)
+  rank, _ = _rank_size(comm, "reduce")
+  res = _bcast.reduce(_nd(x, "reduce"), op, root, comm=comm)
+  return res if rank == root else x
+
+
+def scan(x, op, *, comm=None, token=_NOTSET):
+  """Performs a scan: rank r gets the reduction of ranks 0..r's ``x``."""
+  _no_token(token)
+  return _scan.scan(_nd(x, "scan"), _op("scan", op), comm=_comm("scan", comm))
+
+
+def scatter(x, root, *, comm=None, token=_NOTSET):
+  """Scatters root's ``x`` (shape ``(nproc, *block)``): rank r gets block r.
+
+  On the other ranks ``x`` has the block's shape and dtype (not read).
+  """
+  _no_token(token)
+  root, comm = _int("scatter", "root", root), _comm("scatter", comm)
+  rank, size = _rank_size(comm, "scatter")
+  shape = np.shape(x)
+  if rank == root and (not shape or shape[0] != size):
+    raise ValueError(f"Scatter input must have shape (nproc, ...) = ({size}, ...) on the "
+                     f"root, got shape {shape}.")
+  return _scatter.scatter(_nd(x, "scatter"), root, comm=comm)
+
+
+def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
+  """Sends ``x`` to rank ``dest`` (only this rank and ``dest`` take part)."""
+  _no_token(token)
+  dest, tag = _int("send", "dest", dest), _int("send", "tag", tag)
+  p2p.send(_nd(x, "send"), dest, tag=tag, comm=_comm("send", comm))
+  return []  # what mpi4jax's send primitive returns
+
+
+def recv(x, source=None, *, tag=None, comm=None, status=None, token=_NOTSET):
+  """Receives an array shaped like ``x`` from ``source`` (default: any source, any tag).
+
+  ``status``: an mpi4py ``MPI.Status`` that gets the receive's source, tag
+  and count.
+  """
+  _no_token(token)
+  MPI = _mpi()
+  source = MPI.ANY_SOURCE if source is None else _int("recv", "source", source)
+  tag = MPI.ANY_TAG if tag is None else _int("recv", "tag", tag)
+  return p2p.recv(_nd(x, "recv"), source, tag=tag, comm=_comm("recv", comm), status=status)
+
+
+def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=None, comm=None,
+             status=None, token=_NOTSET):
+  """Sends ``sendbuf`` to ``dest`` and receives like ``recvbuf`` from ``source``, at once.
+
+  Differentiable: the cotangent goes back along the same path (to
+  ``source``, from ``dest``).
+  """
+  _no_token(token)
+  MPI = _mpi()
+  source, dest = _int("sendrecv", "source", source), _int("sendrecv", "dest", dest)
+  sendtag = _int("sendrecv", "sendtag", sendtag)
+  recvtag = MPI.ANY_TAG if recvtag is None else _int("sendrecv", "recvtag", recvtag)
+  return p2p.tagged_sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag,
+                             recvtag=recvtag, comm=_comm("sendrecv", comm), status=status,
+                             op_name="sendrecv")
+
+
+def has_cuda_support() -> bool:
+  """False: mpijax's transport runs on CPU devices."""
+  return False
+
+
+def has_sycl_support() -> bool:
+  """False: mpijax's transport runs on CPU devices."""
+  return False
+
+
+def start() -> None:
+  """Starts the runtime and registers the communicators mpi4jax programs use.
+
+  mpi4jax needs no setup call, and its point-to-point calls are made by some
+  ranks only; mpijax's private communicator clones are made collectively at
+  first use, so the default communicator and ``MPI.COMM_WORLD`` are
+  registered here, at import, where every rank passes.
+  """
+  rt = runtime.init() if not runtime.is_initialized() else runtime.get()
+  communicators.resolve_comm(None, "mpijax.compat.mpi4jax")
+  if rt._world_comm is _mpi().COMM_WORLD:  # not when started on a sub-communicator
+    communicators.resolve_comm(rt._world_comm, "mpijax.compat.mpi4jax")

@@ -1,0 +1,69 @@
+"""scan: rank r gets the reduction of ranks 0..r's ``x`` (MPI_Scan).
+
+Autodiff (op="sum"): linear; the transpose sends each rank's cotangent to
+itself and every lower rank, i.e. rank s gets the sum of ranks s..size-1's
+cotangents: the total (an allreduce) minus the scan plus its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.interpreters import batching
+
+from mpijax._src.ops import communicators
+from mpijax._src.ops import dtypes
+from mpijax._src.ops import lowering
+from mpijax._src.ops import mpi_ops
+from mpijax._src.ops import primitive
+from mpijax._src.ops.allreduce import allreduce_p
+
+scan_p = primitive.make_primitive("mpijax_scan")
+
+
+def scan(x, op: Any = "sum", *, comm: Any = None) -> jax.Array:
+  """Inclusive prefix reduction of ``x`` over the ranks of ``comm``.
+
+  Args:
+    x: array of a supported dtype; same shape on every rank.
+    op: reduction ("sum", "prod", "min", "max", "and", "or", "xor"), or an
+      mpi4py ``MPI.Op`` (see :func:`mpijax.ops.allreduce`).
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    On rank r, the reduction of ranks 0..r's ``x`` (``x``'s shape and dtype).
+
+  Examples:
+    >>> offset = mpijax.ops.scan(jnp.int32(n_local)) - n_local  # doctest: +SKIP
+  """
+  x = dtypes.as_array("mpijax.ops.scan", x)
+  info = communicators.resolve_comm(comm, "mpijax.ops.scan")
+  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.scan", info.size)
+  if resolved.logical:
+    return scan(mpi_ops.as_logical(x), resolved.name, comm=comm).astype(x.dtype)
+  op = dtypes.check_reduce_op("mpijax.ops.scan", resolved.name, x.dtype)
+  return scan_p.bind(x, comm_id=info.id, op=op)
+
+
+def _same(x, **params):
+  return x
+
+
+def _attrs(*, comm_id, op):
+  return dict(comm=primitive.i64(comm_id), op=primitive.i64(dtypes.OP_CODES[op]))
+
+
+def _batch(args, dims, **params):
+  return scan_p.bind(args[0], **params), dims[0]
+
+
+def _transpose_sum(ct, *, comm_id, op):
+  total = allreduce_p.bind(ct, comm_id=comm_id, op="sum", divisor=1)
+  return total - scan_p.bind(ct, comm_id=comm_id, op="sum") + ct
+
+
+scan_p.def_abstract_eval(_same)
+lowering.register_ffi_lowering(scan_p, "mpijax_scan", _attrs, in_place_capable=True)
+batching.primitive_batchers[scan_p] = _batch
+primitive.def_sum_linear_ad(scan_p, "mpijax.ops.scan", _transpose_sum)

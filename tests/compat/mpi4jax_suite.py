@@ -1,0 +1,158 @@
+"""Runs mpi4jax's own test suite against mpijax.compat.mpi4jax at 1, 2 and 4 ranks.
+
+    python tests/compat/mpi4jax_suite.py                 # download, run 1, 2, 4 ranks
+    python tests/compat/mpi4jax_suite.py --ranks 2 --sdist mpi4jax-0.9.1.post2.tar.gz
+
+Takes the tests and examples of mpi4jax's source distribution (downloaded with
+``pip download --no-binary :all: --no-deps``, or given), and runs them under
+``mpijax-run`` with a shim first on PYTHONPATH (tests/compat/shim) in which
+``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
+mpi4jax_deviations.py are left out, each with its reason; every other test
+must pass (or be skipped by the suite itself for the rank count) on every
+rank. Each job is bounded by a timeout. Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from mpi4jax_deviations import DEVIATIONS  # noqa: E402
+from mpi4jax_deviations import MPI4JAX_VERSION  # noqa: E402
+
+
+def download(version: str, dest: Path) -> Path:
+  """mpi4jax's sdist, from the package registry through pip (cached in ``dest``)."""
+  found = sorted(dest.glob(f"mpi4jax-{version}.tar.gz"))
+  if found:
+    return found[0]
+  # --no-build-isolation: pip reads the sdist's metadata with this environment's
+  # setuptools and wheel instead of installing mpi4jax's build requirements.
+  cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+         "--no-build-isolation", "-q", "-d", str(dest), f"mpi4jax=={version}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  found = sorted(dest.glob(f"mpi4jax-{version}.tar.gz"))
+  if proc.returncode != 0 or not found:
+    sys.exit(f"mpi4jax_suite: could not download mpi4jax {version}: {' '.join(cmd)}\n"
+             f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nGive a local copy with --sdist.")
+  return found[0]
+
+
+def unpack(sdist: Path, dest: Path) -> Path:
+  """The sdist's tests/, examples/ and pyproject.toml, without the mpi4jax package."""
+  suite = dest / "suite"
+  shutil.rmtree(suite, ignore_errors=True)
+  suite.mkdir(parents=True)
+  with tarfile.open(sdist) as tar:
+    for member in tar.getmembers():
+      parts = Path(member.name).parts
+      if len(parts) < 2 or parts[1] not in ("tests", "examples", "pyproject.toml"):
+        continue
+      if not (member.isfile() or member.isdir()):
+        continue
+      target = suite.joinpath(*parts[1:])
+      if member.isdir():
+        target.mkdir(parents=True, exist_ok=True)
+        continue
+      target.parent.mkdir(parents=True, exist_ok=True)
+      with tar.extractfile(member) as src, open(target, "wb") as out:
+        out.write(src.read())
+  if not (suite / "tests").is_dir():
+    sys.exit(f"mpi4jax_suite: {sdist} has no tests/ directory")
+  return suite
+
+
+def run(ranks: int, suite: Path, timeout: float, results: Path) -> tuple[int, str, float]:
+  """One mpijax-run job of the suite; (exit code, output, seconds)."""
+  shutil.rmtree(results, ignore_errors=True)
+  results.mkdir(parents=True)
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(HERE / "shim"), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+  env.update(MPIJAX_SUITE_RESULTS=str(results), JAX_PLATFORMS="cpu",
+             MPIJAX_TIMEOUT=env.get("MPIJAX_TIMEOUT", "120"),
+             MPIJAX_DEVICES_PER_PROCESS="1")
+  cmd = [sys.executable, "-m", "mpijax.launch", "-n", str(ranks), "--timeout", str(int(timeout)),
+         "--no-wrap", "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "no:pytest_mpi", "-p", "mpi4jax_suite_plugin", "--color=no", "-rfE",
+         "-W", "ignore::DeprecationWarning", "tests"]
+  start = time.monotonic()
+  proc = subprocess.Popen(cmd, cwd=suite, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout + 60)
+  except subprocess.TimeoutExpired:
+    proc.terminate()  # mpijax-run stops every rank
+    try:
+      out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      out, _ = proc.communicate()
+    out += f"\n[mpi4jax_suite] killed after {timeout:.0f} s\n"
+  return proc.returncode, out, time.monotonic() - start
+
+
+def check(ranks: int, code: int, results: Path) -> tuple[list[str], list[str]]:
+  """Problems found in one job's per-rank results, and each rank's counts."""
+  problems, counts = [], []
+  files = sorted(results.glob("rank-*.json"), key=lambda f: int(f.stem.split("-")[1]))
+  if len(files) != ranks:
+    problems.append(f"{len(files)} of {ranks} ranks wrote results (exit {code})")
+  for f in files:
+    data = json.loads(f.read_text())
+    mine: dict[str, int] = {}
+    for nodeid, entry in sorted(data["outcomes"].items()):
+      mine[entry["outcome"]] = mine.get(entry["outcome"], 0) + 1
+      if entry["outcome"] in ("failed", "error"):
+        problems.append(f"{f.stem}: {entry['outcome']} {nodeid}\n{entry['detail']}")
+    if not mine.get("passed"):
+      problems.append(f"{f.stem}: no test passed")
+    counts.append(f"{f.stem.replace('-', ' ')} " + ", ".join(
+        f"{v} {k}" for k, v in sorted(mine.items())))
+  if code != 0 and not problems:
+    problems.append(f"the job exited {code}")
+  return problems, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--ranks", default="1,2,4", help="rank counts, e.g. 1,2,4")
+  ap.add_argument("--version", default=MPI4JAX_VERSION, help="mpi4jax release to download")
+  ap.add_argument("--sdist", type=Path, help="a local mpi4jax sdist instead of downloading")
+  ap.add_argument("--workdir", type=Path,
+                  default=Path(tempfile.gettempdir()) / "mpijax-mpi4jax-suite")
+  ap.add_argument("--timeout", type=float, default=420, help="seconds per job")
+  args = ap.parse_args(argv)
+
+  args.workdir.mkdir(parents=True, exist_ok=True)
+  sdist = args.sdist or download(args.version, args.workdir)
+  suite = unpack(sdist, args.workdir)
+  print(f"mpi4jax's suite from {sdist.name}: every test but the {len(DEVIATIONS)} "
+        "deviations of tests/compat/mpi4jax_deviations.py, which are left out", flush=True)
+  failed = False
+  for ranks in (int(r) for r in args.ranks.split(",")):
+    results = args.workdir / f"results-{ranks}"
+    code, out, seconds = run(ranks, suite, args.timeout, results)
+    problems, counts = check(ranks, code, results)
+    print(f"{ranks} rank{'s' if ranks > 1 else ''}: {'FAIL' if problems else 'ok'} in "
+          f"{seconds:.0f} s ({'; '.join(counts)})", flush=True)
+    if problems:
+      failed = True
+      print("\n".join(problems) + "\n--- job output (tail) ---\n" + out[-6000:], flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
