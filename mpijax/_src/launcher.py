@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Sequence
 
+from mpijax._src import bridge_env
 from mpijax._src import heap
 
 PROG = "mpijax-run"
@@ -315,9 +316,12 @@ class Situation:
   mpi: MPIInfo | None = None  # None when launching with srun needs no MPI probe
   mpirun: str | None = None
   mpirun_flavor: str | None = None
+  # MPITRAMPOLINE_LIB for the ranks: mpijax's bridge for XLA's MPI collectives.
+  bridge: str | None = None
 
 
-def _forwarded_env(env: dict[str, str], opts: Options) -> list[tuple[str, str | None]]:
+def _forwarded_env(env: dict[str, str], opts: Options,
+                   bridge: str | None = None) -> list[tuple[str, str | None]]:
   """(name, value) pairs to export to every rank; value None = export the current value."""
   pairs: list[tuple[str, str | None]] = []
   if opts.devices_per_process is not None:
@@ -327,7 +331,29 @@ def _forwarded_env(env: dict[str, str], opts: Options) -> list[tuple[str, str | 
       pairs.append((name, None))
   # glibc reads these at process start, before any thread has its own arena.
   pairs.extend(heap.launcher_env(env))
+  # jaxlib reads it when it loads, before the program's first line runs.
+  if bridge_env.ENV in env:
+    pairs.append((bridge_env.ENV, None))
+  elif bridge:
+    pairs.append((bridge_env.ENV, bridge))
   return pairs
+
+
+def _bridge_for(opts: Options, env: dict[str, str]) -> str | None:
+  """The bridge library the ranks should load for XLA's MPI collectives, if any."""
+  if opts.np == 1:
+    return None
+  try:
+    from mpijax._src import config
+    chosen = dict(env)
+    ok, _ = bridge_env.select(bridge_env.installed_bridge(), environ=chosen,
+                              collectives=config.get("xla_collectives", env),
+                              distributed=config.get("jax_distributed", env),
+                              need_launcher=False)
+  except ValueError as e:  # a malformed MPIJAX_* value
+    raise LaunchError(str(e)) from None
+  # The ranks say why not, when they choose gloo.
+  return chosen[bridge_env.ENV] if ok and bridge_env.ENV not in env else None
 
 
 def choose_launcher(opts: Options, env: dict[str, str]) -> str:
@@ -384,7 +410,7 @@ def _openmpi_command(opts: Options, sit: Situation, mpirun: str, program: list[s
   cmd += ["--bind-to", "none"]
   major = sit.mpi.version[0] if sit.mpi and sit.mpi.flavor == "openmpi" else 5
   cmd += ["--output", "tag"] if major >= 5 else ["--tag-output"]
-  for name, value in _forwarded_env(sit.env, opts):
+  for name, value in _forwarded_env(sit.env, opts, sit.bridge):
     cmd += ["-x", name if value is None else f"{name}={value}"]
   cmd += opts.launcher_args
   return cmd + program
@@ -399,7 +425,7 @@ def _hydra_command(opts: Options, sit: Situation, mpirun: str, program: list[str
   elif opts.hosts:
     cmd += ["-hosts", ",".join(f"{h}:{s}" for h, s in parse_hosts(opts.hosts))]
   cmd += ["-bind-to", "none", "-prepend-rank"]
-  for name, value in _forwarded_env(sit.env, opts):
+  for name, value in _forwarded_env(sit.env, opts, sit.bridge):
     if value is not None:  # Hydra passes the whole environment on by default
       cmd += ["-genv", name, value]
   cmd += opts.launcher_args
@@ -421,7 +447,7 @@ def _srun_command(opts: Options, sit: Situation, program: list[str]) -> list[str
   if sit.mpi is not None and sit.mpi.flavor == "openmpi" and "SLURM_MPI_TYPE" not in sit.env:
     # Open MPI 4/5 can only be started by srun through PMIx.
     cmd.append("--mpi=pmix")
-  exports = [f"{k}={v}" for k, v in _forwarded_env(sit.env, opts) if v is not None]
+  exports = [f"{k}={v}" for k, v in _forwarded_env(sit.env, opts, sit.bridge) if v is not None]
   if exports:
     cmd.append("--export=" + ",".join(["ALL"] + exports))
   cmd += opts.launcher_args
@@ -451,7 +477,7 @@ def gather(opts: Options, env: dict[str, str] | None = None) -> Situation:
       print(f"{PROG}: warning: {mpirun} is {flavor}, but mpi4py loads {mpi.flavor} "
             f"({mpi.library_path}); ranks will likely not see each other.", file=sys.stderr)
   return Situation(env=env, euid=os.geteuid(), local_slots=local_slots(), mpi=mpi,
-                   mpirun=mpirun, mpirun_flavor=flavor)
+                   mpirun=mpirun, mpirun_flavor=flavor, bridge=_bridge_for(opts, env))
 
 
 # --- running ------------------------------------------------------------------
