@@ -21,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import socket
 import sys
+import time
 
 from mpijax._src import bridge_env
 from mpijax._src import config
@@ -180,9 +182,29 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
       jax.config.update("jax_cpu_collectives_implementation", "mpi")
   owns = not adopted
   if owns:
+    if rank != 0:
+      _wait_for_coordinator(address)
     jax.distributed.initialize(coordinator_address=address, num_processes=size,
                                process_id=rank)
   return Started(owns_distributed=owns, collectives=chosen)
+
+
+def _wait_for_coordinator(address: str, limit: float = 60.0) -> None:
+  """Returns once rank 0's coordinator accepts connections (or after ``limit`` s).
+
+  A JAX client that finds no coordinator yet retries about a second later;
+  rank 0 starts it within milliseconds, so waiting for it here saves most of
+  that second at every start.
+  """
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  deadline = time.monotonic() + limit
+  while time.monotonic() < deadline:
+    try:
+      socket.create_connection((host, int(port)), timeout=1.0).close()
+      return
+    except OSError:
+      time.sleep(0.005)
 
 
 def _attach(library: ctypes.CDLL, comm) -> None:
