@@ -141,33 +141,29 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
   setting = config.get("xla_collectives")
   users = _users_collectives()
   library = None
-  reason = ""
   if _backends_initialized():
     chosen = "started"  # adopted with its backend running: its choice stands
   elif users is not None:
     chosen = users
     library = loaded_bridge() if users == "mpi" else None  # ours: attach it
-  elif setting == "gloo":
-    chosen = "gloo"
   else:
-    chosen = "mpi"
-    library = loaded_bridge()
-    MPI = mpi_util.import_mpi()
-    if local_devices > 1:
-      reason = (f"XLA's MPI collectives support one CPU device per process, and this job "
-                f"has {local_devices} per rank")
-    elif library is None:
-      reason = _why_not_loaded()
-    elif MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-      reason = "MPI runs below MPI_THREAD_MULTIPLE, and XLA calls MPI from its own threads"
-  if chosen == "mpi" and users is None:
-    reasons = mpi_util.allgather_str(comm, reason)
-    bad = [(r, text) for r, text in enumerate(reasons) if text]
+    chosen = setting if setting == "gloo" else "mpi"
+    library = loaded_bridge() if chosen == "mpi" else None
+  # Decided together: XLA's MPI collectives on some ranks and gloo on others
+  # would never meet, and attaching the bridge is collective.
+  if chosen == "mpi":
+    # A user's 'mpi' with an MPIwrapper of their own is theirs to make work;
+    # with none loaded, XLA's first MPI call would end the process.
+    mine = users is None or library is not None or bridge_env.ENV not in os.environ
+    reason = _why_not_mpi(library, local_devices) if mine else ""
+    bad = [(r, text) for r, text in enumerate(mpi_util.allgather_str(comm, reason)) if text]
+    if bad and (setting == "mpi" or users == "mpi"):
+      why = ("MPIJAX_XLA_COLLECTIVES=mpi" if users is None
+             else "jax_cpu_collectives_implementation='mpi'")
+      raise_on_every_rank(comm, [
+          f"mpijax.init(): {why}, but XLA's MPI collectives cannot serve on rank "
+          f"{bad[0][0]}: {bad[0][1]}"])
     if bad:
-      if setting == "mpi":
-        raise_on_every_rank(comm, [
-            f"mpijax.init(): MPIJAX_XLA_COLLECTIVES=mpi, but XLA's MPI collectives cannot "
-            f"serve on rank {bad[0][0]}: {bad[0][1]}"])
       chosen, library = "gloo", None
       if rank == 0:
         print("mpijax: warning: XLA's cross-process collectives (jit over global jax.Arrays) "
@@ -175,11 +171,11 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
               + "\nmpijax's own collectives use MPI either way. "
               "MPIJAX_XLA_COLLECTIVES=gloo chooses gloo without this warning.",
               file=sys.stderr, flush=True)
-  if chosen == "mpi" and library is not None:
-    _attach(library, comm)
-    failure.add_hint(F16_ERROR, F16_HINT)
-    if users is None:
-      jax.config.update("jax_cpu_collectives_implementation", "mpi")
+    elif library is not None:
+      _attach(library, comm)
+      failure.add_hint(F16_ERROR, F16_HINT)
+      if users is None:
+        jax.config.update("jax_cpu_collectives_implementation", "mpi")
   owns = not adopted
   if owns:
     if rank != 0:
@@ -207,12 +203,30 @@ def _wait_for_coordinator(address: str, limit: float = 60.0) -> None:
       time.sleep(0.005)
 
 
+def _why_not_mpi(library: ctypes.CDLL | None, local_devices: int) -> str:
+  """Why XLA's MPI collectives cannot serve on this rank ('' if they can)."""
+  if local_devices > 1:
+    return (f"XLA's MPI collectives support one CPU device per process, and this job has "
+            f"{local_devices} per rank")
+  if library is None:
+    return _why_not_loaded()
+  MPI = mpi_util.import_mpi()
+  if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    return "MPI runs below MPI_THREAD_MULTIPLE, and XLA calls MPI from its own threads"
+  from mpijax._src import ffi
+  try:
+    ffi.load()  # the extension that fills the bridge's table
+  except ImportError as e:
+    return f"mpijax's extension does not load: {str(e).splitlines()[0]}"
+  return ""
+
+
 def _attach(library: ctypes.CDLL, comm) -> None:
   """Hands the bridge the extension's table of real MPI calls (collective)."""
   global _attached
   from mpijax._src import ffi
   MPI = mpi_util.import_mpi()
-  ext = ffi.load()  # linked to mpi4py's MPI; checks it is the one it was built for
+  ext = ffi.load()
   table_lib = ctypes.CDLL(ext.__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
   make = table_lib.mpijax_bridge_make_table
   make.restype = ctypes.c_void_p
