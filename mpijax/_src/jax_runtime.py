@@ -178,6 +178,11 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
         jax.config.update("jax_cpu_collectives_implementation", "mpi")
   owns = not adopted
   if owns:
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+      # JAX's preemption service catches SIGTERM and keeps the process running
+      # (for a checkpoint at a later sync point): mpirun, srun and mpijax-run
+      # stop a job with SIGTERM, and mpijax's checkpoints do not wait for one.
+      jax.config.update("jax_enable_preemption_service", False)
     if rank != 0:
       _wait_for_coordinator(address)
     jax.distributed.initialize(coordinator_address=address, num_processes=size,
