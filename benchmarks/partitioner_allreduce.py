@@ -13,8 +13,8 @@ SIZE bytes. Rows (median µs per blocking call, max over ranks):
   job (the transport is chosen when JAX's backend starts), with the mpijax
   row timed again in that job.
 
-Every row's result is checked against NumPy before it is timed; a wrong
-result ends the run non-zero.
+Every row's result is checked against NumPy before it is timed; the script
+exits 1 if any result is wrong.
 
 Run it from a plain shell (it starts one bounded mpirun job per phase and
 rank count)::
@@ -61,15 +61,8 @@ PHASES = {
 }
 
 
-class WrongResult(RuntimeError):
-  """A row computed a wrong value: the run fails instead of reporting it."""
-
-
 def _check(got, want: float, what: str) -> None:
-  import numpy as np
-  got = np.asarray(got)
-  if not np.allclose(got, want, rtol=1e-5):
-    raise WrongResult(f"{what}: wrong result, got {got.ravel()[:4]} expected {want}")
+  _common.check_close(got, want, what, rtol=1e-6)  # raises _common.WrongResult
 
 
 def _rows(n_global: int, nbytes: int):
@@ -195,11 +188,6 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
   return out
 
 
-def wrong_results(rows: list[Row]) -> list[str]:
-  return [f"{r.label} @ {_common.fmt_size(s)}: {c}" for r in rows for s, c in r.cells.items()
-          if isinstance(c, str) and "wrong result" in c]
-
-
 def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str, Any]) -> int:
   order = list(LABELS)
   rows = sorted(rows, key=lambda r: order.index(r.key))
@@ -229,11 +217,7 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
               indent=1)
   why = _common.plot(rows, sizes, base + ".png", title)
   print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
-  wrong = wrong_results(rows)
-  if wrong:
-    print("\nWRONG RESULTS:\n" + "\n".join(wrong), file=sys.stderr, flush=True)
-    return 1
-  return 0
+  return _common.exit_status(rows)
 
 
 def _failed_rows(phase: str, reason: str, sizes) -> list[Row]:
@@ -304,12 +288,12 @@ def main(argv=None) -> int:
     rows = phase_rows("mpi", args, sizes)
     hc = HarnessComm()
     meta = _common.environment_info()
-    status = 0
+    status = None
     if hc.rank == 0:
       rows += _run_phase(args, sizes, hc.size, "gloo")[0]
       status = report(rows, sizes, hc.size, args, meta)
     hc.idle_barrier()
-    return status
+    return hc.bcast(status)
 
   status = 0
   for nprocs in args.np:
