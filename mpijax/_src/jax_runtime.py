@@ -182,7 +182,10 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
       # JAX's preemption service catches SIGTERM and keeps the process running
       # (for a checkpoint at a later sync point): mpirun, srun and mpijax-run
       # stop a job with SIGTERM, and mpijax's checkpoints do not wait for one.
-      jax.config.update("jax_enable_preemption_service", False)
+      try:
+        jax.config.update("jax_enable_preemption_service", False)
+      except (AttributeError, KeyError, ValueError):  # a JAX without the service
+        pass
     if rank != 0:
       _wait_for_coordinator(address)
     jax.distributed.initialize(coordinator_address=address, num_processes=size,
