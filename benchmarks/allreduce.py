@@ -308,7 +308,13 @@ def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str
 
 
 def start_jax_distributed() -> tuple[HarnessComm, str | None]:
-  """jax.distributed over this MPI job: mpijax.init(jax_distributed=True), else by hand."""
+  """jax.distributed over this MPI job with JAX's gloo collectives (the peer
+  these rows stand for): mpijax.init(jax_distributed=True), else by hand."""
+  try:
+    import mpijax
+    mpijax.config.update("xla_collectives", "gloo")
+  except ImportError:
+    pass
   err = _init_mpijax(jax_distributed=True)
   hc = HarnessComm()
   if err is None:

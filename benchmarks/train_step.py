@@ -320,6 +320,7 @@ def phase_gloo(args) -> tuple[list[Row], dict[str, Any]]:
   import mpijax
   err = None
   try:
+    mpijax.config.update("xla_collectives", "gloo")  # JAX's own data parallelism, as users get it
     mpijax.init(jax_distributed=True)
   except Exception as e:
     err = f"mpijax.init(jax_distributed=True) failed: {type(e).__name__}: {e}"

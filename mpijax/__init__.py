@@ -16,7 +16,13 @@ _log.install()
 # Before MPI and JAX start their threads: see mpijax/_src/heap.py.
 _heap.configure()
 
-from mpijax._src import jax_compat as _jax_compat
+from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
+
+# Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
+# collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
+_jax_runtime.prepare_environment()
+
+from mpijax._src import jax_compat as _jax_compat  # noqa: E402
 
 # Before the modules that lower with JAX internals: a too old JAX fails here,
 # with the versions, instead of with a TypeError from deep inside them.

@@ -172,7 +172,7 @@ def check_restored(restored, mesh, params, opt_state, *, exact: bool) -> None:
 
 def _main(command: str, path: str) -> None:
   import mpijax
-  mpijax.init(jax_distributed=True)
+  mpijax.init()
   rank = jax.process_index()
   if command == "save":
     params, opt_state, losses, mesh = data_parallel()

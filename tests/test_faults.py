@@ -128,6 +128,16 @@ def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   assert "MPIJAX_STALL_ACTION=warn" in out and out.count("[8. 8. 8.]") == 4, tail(out)
 
 
+def test_stall_report_names_the_late_rank_in_a_program_with_xla_collectives_over_mpi():
+  rc, out, _ = _run("fault_hangs.py", "late_mixed",
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
+  assert rc == 0, tail(out)
+  assert re.search(r"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[1,3\], "
+                   r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator \d+\)\. Not arrived: "
+                   r"rank 3 \(idle since", out), tail(out)
+  assert out.count("(mpi): [8. 8. 8.]") == 4, tail(out)
+
+
 # --- a rank dies or raises ---------------------------------------------------------
 
 

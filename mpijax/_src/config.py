@@ -61,6 +61,13 @@ def _parse_count(text: str) -> int:
   return value
 
 
+def _parse_collectives(text: str) -> str:
+  value = text.strip().lower()
+  if value not in ("auto", "mpi", "gloo"):
+    raise ValueError("expected auto, mpi or gloo")
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   name: str  # without the MPIJAX_ prefix, lower case
@@ -89,8 +96,19 @@ def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str,
 _define("devices_per_process", _parse_optional_int, None,
         "CPU devices per rank. Unset: keep the user's XLA_FLAGS / "
         "jax_num_cpu_devices, else 1.")
-_define("jax_distributed", _parse_bool, False,
-        "Also call jax.distributed.initialize with mpijax's coordinator in init().")
+_define("jax_distributed", _parse_bool, True,
+        "In a job of more than one rank, init() starts JAX's distributed "
+        "runtime (jax.distributed.initialize with mpijax's coordinator), so "
+        "jax.process_index(), jax.process_count() and jax.devices() see every "
+        "rank and global jax.Arrays span them. 0: JAX sees this process only.")
+_define("xla_collectives", _parse_collectives, "auto",
+        "Transport of the cross-process collectives XLA itself inserts (jit "
+        "over global jax.Arrays) when JAX's distributed runtime is on. auto: "
+        "MPI, through mpijax's bridge library, wherever XLA's MPI collectives "
+        "can serve (one CPU device per rank, a jaxlib that accepts the "
+        "bridge), else gloo with a warning; mpi: the same, but an error where "
+        "they cannot; gloo: JAX's TCP collectives (MPITRAMPOLINE_LIB is then "
+        "not set).")
 _define("coordinator_port", _parse_optional_int, None,
         "Port for the coordinator. Unset: rank 0 asks the OS for a free port.")
 _define("coordinator_host", str, "",

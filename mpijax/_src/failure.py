@@ -24,6 +24,15 @@ _installed = False
 _agreed_exit_codes: set[int] = set()
 _previous_excepthook = None
 _previous_threading_excepthook = None
+# (text in an exception's message, what to tell the user): errors that come
+# from deep inside JAX/XLA without a word about the fix.
+_hints: list[tuple[str, str]] = []
+
+
+def add_hint(match: str, hint: str) -> None:
+  """Adds ``hint`` to the report of an uncaught exception whose message has ``match``."""
+  if (match, hint) not in _hints:
+    _hints.append((match, hint))
 
 
 def report_and_abort(exc_type: type[BaseException], exc: BaseException,
@@ -33,6 +42,7 @@ def report_and_abort(exc_type: type[BaseException], exc: BaseException,
   label = log.rank_label()
   prefix = f"[{label}] "
   lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+  lines += [f"mpijax: {hint}" for match, hint in _hints if match in str(exc)]
   head = (f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}; "
           f"aborting the whole job (exit code {exit_code}).")
   try:

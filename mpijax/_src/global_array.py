@@ -807,8 +807,8 @@ def _require_distributed(rt, what: str) -> None:
   if jax.process_count() != rt.size:
     raise RuntimeError(
         f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
-        f"in this {rt.size}-rank job: start with mpijax.init(jax_distributed=True) (or "
-        "MPIJAX_JAX_DISTRIBUTED=1), before anything else uses JAX. Without it, use .gather() "
+        f"in this {rt.size}-rank job: call mpijax.init() before anything else uses JAX, and "
+        "without jax_distributed=False or MPIJAX_JAX_DISTRIBUTED=0. Without it, use .gather() "
         "or .local.")
 
 

@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from mpijax._src import bridge_env
 from mpijax._src import heap
 from mpijax._src import joblog
 
@@ -346,6 +347,8 @@ class Situation:
   mpi: MPIInfo | None = None  # None when launching with srun needs no MPI probe
   mpirun: str | None = None
   mpirun_flavor: str | None = None
+  # MPITRAMPOLINE_LIB for the ranks: mpijax's bridge for XLA's MPI collectives.
+  bridge: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +365,8 @@ class Plan:
   master_port: int | None = None
 
 
-def _exports(env: dict[str, str], opts: Options, plan: Plan, master: tuple[str, str]
-             ) -> list[tuple[str, str | None]]:
+def _exports(env: dict[str, str], opts: Options, plan: Plan, master: tuple[str, str],
+             bridge: str | None = None) -> list[tuple[str, str | None]]:
   """(name, value) pairs to export to every rank; value None = export the current value."""
   explicit: dict[str, str] = {}
   if opts.devices_per_process is not None:
@@ -376,7 +379,29 @@ def _exports(env: dict[str, str], opts: Options, plan: Plan, master: tuple[str, 
       pairs.append((name, None))
   # glibc reads these at process start, before any thread has its own arena.
   pairs.extend(heap.launcher_env(env))
+  # jaxlib reads it when it loads, before the program's first line runs.
+  if bridge_env.ENV in env:
+    pairs.append((bridge_env.ENV, None))
+  elif bridge:
+    pairs.append((bridge_env.ENV, bridge))
   return pairs
+
+
+def _bridge_for(opts: Options, env: dict[str, str]) -> str | None:
+  """The bridge library the ranks should load for XLA's MPI collectives, if any."""
+  if opts.np == 1:
+    return None
+  try:
+    from mpijax._src import config
+    chosen = dict(env)
+    ok, _ = bridge_env.select(bridge_env.installed_bridge(), environ=chosen,
+                              collectives=config.get("xla_collectives", env),
+                              distributed=config.get("jax_distributed", env),
+                              need_launcher=False)
+  except ValueError as e:  # a malformed MPIJAX_* value
+    raise LaunchError(str(e)) from None
+  # The ranks say why not, when they choose gloo.
+  return chosen[bridge_env.ENV] if ok and bridge_env.ENV not in env else None
 
 
 def choose_launcher(opts: Options, env: dict[str, str]) -> str:
@@ -509,7 +534,7 @@ def _openmpi_command(opts: Options, sit: Situation, plan: Plan, mpirun: str,
   cmd += ["--bind-to", "none"]
   major = sit.mpi.version[0] if sit.mpi and sit.mpi.flavor == "openmpi" else 5
   cmd += ["--output", "tag"] if major >= 5 else ["--tag-output"]
-  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan)):
+  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan), sit.bridge):
     cmd += ["-x", name if value is None else f"{name}={value}"]
   cmd += opts.launcher_args
   return cmd + program
@@ -527,7 +552,7 @@ def _hydra_command(opts: Options, sit: Situation, plan: Plan, mpirun: str,
   elif opts.hosts:
     cmd += ["-hosts", _host_list(parse_hosts(opts.hosts))]
   cmd += ["-bind-to", "none", "-prepend-rank"]
-  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan)):
+  for name, value in _exports(sit.env, opts, plan, master_address(opts, sit, plan), sit.bridge):
     if value is not None:  # Hydra passes the whole environment on by default
       cmd += ["-genv", name, value]
   cmd += opts.launcher_args
@@ -549,7 +574,7 @@ def _srun_command(opts: Options, sit: Situation, plan: Plan, program: list[str])
   if sit.mpi is not None and sit.mpi.flavor == "openmpi" and "SLURM_MPI_TYPE" not in sit.env:
     # Open MPI 4/5 can only be started by srun through PMIx.
     cmd.append("--mpi=pmix")
-  exports = [(k, v) for k, v in _exports(sit.env, opts, plan, master_address(opts, sit, plan))
+  exports = [(k, v) for k, v in _exports(sit.env, opts, plan, master_address(opts, sit, plan), sit.bridge)
              if v is not None]
   for k, v in exports:
     if "," in v:
@@ -583,7 +608,7 @@ def gather(opts: Options, env: dict[str, str] | None = None) -> Situation:
       print(f"{PROG}: warning: {mpirun} is {flavor}, but mpi4py loads {mpi.flavor} "
             f"({mpi.library_path}); ranks will likely not see each other.", file=sys.stderr)
   return Situation(env=env, euid=os.geteuid(), local_slots=local_slots(), mpi=mpi,
-                   mpirun=mpirun, mpirun_flavor=flavor)
+                   mpirun=mpirun, mpirun_flavor=flavor, bridge=_bridge_for(opts, env))
 
 
 # --- running ------------------------------------------------------------------

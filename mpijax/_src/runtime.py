@@ -24,6 +24,7 @@ from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import inspector
 from mpijax._src import log
+from mpijax._src import jax_runtime
 from mpijax._src import mpi_util
 
 
@@ -70,7 +71,11 @@ class Runtime:
   local_devices: list[Any]
   device_table: tuple[DeviceInfo, ...]
   jax_distributed: bool
+  # XLA's cross-process collectives: "mpi" (through mpijax's bridge), "gloo",
+  # another the user chose, or "" without JAX's distributed runtime.
+  xla_collectives: str = ""
   _world_comm: Any = dataclasses.field(repr=False, default=None)
+  _owns_distributed: bool = dataclasses.field(repr=False, default=False)
 
   @property
   def rank(self) -> int:
@@ -94,7 +99,9 @@ class Runtime:
             f"node {t.node_index}/{t.node_count} {t.hostname!r}, launcher={t.launcher!r}, "
             f"coordinator={t.coordinator_address!r}, devices={self.local_device_count} x "
             f"{self.platform} (global {len(self.device_table)}), "
-            f"jax_distributed={self.jax_distributed})")
+            f"jax_distributed={self.jax_distributed}"
+            + (f", xla_collectives={self.xla_collectives!r}" if self.xla_collectives else "")
+            + ")")
 
   __repr__ = __str__
 
@@ -143,8 +150,11 @@ def _backends_initialized() -> bool:
   return bool(getattr(xla_bridge, "_backends", {}))
 
 
-def _configure_devices(devices_per_process: int | None, local_rank: int, local_size: int) -> None:
-  """Sets JAX's local device count / GPU choice before JAX's backend starts."""
+def _configure_devices(devices_per_process: int | None, local_rank: int, local_size: int) -> int:
+  """Sets JAX's local device count / GPU choice before JAX's backend starts.
+
+  Returns the number of local CPU devices JAX will have (or has).
+  """
   import jax
   requested = devices_per_process if devices_per_process is not None else config.get("devices_per_process")
   if requested is not None and requested < 1:
@@ -158,7 +168,7 @@ def _configure_devices(devices_per_process: int | None, local_rank: int, local_s
           "JAX devices (jax.devices(), creating arrays, jit calls).")
     if jax.default_backend() == "cpu":
       _warn_small_cpu_pool(jax.local_device_count())
-    return
+    return jax.local_device_count()
   if requested is not None:
     if user is not None and user != requested:
       raise ValueError(
@@ -169,6 +179,7 @@ def _configure_devices(devices_per_process: int | None, local_rank: int, local_s
       jax.config.update("jax_num_cpu_devices", requested)
   _size_cpu_pool(requested or user or 1)
   _configure_gpu(local_rank, local_size)
+  return requested or user or 1
 
 
 # XLA's CPU client sizes its thread pool to max(cores, local devices) (the
@@ -352,8 +363,14 @@ def init(*, launcher: str | None = None,
       (default: JAX_COORDINATOR_ADDRESS when set).
     devices_per_process: number of CPU devices per rank (default: the user's
       XLA_FLAGS / jax_num_cpu_devices, else MPIJAX_DEVICES_PER_PROCESS, else 1).
-    jax_distributed: also call ``jax.distributed.initialize`` (default off, or
-      MPIJAX_JAX_DISTRIBUTED).
+    jax_distributed: start JAX's distributed runtime
+      (``jax.distributed.initialize`` with mpijax's coordinator), so that
+      ``jax.process_index()``, ``jax.devices()`` and global ``jax.Array``s
+      span every rank, with XLA's cross-process collectives over MPI where
+      they can serve (MPIJAX_XLA_COLLECTIVES). Default: on in a job of more
+      than one rank (MPIJAX_JAX_DISTRIBUTED=0 turns it off). A
+      ``jax.distributed.initialize()`` of the user's, made before, is adopted
+      when it agrees with MPI's ranks.
     comm: the mpi4py communicator spanning the job (default COMM_WORLD);
       mpijax works on a private clone of it.
     abort_on_exception: install the hook that aborts every rank when one has
@@ -410,14 +427,31 @@ def init(*, launcher: str | None = None,
     node_index, node_count = _node_layout(hostnames, my_rank)
     address = _pick_coordinator(private, hostnames, coordinator_address)
 
-    _configure_devices(devices_per_process, mpi_local_rank, mpi_local_size)
-    use_dist = config.get("jax_distributed") if jax_distributed is None else jax_distributed
+    n_local = _configure_devices(devices_per_process, mpi_local_rank, mpi_local_size)
+    if jax_distributed is None:
+      use_dist = my_size > 1 and config.get("jax_distributed")
+    else:
+      use_dist = bool(jax_distributed)
     import jax
-    if use_dist:
-      _start_jax_distributed(address, my_size, my_rank)
+    from jax._src import distributed as jax_distributed_state
+    started = None
+    if use_dist or jax_distributed_state.global_state.client is not None:
+      try:
+        # Before JAX's runtime spans the ranks: an uneven job stops here, clearly.
+        _check_device_counts(private, n_local)
+        started = jax_runtime.start(private, address=address, rank=my_rank, size=my_size,
+                                    local_devices=n_local,
+                                    raise_on_every_rank=_raise_on_every_rank)
+      except BaseException:
+        private.Free()
+        raise
     from mpijax._src import multihost
     multihost.install()
     local_devices = list(jax.local_devices())
+    if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
+      raise RuntimeError(
+          f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
+          f"but MPI says rank {my_rank} of {my_size}.")
     table = _device_table(private, local_devices, host)
 
     topology = Topology(rank=my_rank, size=my_size, local_rank=mpi_local_rank,
@@ -425,7 +459,10 @@ def init(*, launcher: str | None = None,
                         node_count=node_count, hostnames=hostnames,
                         coordinator_address=address, launcher=info.launcher)
     _runtime = Runtime(topology=topology, comm=private, local_devices=local_devices,
-                       device_table=table, jax_distributed=bool(use_dist), _world_comm=base)
+                       device_table=table, jax_distributed=started is not None,
+                       xla_collectives=started.collectives if started else "",
+                       _world_comm=base,
+                       _owns_distributed=bool(started and started.owns_distributed))
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
     if abort:
       failure.install()
@@ -438,15 +475,9 @@ def init(*, launcher: str | None = None,
     return _runtime
 
 
-def _start_jax_distributed(address: str, size: int, rank: int) -> None:
-  import jax
-  # Cross-process computations on CPU go through jax_cpu_collectives_implementation
-  # (gloo by default in current JAX); a user's own choice is kept.
-  jax.distributed.initialize(coordinator_address=address, num_processes=size, process_id=rank)
-
-
-def _device_table(comm, local_devices, host: str) -> tuple[DeviceInfo, ...]:
-  counts = mpi_util.allgather_int(comm, len(local_devices))
+def _check_device_counts(comm, count: int) -> list[int]:
+  """Collective: every rank's local device count, or an error naming the odd ranks."""
+  counts = mpi_util.allgather_int(comm, count)
   if len(set(counts)) != 1:
     majority = max(set(counts), key=counts.count)
     odd = [r for r, c in enumerate(counts) if c != majority]
@@ -455,6 +486,11 @@ def _device_table(comm, local_devices, host: str) -> tuple[DeviceInfo, ...]:
         + ", ".join(f"rank {r} has {counts[r]}" for r in odd)
         + f" while the others have {majority}. Set the same devices_per_process / "
         "MPIJAX_DEVICES_PER_PROCESS / XLA_FLAGS on every rank (mpijax-run does this).")
+  return counts
+
+
+def _device_table(comm, local_devices, host: str) -> tuple[DeviceInfo, ...]:
+  counts = _check_device_counts(comm, len(local_devices))
   platform = local_devices[0].platform
   kind = getattr(local_devices[0], "device_kind", platform)
   described = mpi_util.allgather_str(comm, f"{platform}\t{kind}\t{host}")
@@ -500,7 +536,7 @@ def shutdown() -> None:
     for fn in reversed(_shutdown_hooks):
       fn()
     _shutdown_hooks.clear()
-    if rt.jax_distributed:
+    if rt._owns_distributed:
       import jax
       jax.distributed.shutdown()
     MPI = mpi_util.import_mpi()

@@ -14,7 +14,6 @@ imported, so none of them may start MPI or JAX's backends at import:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -33,12 +32,6 @@ def pytest_collection_modifyitems(config, items):
       if not has_plugin:  # nothing would skip them: they would run outside MPI
         item.add_marker(pytest.mark.skip(
             reason="MPI test: needs pytest-mpi and --with-mpi (pip install -e '.[test]')"))
-  # Inside the job, JAX's own distributed runtime is on (plain jax.Array code
-  # spans the ranks) unless the job sets MPIJAX_JAX_DISTRIBUTED: chosen here,
-  # before any test or fixture calls mpijax.init().
-  if (has_plugin and config.getoption("with_mpi", default=False)
-      and "MPIJAX_JAX_DISTRIBUTED" not in os.environ):
-    mpijax.config.update("jax_distributed", True)
 
 
 @pytest.fixture(scope="session", autouse=True)

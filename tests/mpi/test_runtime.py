@@ -6,6 +6,8 @@ MPI, and the module is also imported (and its tests skipped) without MPI.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -66,3 +68,41 @@ def test_str_names_rank_and_coordinator(rt):
   text = str(rt)
   assert f"rank {rt.rank}/{rt.size}" in text
   assert rt.topology.coordinator_address in text
+
+
+def test_jax_knows_the_job(rt):
+  # JAX's distributed runtime is on by default in a multi-rank job; the suite
+  # also runs with MPIJAX_JAX_DISTRIBUTED=0 (tests/test_multirank.py).
+  L = mpijax.local_device_count()
+  expected = rt.size > 1 and os.environ.get("MPIJAX_JAX_DISTRIBUTED", "1") != "0"
+  assert rt.jax_distributed == expected
+  if not rt.jax_distributed:
+    assert jax.process_count() == 1 and rt.xla_collectives == ""
+    return
+  assert (jax.process_index(), jax.process_count()) == (rt.rank, rt.size)
+  assert len(jax.devices()) == rt.size * L
+  assert list(jax.local_devices()) == list(mpijax.local_devices())
+  assert sorted(d.process_index for d in jax.devices()) == sorted(
+      d.process_index for d in mpijax.devices())
+  # XLA's own cross-process collectives: over MPI (mpijax's bridge) with one
+  # device per rank, gloo where XLA's MPI collectives cannot serve.
+  assert rt.xla_collectives == ("mpi" if L == 1 else "gloo")
+
+
+def test_partitioner_collectives_cross_ranks(rt):
+  if not rt.jax_distributed:
+    return
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from mpijax._src import jax_runtime
+  before = jax_runtime.bridge_stats().get("allreduce", 0)
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("x",))
+  a = np.arange(n * 2 * 3, dtype=np.float32).reshape(n * 2, 3)
+  x = jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("x", None)), lambda i: a[i])
+  total = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
+  for shard in total.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), a.sum(0))
+  gathered = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(mesh, P()))(x)
+  np.testing.assert_array_equal(np.asarray(gathered.addressable_shards[0].data), a * 2)
+  if rt.xla_collectives == "mpi":
+    assert jax_runtime.bridge_stats()["allreduce"] > before

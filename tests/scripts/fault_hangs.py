@@ -9,6 +9,9 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     step counts, the run completes
   late              rank 3 arrives 8 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=3: the others warn, then finish)
+  late_mixed        the same in a jitted program over global jax.Arrays whose
+                    mpijax all-reduce (in a shard_map) feeds a collective XLA's
+                    partitioner inserts (over MPI through mpijax's bridge)
   late_large        the same with 512 KiB messages (cross-memory attach; with
                     MPIJAX_CMA_MIN_BYTES=0 mpijax's ring, or with
                     MPIJAX_RING_MIN_BYTES=0 too a blocking MPI_Allreduce)
@@ -98,6 +101,22 @@ elif mode in ("late", "late_large"):
   if rt.rank == 3:
     time.sleep(8)
   print(f"rank {rt.rank}: {np.asarray(grad_sum(jnp.ones(shape)))[:3]}", flush=True)
+
+elif mode == "late_mixed":
+  import time
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("x",))
+  rows = NamedSharding(mesh, P("x"))
+  summed = jax.shard_map(lambda v: mpijax.ops.allreduce(2 * v), mesh=mesh, in_specs=P("x"),
+                         out_specs=P("x"))
+  step = jax.jit(lambda x: summed(x).max(0), out_shardings=NamedSharding(mesh, P()))
+  x = jax.make_array_from_callback((n, 3), rows, lambda i: np.ones((n, 3), np.float32)[i])
+  step(x).block_until_ready()
+  if rt.rank == 3:
+    time.sleep(8)
+  print(f"rank {rt.rank} ({rt.xla_collectives}): "
+        f"{np.asarray(step(x).addressable_shards[0].data)[:3]}", flush=True)
 
 elif mode == "seen_shapes":
   n = int(sys.argv[2])
