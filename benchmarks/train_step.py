@@ -4,7 +4,12 @@ A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 ``--layers`` dense layers of ``--width`` x ``--width``), one SGD step on
 ``--batch`` samples per rank, on 1, 2 and 4 ranks. Rows:
 
-* full step, mpijax fused buckets (``mpijax.train.allreduce_gradients``)
+* full step, mpijax fused buckets (``mpijax.train.allreduce_gradients``), all
+  buckets in one call after the backward pass (``overlap=False``)
+* full step, the same with ``overlap=True``: one call per bucket, started as
+  the backward pass completes each bucket (the A/B pair of issue 28; checked
+  to give the same parameters bit for bit as the row above); ``--overlap-buckets``
+  adds one such row per bucket size
 * full step, mpijax fused with ``compression='bf16'`` (half the bytes)
 * full step, mpijax one all-reduce per leaf (``bucket_bytes=1``)
 * full step, mpi4jax one all-reduce per leaf (when importable)
@@ -51,7 +56,8 @@ from _common import HarnessComm, Row, Timing, WrongResult  # noqa: E402
 SCRIPT = os.path.abspath(__file__)
 
 LABELS = {
-    "step_fused": "step: mpijax allreduce_gradients (default buckets)",
+    "step_fused": "step: mpijax allreduce_gradients, one call (overlap=False)",
+    "step_overlap": "step: mpijax allreduce_gradients(overlap=True)",
     "step_bf16": "step: mpijax allreduce_gradients(compression='bf16')",
     "step_packall": "step: mpijax, every leaf packed (fuse_leaf_bytes=bucket_bytes)",
     "step_leaf": "step: mpijax one all-reduce per leaf",
@@ -235,7 +241,36 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
       return _stepper(jitted, *fresh_state(), x, y)
     return build
 
-  specs.append(("step_fused", step_with(train.allreduce_gradients(), "mpijax fused step")))
+  specs.append(("step_fused", step_with(train.allreduce_gradients(overlap=False),
+                                        "mpijax fused step")))
+
+  def overlap_build(bucket_bytes):
+    what = f"mpijax overlapped step ({bucket_bytes} B buckets)"
+    inner = step_with(train.allreduce_gradients(overlap=True, bucket_bytes=bucket_bytes), what)
+
+    def build():
+      # Checked twice: against the reference like every row, and bit for bit
+      # against the one-call step (the same model, data and update).
+      ref = jax.jit(make_step(train.allreduce_gradients(overlap=False)))
+      got = jax.jit(make_step(train.allreduce_gradients(overlap=True, bucket_bytes=bucket_bytes)))
+      fresh = lambda: jax.tree_util.tree_map(jnp.copy, params)
+      a, _ = ref(fresh(), optax.EmptyState(), x, y, np.float32(1.0))
+      b, _ = got(fresh(), optax.EmptyState(), x, y, np.float32(1.0))
+      for i, (u, v) in enumerate(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))):
+        if not np.array_equal(np.asarray(u), np.asarray(v)):
+          raise WrongResult(f"{what}: leaf {i} differs from the one-call step "
+                            f"(max |diff| {float(np.max(np.abs(np.asarray(u) - np.asarray(v)))):.3g})")
+      return inner()
+    return build
+
+  overlap_sizes = [int(mpijax.config.get("overlap_bucket_bytes"))]
+  overlap_sizes += [b for b in args.overlap_buckets if b not in overlap_sizes]
+  base = LABELS["step_overlap"]
+  for b in overlap_sizes:
+    default = b == overlap_sizes[0]
+    key = "step_overlap" if default else f"step_overlap_{b}"
+    LABELS[key] = f"{base}, {_common.fmt_size(b)} buckets{' (default)' if default else ''}"
+    specs.append((key, overlap_build(b)))
   big = int(mpijax.config.get("bucket_bytes"))
   # bfloat16 keeps 8 significant bits: each sum of the ranks' rounded gradients
   # is within a few 2**-9 of the exact one.
@@ -388,8 +423,35 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
   notes = _common.skip_notes(rows)
   if notes:
     lines += ["", "Missing figures:"] + notes
-  lines += ["", "Targets (issue 6):"]
   get = {r.key: r for r in rows}
+  lines += ["", "Targets (issue 28): the communication a step adds to the step without it, in units "
+            "of the fused all-reduce alone (comm only, default buckets):"]
+  for n in ranks:
+    if n == 1:
+      continue
+    local, comm = (get[k].us(n) if k in get else None for k in ("step_local", "comm_fused"))
+    if local is None or comm is None:
+      lines.append(f"- {n} ranks: missing (step without communication or fused all-reduce alone)")
+      continue
+    for key, limit, only in (("step_fused", 1.2, None), ("step_overlap", 1.2, None),
+                             ("step_overlap", 0.6, 2)):
+      if only is not None and n != only:
+        continue
+      step = get[key].us(n) if key in get else None
+      if step is None:
+        lines.append(f"- {n} ranks: {get[key].label if key in get else key}: missing")
+        continue
+      target = local + limit * comm
+      lines.append(f"- {n} ranks: {get[key].label} {_fmt_ms(step)} ms <= step without "
+                   f"communication {_fmt_ms(local)} + {limit} x all-reduce alone {_fmt_ms(comm)} "
+                   f"= {_fmt_ms(target)} ms (adds {(step - local) / comm:.2f}x the all-reduce) -> "
+                   f"{'PASS' if step <= target else 'FAIL'}")
+    one_call = get["step_fused"].us(n) if "step_fused" in get else None
+    for r in rows:
+      if r.key.startswith("step_overlap") and r.us(n) is not None and one_call:
+        lines.append(f"- {n} ranks: (A/B) {r.label} / one call: {r.us(n) / one_call:.3f}x "
+                     f"(adds {(r.us(n) - local) / comm:.2f}x the all-reduce)")
+  lines += ["", "Targets (issue 6):"]
   for n in ranks:
     if n == 1:
       continue
@@ -446,7 +508,9 @@ def plot(rows: list[Row], ranks: list[int], path: str) -> str | None:
 
 def _phase_args(args) -> list[str]:
   return ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-          "--trials", str(args.trials), "--trial-seconds", str(args.trial_seconds)]
+          "--trials", str(args.trials), "--trial-seconds", str(args.trial_seconds)] + (
+              ["--overlap-buckets", ",".join(str(b) for b in args.overlap_buckets)]
+              if args.overlap_buckets else [])
 
 
 def parse_args(argv=None):
@@ -455,6 +519,9 @@ def parse_args(argv=None):
   p.add_argument("--layers", type=int, default=50, help="dense layers: 2 leaves each (default 50)")
   p.add_argument("--width", type=int, default=448, help="layer width (default 448: 10.05 M parameters)")
   p.add_argument("--batch", type=int, default=8, help="samples per rank (default 8)")
+  p.add_argument("--overlap-buckets", default="",
+                 help="more bucket sizes for overlap=True rows, e.g. 1MiB,16MiB (one row each; "
+                      "the default size, MPIJAX_OVERLAP_BUCKET_BYTES, always has a row)")
   p.add_argument("--trials", type=int, default=7)
   p.add_argument("--trial-seconds", type=float, default=0.2)
   p.add_argument("--quick", action="store_true", help="3 trials of one step each")
@@ -466,6 +533,7 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if args.quick:
     args.trials, args.trial_seconds = 3, 0.0
+  args.overlap_buckets = _common.parse_sizes(args.overlap_buckets) if args.overlap_buckets else []
   return args
 
 
@@ -494,7 +562,11 @@ def main(argv=None) -> int:
       for r in phase_rows:
         rows.setdefault(r.key, Row(r.key, r.label, r.phase)).cells.update(r.cells)
         rows[r.key].label = r.label
-  ordered = [rows[k] for k in LABELS if k in rows]
+  keys = list(LABELS)
+  extra = sorted(k for k in rows if k not in LABELS)  # step_overlap_<bytes>: after step_overlap
+  at = keys.index("step_overlap") + 1
+  keys[at:at] = extra
+  ordered = [rows[k] for k in keys if k in rows]
   text = report(ordered, ranks, meta, args)
   print(text)
   os.makedirs(args.out, exist_ok=True)

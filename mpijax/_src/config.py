@@ -202,6 +202,16 @@ _define("log_level", _parse_log_level, "",
 # --- training (layer 6) ------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")
+_define("overlap", _parse_bool, False,
+        "mpijax.train all-reduces each gradient bucket with its own call as "
+        "soon as the backward pass has computed it (buckets in reverse layer "
+        "order, as PyTorch DDP), instead of every bucket in one call after "
+        "the backward pass. The same result bit for bit. Must be the same on "
+        "every rank.")
+_define("overlap_bucket_bytes", int, 4 << 20,
+        "Largest gradient bucket when the all-reduce overlaps the backward "
+        "pass (MPIJAX_OVERLAP): smaller buckets start earlier, larger ones "
+        "make fewer calls.")
 _define("fuse_leaf_bytes", int, 256 << 10,
         "Gradient leaves of at least this many bytes are all-reduced on their "
         "own, without the packing copy; smaller leaves share buckets.")

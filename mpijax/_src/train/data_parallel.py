@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpijax._src import config
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
@@ -114,6 +115,12 @@ class DataParallel:
     bucket_bytes, compression: see :func:`allreduce_gradients` (with
       compression, the metrics and averaged model state travel uncompressed
       in a second call).
+    overlap: all-reduce each gradient bucket as soon as the backward pass has
+      computed it, overlapping communication with the rest of the backward
+      pass (see :func:`allreduce_gradients`); the buckets follow the order in
+      which ``loss_fn`` first reads the parameters, reversed, found from its
+      jaxpr when the step is traced. The same parameters bit for bit as
+      without. Default ``config.get("overlap")`` (``MPIJAX_OVERLAP``).
     root: the rank whose initial parameters everyone starts from.
     comm: an mpi4py communicator; default mpijax's.
     axis_name: the name of the data axis (e.g. ``"batch"``) that ``jax.lax``
@@ -166,11 +173,14 @@ class DataParallel:
                checkpoint_dir: str | os.PathLike | None = None,
                checkpoint_every: int | None = None, keep_checkpoints: int = 2,
                checkpoint_metadata: Callable[[], dict[str, Any]] | None = None,
-               handle_preemption: bool | None = None):
+               handle_preemption: bool | None = None, overlap: bool | None = None):
     if compression is not None and compression not in _grads._COMPRESSION:
       # Here, not at the first step after the data is loaded and the model traced.
       raise ValueError(f"DataParallel(compression={compression!r}) is not supported; "
                        "use None, 'bf16' or 'fp16'")
+    if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
+      raise TypeError(f"DataParallel(overlap={overlap!r}) must be True, False or None "
+                      "(the default, config.get('overlap'))")
     if state_sync is None:
       state_sync = _ms.SYNC if axis_name is not None else _ms.MEAN
     _ms.check_policy(state_sync, axis_name)
@@ -189,6 +199,7 @@ class DataParallel:
     self.with_rng = with_rng
     self.bucket_bytes = bucket_bytes
     self.compression = compression
+    self.overlap = None if overlap is None else bool(overlap)
     self.root = root
     self.comm = comm
     self.axis_name = axis_name
@@ -309,12 +320,26 @@ class DataParallel:
     # Metrics, averaged model state and the stop flag ride in the gradient
     # buckets: no extra collective.
     extra = (metrics, means, stop)
-    kw = dict(average=True, bucket_bytes=self.bucket_bytes, comm=self.comm)
+    overlap = self.overlap if self.overlap is not None else bool(config.get("overlap"))
+    kw = dict(average=True, bucket_bytes=self.bucket_bytes, comm=self.comm, overlap=overlap,
+              local_axis_name=None, fuse_leaf_bytes=None)
+    order = None
+    if overlap:
+      # The buckets in the order the backward pass completes them; the
+      # metrics, averaged model state and stop flag are ready before it
+      # starts, so they ride in the first bucket.
+      order = _grads.gradient_ready_order(lambda p: objective(p)[0], state.params)
     if self.compression is None:
-      grads, extra = _grads.fused_allreduce((grads, extra), **kw)
+      n_grads = len(jax.tree_util.tree_leaves(grads))
+      n_extra = len(jax.tree_util.tree_leaves(extra))
+      if order is not None:
+        order = list(range(n_grads, n_grads + n_extra)) + order
+      grads, extra = _grads._fused_allreduce((grads, extra), compression=None,
+                                             ready_order=order, **kw)
     else:
-      grads = _grads.fused_allreduce(grads, compression=self.compression, **kw)
-      extra = _grads.fused_allreduce(extra, **kw)
+      grads = _grads._fused_allreduce(grads, compression=self.compression, ready_order=order,
+                                      **kw)
+      extra = _grads._fused_allreduce(extra, compression=None, **{**kw, "overlap": False})
     metrics, means, stop = extra
     it = iter(means)
     new_ms = jax.tree_util.tree_unflatten(ms_def, [next(it) if a else x

@@ -24,6 +24,7 @@ import optax
 from mpijax._src import config
 from mpijax._src.axes import axis_env
 from mpijax._src.ops.allreduce import allreduce_many
+from mpijax._src.ops.fence import after_calls, unfused
 from mpijax._src.train import _host
 
 _COMPRESSION = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
@@ -100,21 +101,137 @@ def _jax_local_axis(name: Any, nranks: int) -> Any:
   return info.local_name
 
 
+def plan_overlap(shapes_dtypes: list[tuple[tuple[int, ...], Any]], order: list[int],
+                 bucket_bytes: int) -> list[list[int]]:
+  """Groups leaf indices into the buckets of an overlapped all-reduce.
+
+  ``order`` is the order in which the leaves become ready (for gradients: the
+  reverse of the order the forward pass first uses them). Each bucket is a
+  run of consecutive leaves of ``order`` of at most ``bucket_bytes`` (a
+  bigger leaf is a bucket of its own), like PyTorch DDP's buckets: a bucket is
+  ready as soon as its last leaf is, so its all-reduce can start while the
+  rest is still being computed. Empty leaves are skipped.
+  """
+  buckets: list[list[int]] = []
+  current: list[int] = []
+  size = 0
+  for i in order:
+    shape, dtype = shapes_dtypes[i]
+    nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    if nbytes == 0:
+      continue
+    if current and size + nbytes > bucket_bytes:
+      buckets.append(current)
+      current, size = [], 0
+    current.append(i)
+    size += nbytes
+  if current:
+    buckets.append(current)
+  return buckets
+
+
+def _first_uses(jaxpr: Any, invars: list[Any]) -> list[tuple[int, ...] | None]:
+  """Where the forward pass ``jaxpr`` first reads each of ``invars``.
+
+  A position is the index of the equation, followed by the position inside
+  it for a call whose body takes the call's operands one for one (a nested
+  ``jax.jit``, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp``); None for a
+  variable never read.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  where: dict[Any, tuple[int, ...]] = {}
+  wanted = {v for v in invars if isinstance(v, jax.extend.core.Var)}
+  for k, eqn in enumerate(jaxpr.eqns):
+    reads = [v for v in eqn.invars if isinstance(v, jax.extend.core.Var) and v in wanted
+             and v not in where]
+    if not reads:
+      continue
+    body = next((eqn.params[name] for name in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                 if name in eqn.params), None)
+    inner_vars = getattr(getattr(body, "jaxpr", body), "invars", None)
+    inner = None
+    if inner_vars is not None and len(inner_vars) == len(eqn.invars):
+      inner = dict(zip(eqn.invars, _first_uses(body, list(inner_vars))))
+    for v in reads:
+      sub = inner.get(v) if inner is not None else None
+      where[v] = (k,) + (sub or ())
+  return [where.get(v) for v in invars]
+
+
+def gradient_ready_order(fn: Any, params: Any) -> list[int]:
+  """The leaves of ``params`` in the order a backward pass of ``fn`` finishes their gradients.
+
+  A leaf's gradient is complete once the backward pass has gone back past
+  the forward pass's first read of the leaf, so the order is the reverse of
+  the first reads in ``jax.make_jaxpr(fn)(params)`` (leaves ``fn`` never
+  reads first: their gradient is zero; ties in the reverse tree order).
+  What the overlapped all-reduce buckets by: in this order every bucket's
+  all-reduce can start as soon as the backward pass has made its leaves.
+
+  Args:
+    fn: the forward pass, ``fn(params)`` (its outputs do not matter).
+    params: the tree of parameters, as ``fn`` takes it.
+
+  Returns:
+    Indices into ``jax.tree_util.tree_leaves(params)``.
+  """
+  closed = jax.make_jaxpr(fn)(params)
+  n = len(jax.tree_util.tree_leaves(params))
+  uses = _first_uses(closed.jaxpr, list(closed.jaxpr.invars[:n]))
+  return sorted(range(n), key=lambda i: (uses[i] is None, uses[i] or (), i), reverse=True)
+
+
+def _operands(bucket: list[int], leaves: list[Any], fuse_leaf_bytes: int) -> list[list[int]]:
+  """The arrays one overlapped bucket sends: per dtype, its small leaves packed
+  into one, each leaf of at least ``fuse_leaf_bytes`` alone (no packing copy)."""
+  small: dict[str, list[int]] = {}
+  ops: list[list[int]] = []
+  for i in bucket:
+    if leaves[i].nbytes >= fuse_leaf_bytes:
+      ops.append([i])
+    else:
+      small.setdefault(leaves[i].dtype.name, []).append(i)
+  return list(small.values()) + ops
+
+
+def _check_options(compression: str | None, overlap: bool | None) -> None:
+  if compression is not None and compression not in _COMPRESSION:
+    raise ValueError(f"compression={compression!r} is not supported; use None, 'bf16' or 'fp16'")
+  if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
+    raise TypeError(f"overlap={overlap!r} must be True, False or None (the default, "
+                    "config.get('overlap'))")
+
+
 def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None = None,
                     compression: str | None = None, local_axis_name: Any = None,
-                    comm: Any | None = None, fuse_leaf_bytes: int | None = None) -> Any:
-  """Sums (or averages) every leaf of ``tree`` over all ranks, all buckets in one custom call.
+                    comm: Any | None = None, fuse_leaf_bytes: int | None = None,
+                    overlap: bool | None = None) -> Any:
+  """Sums (or averages) every leaf of ``tree`` over all ranks.
 
   Call it inside ``jax.jit`` (it also works eagerly). See
-  :func:`allreduce_gradients` for the arguments.
+  :func:`allreduce_gradients` for the arguments; with ``overlap`` the buckets
+  follow the reverse of the tree order (a tree of layers: the last layer's
+  gradients first, as the backward pass computes them).
 
   Returns:
     A tree like ``tree`` holding the cross-rank sum or mean, same dtypes.
   """
-  if compression is not None and compression not in _COMPRESSION:
-    raise ValueError(f"compression={compression!r} is not supported; use None, 'bf16' or 'fp16'")
+  return _fused_allreduce(tree, average=average, bucket_bytes=bucket_bytes,
+                          compression=compression, local_axis_name=local_axis_name, comm=comm,
+                          fuse_leaf_bytes=fuse_leaf_bytes, overlap=overlap)
+
+
+def _fused_allreduce(tree: Any, *, average: bool, bucket_bytes: int | None,
+                     compression: str | None, local_axis_name: Any, comm: Any | None,
+                     fuse_leaf_bytes: int | None, overlap: bool | None,
+                     ready_order: list[int] | None = None) -> Any:
+  """:func:`fused_allreduce`; ``ready_order``: the flattened leaves' indices in
+  the order they become ready (default: the reverse of the tree order)."""
+  _check_options(compression, overlap)
+  if overlap is None:
+    overlap = bool(config.get("overlap"))
   if bucket_bytes is None:
-    bucket_bytes = int(config.get("bucket_bytes"))
+    bucket_bytes = int(config.get("overlap_bucket_bytes" if overlap else "bucket_bytes"))
   if bucket_bytes <= 0:
     raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (e.g. 64 << 20)")
   if fuse_leaf_bytes is None:
@@ -138,22 +255,20 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     return jax.tree_util.tree_unflatten(treedef, leaves)
   out = list(leaves)
   n_local = 1 if local_axis_name is None else jax.lax.psum(1, local_axis_name)
-  plan = plan_buckets([(x.shape, x.dtype) for x in leaves], bucket_bytes, fuse_leaf_bytes)
-  if not plan:
-    return jax.tree_util.tree_unflatten(treedef, out)
-  # Three phases: pack every bucket, all-reduce them all in ONE custom call,
-  # then unpack and average. One call keeps the phases apart: XLA:CPU would
-  # otherwise run bucket k's packing or averaging on another thread while
-  # bucket k+1 is inside MPI, stealing the CPU MPI needs to progress (2-3x
-  # slower communication measured with 2 ranks on 2 cores).
-  sends = []
-  for bucket in plan:
-    dtype = leaves[bucket[0]].dtype
+  shapes = [(x.shape, x.dtype) for x in leaves]
+
+  def send(idx: list[int]) -> jax.Array:
+    """The array that carries leaves ``idx`` (one dtype) over the wire."""
+    dtype = leaves[idx[0]].dtype
     # A lone leaf keeps its shape: a reshape would make XLA copy the gradient
     # before the in-place all-reduce (copy insertion does not see through the
     # bitcast), one more pass over its memory.
-    flat = jnp.concatenate([leaves[i].reshape(-1) for i in bucket]) if len(bucket) > 1 \
-        else leaves[bucket[0]]
+    # Packed leaves come through a fence: XLA would otherwise fuse the ops
+    # that computed them (a bias gradient's reduction over the batch) into
+    # the packing, where it computes them in another order, so a leaf's bits
+    # would depend on the bucket it is packed into.
+    flat = jnp.concatenate([x.reshape(-1) for x in unfused([leaves[i] for i in idx])]) \
+        if len(idx) > 1 else leaves[idx[0]]
     inexact = jnp.issubdtype(dtype, jnp.inexact)
     if average and not inexact and jnp.dtype(dtype).itemsize < 4:
       # The mean of 8/16-bit integers is summed in int32: in the leaf's own
@@ -170,35 +285,80 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
     if _prescaled(average, inexact, dtype, wire):
       # Divide before the cast so half-precision sums cannot overflow.
       flat = flat / nranks
-    sends.append(flat.astype(wire))
-  # The mean is the sum then an XLA division, not the transport's op="mean":
-  # XLA fuses the division into whatever consumes the gradient (the
-  # optimizer's update), where it costs nothing, while the transport would
-  # make one more pass over every bucket (measured: +3 ms per 40 MB step).
-  summed_all = allreduce_many(sends, "sum", comm=comm)
-  for bucket, summed in zip(plan, summed_all):
-    dtype = leaves[bucket[0]].dtype
+    return flat.astype(wire)
+
+  def receive(idx: list[int], summed: jax.Array) -> None:
+    """Unpacks the sum that carried leaves ``idx`` into ``out``, averaged if asked."""
+    if len(idx) == 1:
+      pieces = [summed]
+    else:
+      # Each packed leaf comes out through a fence, as it went in, in its
+      # own shape: what consumes it (the division below, the optimizer's
+      # update) then compiles to the same code whether a leaf travelled
+      # packed or alone, and in whichever bucket. (Fused with a slice and a
+      # reshape, XLA:CPU contracted an Adam moment's multiply-add into an
+      # FMA differently: the last bit changed with the bucket size.)
+      offsets = np.cumsum([0] + [leaves[i].size for i in idx])
+      pieces = unfused([summed[offsets[k]:offsets[k + 1]].reshape(leaves[i].shape)
+                        for k, i in enumerate(idx)])
+    for i, piece in zip(idx, pieces):
+      out[i] = finish(piece, leaves[i].dtype)
+
+  def finish(summed: jax.Array, dtype: Any) -> jax.Array:
+    """The sum as it came over the wire, back in ``dtype``, averaged if asked."""
+    # The mean is the sum then an XLA division, not the transport's op="mean":
+    # XLA fuses the division into whatever consumes the gradient (the
+    # optimizer's update), where it costs nothing, while the transport would
+    # make one more pass over every bucket (measured: +3 ms per 40 MB step).
     inexact = jnp.issubdtype(dtype, jnp.inexact)
     sent_as_is = summed.dtype == dtype  # not compressed, so not pre-scaled
     prescaled = _prescaled(average, inexact, dtype, summed.dtype)
     if average and not inexact:
       # Integer leaves: floor of the mean, dtype kept. They were summed (not
       # averaged) over the local devices too, so divide by every device.
-      summed = (summed // (nranks * n_local)).astype(dtype)
-    else:
-      summed = summed.astype(dtype)
-      if average and inexact and sent_as_is:
-        summed = summed / jnp.asarray(nranks, dtype)
-      elif prescaled and not average:
-        summed = summed * jnp.asarray(nranks, dtype)  # the sum, from the mean sent
-    if len(bucket) == 1:
-      out[bucket[0]] = summed
-      continue
-    offset = 0
-    for i in bucket:
-      n = leaves[i].size
-      out[i] = summed[offset:offset + n].reshape(leaves[i].shape)
-      offset += n
+      return (summed // (nranks * n_local)).astype(dtype)
+    summed = summed.astype(dtype)
+    if average and inexact and sent_as_is:
+      return summed / jnp.asarray(nranks, dtype)
+    if prescaled and not average:
+      return summed * jnp.asarray(nranks, dtype)  # the sum, from the mean sent
+    return summed
+
+  if overlap:
+    # One custom call per bucket, in the order the buckets become ready: each
+    # call depends on its own bucket's leaves and on the order token of the
+    # call before it, nothing else, so XLA starts it as soon as both are
+    # there, while the rest of the backward pass runs (see docs/training.md).
+    if ready_order is None:
+      ready_order = list(range(len(leaves)))[::-1]
+    carried, sums = [], []
+    for bucket in plan_overlap(shapes, list(ready_order), bucket_bytes):
+      ops = _operands(bucket, leaves, fuse_leaf_bytes)
+      carried += ops
+      sums += allreduce_many([send(idx) for idx in ops], "sum", comm=comm)
+    # Nothing reads a sum before the last call has run. The optimizer's
+    # in-place update of a parameter must come after the backward pass's last
+    # read of it; were a bucket's sums readable at once, XLA would copy each
+    # bucket's earliest weight at the start of the step to make the early
+    # update safe, and hand the memory this frees to later backward ops,
+    # which would then wait for that update, i.e. for the bucket's
+    # all-reduce (measured: the backward pass stalled during every call).
+    sums = after_calls(sums)
+    for idx, summed in zip(carried, sums):
+      receive(idx, summed)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  plan = plan_buckets(shapes, bucket_bytes, fuse_leaf_bytes)
+  if not plan:
+    return jax.tree_util.tree_unflatten(treedef, out)
+  # Three phases: pack every bucket, all-reduce them all in ONE custom call,
+  # then unpack and average. One call keeps the phases apart: XLA:CPU would
+  # otherwise run bucket k's packing or averaging on another thread while
+  # bucket k+1 is inside MPI, stealing the CPU MPI needs to progress (2-3x
+  # slower communication measured with 2 ranks on 2 cores).
+  summed_all = allreduce_many([send(idx) for idx in plan], "sum", comm=comm)
+  for idx, summed in zip(plan, summed_all):
+    receive(idx, summed)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -214,8 +374,8 @@ def _prescaled(average: bool, inexact: bool, dtype: Any, wire: Any) -> bool:
 
 def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None,
                         compression: str | None = None, local_axis_name: Any = None,
-                        comm: Any | None = None,
-                        fuse_leaf_bytes: int | None = None) -> optax.GradientTransformation:
+                        comm: Any | None = None, fuse_leaf_bytes: int | None = None,
+                        overlap: bool | None = None) -> optax.GradientTransformation:
   """An optax transformation that all-reduces the gradients over every rank.
 
   Put it first in an ``optax.chain`` so the rest of the optimizer sees the
@@ -246,6 +406,14 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
       all-reduced on their own (default ``config.get("fuse_leaf_bytes")``,
       ``MPIJAX_FUSE_LEAF_BYTES``, 256 KiB; pass ``bucket_bytes`` to pack
       everything).
+    overlap: all-reduce each bucket with its own call, the buckets formed in
+      the order the backward pass computes the gradients (the reverse of the
+      tree order: a tree of layers in forward order gives the last layer's
+      first), so XLA can run each bucket's all-reduce while the rest of the
+      backward pass computes (PyTorch DDP's and Horovod's overlap). Then
+      ``bucket_bytes`` defaults to ``config.get("overlap_bucket_bytes")``.
+      The result is the same, bit for bit, as without overlap. Default
+      ``config.get("overlap")`` (``MPIJAX_OVERLAP``).
 
   Returns:
     An ``optax.GradientTransformation`` (stateless).
@@ -253,8 +421,7 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
   Examples:
     >>> tx = optax.chain(mpijax.train.allreduce_gradients(), optax.adam(1e-3))  # doctest: +SKIP
   """
-  if compression is not None and compression not in _COMPRESSION:
-    raise ValueError(f"compression={compression!r} is not supported; use None, 'bf16' or 'fp16'")
+  _check_options(compression, overlap)
 
   def init_fn(params):
     del params
@@ -264,7 +431,7 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
     del params
     return fused_allreduce(updates, average=average, bucket_bytes=bucket_bytes,
                            compression=compression, local_axis_name=local_axis_name,
-                           comm=comm, fuse_leaf_bytes=fuse_leaf_bytes), state
+                           comm=comm, fuse_leaf_bytes=fuse_leaf_bytes, overlap=overlap), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -42,7 +42,7 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
     leaves = [x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
               for x in leaves]
     return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
-                                     average=True, comm=comm)
+                                     average=True, comm=comm, overlap=False)
   comm = _host.get_comm(comm, "mpijax.train.mean_metrics")
   arrays, problem = [], ""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:

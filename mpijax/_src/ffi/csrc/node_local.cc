@@ -293,25 +293,36 @@ Status Arrive(Comm& c, Caller& caller, uint64_t k, size_t bytes,
 // input `mine` plus every other rank's segment, into the output (`out` may
 // be `mine`: in place), then published in this rank's segment by memcpy.
 // (Storing to the segment inside the loop, to lines the other rank read last
-// call, was 20x slower here than the copy.)
+// call, was 20x slower here than the copy.) The terms are added in rank
+// order, ((x0 + x1) + x2) + ..., whichever rank reduces the block: an
+// element's sum then does not depend on how the buffers are split into
+// blocks or calls (mpijax.train's overlapped buckets give the bits of its
+// one-call all-reduce). With 2 ranks any order is that order.
 template <typename T>
 void ShmSumBlock(const Comm& c, size_t lo, size_t cnt, const T* mine, T* out,
                  T* pub) {
   int p = c.size, r = c.rank;
-  auto seg = [&](int i) {
-    return reinterpret_cast<const T*>(Data(c, i)) + lo;
+  auto term = [&](int i) {
+    return i == r ? mine : reinterpret_cast<const T*>(Data(c, i)) + lo;
   };
-  int first = r == 0 ? 1 : 0;
-  const T* b = seg(first);
-  if (out == mine) {
-    for (size_t i = 0; i < cnt; ++i) out[i] += b[i];
+  if (p == 2) {
+    const T *a = term(0), *b = term(1);
+    for (size_t i = 0; i < cnt; ++i) out[i] = a[i] + b[i];
   } else {
-    for (size_t i = 0; i < cnt; ++i) out[i] = mine[i] + b[i];
-  }
-  for (int j = 0; j < p; ++j) {
-    if (j == r || j == first) continue;
-    const T* s = seg(j);
-    for (size_t i = 0; i < cnt; ++i) out[i] += s[i];
+    // A tile at a time, in cache: in place, `mine` is read before `out`
+    // (the same memory) is written.
+    constexpr size_t kTile = 2048;
+    T acc[kTile];
+    for (size_t at = 0; at < cnt; at += kTile) {
+      size_t m = std::min(kTile, cnt - at);
+      const T *a = term(0) + at, *b = term(1) + at;
+      for (size_t i = 0; i < m; ++i) acc[i] = a[i] + b[i];
+      for (int j = 2; j < p; ++j) {
+        const T* t = term(j) + at;
+        for (size_t i = 0; i < m; ++i) acc[i] += t[i];
+      }
+      std::memcpy(out + at, acc, m * sizeof(T));
+    }
   }
   std::memcpy(pub, out, cnt * sizeof(T));
 }
@@ -430,12 +441,16 @@ Status ShmAllreduce(Comm& c, Caller& caller, const char* src, char* dst,
                           reinterpret_cast<double*>(pub));
     }
   } else if (cnt > 0) {
-    if (out != in) std::memcpy(out, in, cnt * es);
-    for (int i = 0; i < p; ++i) {
-      if (i == r) continue;
-      NODE_CHECK_MPI(caller, MPI_Reduce_local(Data(c, i) + lo * es, out,
+    // Rank order, as ShmSumBlock; in place, this rank's input is still
+    // needed after rank 0's term is in, so the sum is made in scratch.
+    auto term = [&](int i) { return i == r ? in : Data(c, i) + lo * es; };
+    char* acc = out != in || r == 0 ? out : Scratch(cnt * es);
+    if (acc != term(0)) std::memcpy(acc, term(0), cnt * es);
+    for (int i = 1; i < p; ++i) {
+      NODE_CHECK_MPI(caller, MPI_Reduce_local(term(i), acc,
                                               static_cast<int>(cnt), dt, mop));
     }
+    if (acc != out) std::memcpy(out, acc, cnt * es);
     if (caller.finishes) {
       if (Status s = caller.Finish(out, cnt); !s.ok()) return s;
     }
@@ -483,8 +498,8 @@ Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
   // chunk's pieces of this rank's outputs when none of them is in place
   // (they are written once, by the first read), else a scratch chunk copied
   // to them at the end (reading another rank's input into an output that is
-  // this rank's input would lose it). The accumulator gets the next rank's
-  // chunk, the others' through tmp, then this rank's own.
+  // this rank's input would lose it). The accumulator gets the ranks'
+  // chunks in rank order, the other ranks' through tmp.
   bool into_outputs = !spans.any_in_place();
   size_t chunk = std::max<size_t>(kCmaChunkBytes / es, 1);
   char* scratch = Scratch(2 * chunk * es);
@@ -529,21 +544,23 @@ Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
         return err == 0;
       });
     };
+    // The terms in rank order, ((x0 + x1) + x2) + ... (as ShmSumBlock; the
+    // first two in either order): the accumulator starts as the first of
+    // ranks 0 and 1 that is not this rank, read straight into it.
     iovec tmp_iov{tmp, cnt * es};
-    for (int j = 1; j < p && err == 0; ++j) {
-      const Header* h = Head(c, (r + j) % p);
-      if (j == 1) {
-        err = copy(h, here, pieces, false);
-      } else if ((err = copy(h, &tmp_iov, 1, false)) == 0) {
+    int head = r == 0 ? 1 : 0;
+    err = copy(Head(c, head), here, pieces, false);
+    for (int j = 0; j < p && err == 0; ++j) {
+      if (j == head) continue;
+      if (j == r) {
+        fold([&](size_t, size_t i, size_t first) {
+          return spans.src(i) + first * es;
+        });
+      } else if ((err = copy(Head(c, j), &tmp_iov, 1, false)) == 0) {
         fold([&](size_t index, size_t, size_t) {
           return tmp + (index - at) * es;
         });
       }
-    }
-    if (err == 0) {
-      fold([&](size_t, size_t i, size_t first) {
-        return spans.src(i) + first * es;
-      });
     }
     if (err != 0) break;
     spans.Pieces(at, at + cnt, [&](size_t i, size_t first, size_t count,
