@@ -72,6 +72,16 @@ def test_quick_start(rt, capsys):
   assert f"rank={rt.rank}, size={rt.size}" in capsys.readouterr().out
 
 
+def test_plain_jax_across_ranks(rt):
+  if not rt.jax_distributed:
+    pytest.skip("the README's plain-JAX example needs JAX's distributed runtime (on by default)")
+  values = _run(_block("make_array_from_process_local_data(NamedSharding"), {})
+  p = rt.size
+  # Each process's 2 rows hold its index: the column sums are 2 * (0 + ... + p-1).
+  np.testing.assert_array_equal(_value(values, "np.asarray(total.addressable_data(0))"),
+                                np.full(4, float(p * (p - 1)), np.float32))
+
+
 def test_tour_of_the_guides(rt):
   L, r = mpijax.local_device_count(), mpijax.process_index()
   if L * rt.size != 4:
