@@ -515,7 +515,7 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   if notes:
     parts += ["", "Not measured:", ""] + notes
   targets = check_targets(rows, sizes, nprocs)
-  parts += ["", "Targets (issue 3):", "", "```"] + targets + ["```"]
+  parts += ["", "Targets:", "", "```"] + targets + ["```"]
   parts += ["", _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)

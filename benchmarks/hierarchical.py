@@ -61,7 +61,7 @@ def _hier_factory(hc: HarnessComm):
   import numpy as np
   import mpijax
   if not hasattr(mpijax, "pmap"):
-    raise ar.Skip("mpijax.pmap does not exist yet (issue 4 not merged)")
+    raise ar.Skip("this mpijax has no mpijax.pmap")
   try:
     import mpijax.lax as mlax
   except Exception as e:

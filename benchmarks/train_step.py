@@ -1,4 +1,4 @@
-"""Data-parallel training step: fused gradient buckets vs per-leaf all-reduce vs peers (issue 6).
+"""Data-parallel training step: fused gradient buckets vs per-leaf all-reduce vs peers.
 
 A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 ``--layers`` dense layers of ``--width`` x ``--width``), one SGD step on
@@ -7,7 +7,7 @@ A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 * full step, mpijax fused buckets (``mpijax.train.allreduce_gradients``), all
   buckets in one call after the backward pass (``overlap=False``)
 * full step, the same with ``overlap=True``: one call per bucket, started as
-  the backward pass completes each bucket (the A/B pair of issue 28; checked
+  the backward pass completes each bucket (the A/B pair; checked
   to give the same parameters bit for bit as the row above); ``--overlap-buckets``
   adds one such row per bucket size
 * full step, mpijax fused with ``compression='bf16'`` (half the bytes)
@@ -424,7 +424,7 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
   if notes:
     lines += ["", "Missing figures:"] + notes
   get = {r.key: r for r in rows}
-  lines += ["", "Targets (issue 28): the communication a step adds to the step without it, in units "
+  lines += ["", "Targets: the communication a step adds to the step without it, in units "
             "of the fused all-reduce alone (comm only, default buckets):"]
   for n in ranks:
     if n == 1:
@@ -451,7 +451,7 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
       if r.key.startswith("step_overlap") and r.us(n) is not None and one_call:
         lines.append(f"- {n} ranks: (A/B) {r.label} / one call: {r.us(n) / one_call:.3f}x "
                      f"(adds {(r.us(n) - local) / comm:.2f}x the all-reduce)")
-  lines += ["", "Targets (issue 6):"]
+  lines += ["", "Targets (fused vs per-leaf and peers):"]
   for n in ranks:
     if n == 1:
       continue

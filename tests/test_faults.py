@@ -1,4 +1,4 @@
-"""Fault injection (issue 8): no silent hang, no lost work.
+"""Fault injection: no silent hang, no lost work.
 
 Each test starts its own small bounded job (4 ranks) with a script from
 tests/scripts/ and checks that the job ends non-zero within the timeout with

@@ -1,4 +1,4 @@
-"""Messages over 2**31 bytes, for real (issue 3). Slow and memory-hungry (~7 GB
+"""Messages over 2**31 bytes, for real. Slow and memory-hungry (~7 GB
 per rank, 2 ranks): runs only with MPIJAX_TEST_SLOW=1. The chunking logic
 itself is tested at every run with tiny chunks (tests/mpi/test_ops.py)."""
 

@@ -1,4 +1,4 @@
-"""Soak (issue 8): 100,000 small collectives and 1,000 jitted steps in one job.
+"""Soak: 100,000 small collectives and 1,000 jitted steps in one job.
 
 Slow: runs only with MPIJAX_TEST_SLOW=1. Prints the figures (pytest -s).
 """

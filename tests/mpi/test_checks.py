@@ -1,4 +1,4 @@
-"""Bad input and cross-rank checks give clear errors (issue 8), at any rank count."""
+"""Bad input and cross-rank checks give clear errors, at any rank count."""
 
 from __future__ import annotations
 

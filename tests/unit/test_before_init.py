@@ -1,4 +1,4 @@
-"""Collectives before mpijax.init() fail with the fix in the message (issue 8)."""
+"""Collectives before mpijax.init() fail with the fix in the message."""
 
 from __future__ import annotations
 
