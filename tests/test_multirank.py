@@ -10,27 +10,35 @@ import pytest
 
 from tests._launch import run_mpi, tail
 
-# (ranks, CPU devices per rank, environment). 4 ranks on 2 cores is slow: keep
-# tests/mpi lean. Every multi-rank config runs with JAX's distributed runtime
-# (the default: XLA's own collectives over MPI with one device per rank, gloo
-# with two); one runs without it, as mpijax alone.
+# (ranks, CPU devices per rank, environment, test files). 4 ranks on 2 cores
+# is slow: the whole suite runs at 4 x 1 and 2 x 2, the other configs run
+# the files their shape exercises. Every multi-rank config runs with JAX's
+# distributed runtime (the default: XLA's own collectives over MPI with one
+# device per rank, gloo with two) except one, mpijax alone.
+ALL = ["tests/mpi"]
 CONFIGS = [
-    pytest.param(4, 1, {}, id="4ranks-x-1dev"),
-    pytest.param(2, 2, {}, id="2ranks-x-2dev"),
+    pytest.param(4, 1, {}, ALL, id="4ranks-x-1dev"),
+    pytest.param(2, 2, {}, ALL, id="2ranks-x-2dev"),
     # Not a power of two: uneven ring segments, no exact division in the mean.
-    pytest.param(3, 1, {}, id="3ranks-x-1dev"),
-    pytest.param(1, 1, {}, id="1rank"),
-    pytest.param(2, 1, {"MPIJAX_JAX_DISTRIBUTED": "0"}, id="2ranks-without-jax-distributed"),
+    pytest.param(3, 1, {}, ["tests/mpi/test_ops.py", "tests/mpi/test_collectives.py",
+                            "tests/mpi/test_train.py"], id="3ranks-x-1dev"),
+    pytest.param(1, 1, {}, ["tests/mpi/test_runtime.py", "tests/mpi/test_ops.py",
+                            "tests/mpi/test_collectives.py", "tests/mpi/test_global_array.py"],
+                 id="1rank"),
+    pytest.param(2, 1, {"MPIJAX_JAX_DISTRIBUTED": "0"},
+                 ["tests/mpi/test_runtime.py", "tests/mpi/test_jax_mixed.py",
+                  "tests/mpi/test_readme.py", "tests/mpi/test_global_array.py"],
+                 id="2ranks-without-jax-distributed"),
 ]
 
 
-@pytest.mark.parametrize("ranks,devices,env", CONFIGS)
-def test_mpi_suite(ranks, devices, env):
+@pytest.mark.parametrize("ranks,devices,env,files", CONFIGS)
+def test_mpi_suite(ranks, devices, env, files):
   # As users of MPI Python projects run their suites: pytest-mpi's --with-mpi on every rank.
   argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-x", "-p", "no:cacheprovider", "--color=no",
           # fd 2 uncaptured: a stall report printed by the C++ side reaches the log.
           "--capture=sys",
-          "-W", "ignore::DeprecationWarning", "tests/mpi"]
+          "-W", "ignore::DeprecationWarning", *files]
   select = os.environ.get("MPIJAX_TEST_SELECT")  # e.g. "-k allreduce" for local work
   if select:
     argv += select.split()
