@@ -28,6 +28,7 @@ import time
 from mpijax._src import bridge_env
 from mpijax._src import config
 from mpijax._src import failure
+from mpijax._src import log
 from mpijax._src import mpi_util
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather
@@ -166,11 +167,10 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
     if bad:
       chosen, library = "gloo", None
       if rank == 0:
-        print("mpijax: warning: XLA's cross-process collectives (jit over global jax.Arrays) "
-              "use gloo, not MPI:\n" + mpi_util.rank_lines(bad)
-              + "\nmpijax's own collectives use MPI either way. "
-              "MPIJAX_XLA_COLLECTIVES=gloo chooses gloo without this warning.",
-              file=sys.stderr, flush=True)
+        log.warning("XLA's cross-process collectives (jit over global jax.Arrays) "
+                    "use gloo, not MPI:\n" + mpi_util.rank_lines(bad)
+                    + "\nmpijax's own collectives use MPI either way. "
+                    "MPIJAX_XLA_COLLECTIVES=gloo chooses gloo without this warning.")
     elif library is not None:
       _attach(library, comm)
       failure.add_hint(F16_ERROR, F16_HINT)
