@@ -199,6 +199,12 @@ _define("log_level", _parse_log_level, "",
         "0's notices) unless the program set the logger's level first. DEBUG "
         "also shows the other ranks' notices.")
 
+_define("timeline", str, "",
+        "File for the collective timeline: every rank's mpijax calls (split "
+        "into waiting for the other ranks and moving data) and training steps, "
+        "merged by rank 0 at exit into one Chrome-trace / Perfetto JSON (see "
+        "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
+
 # --- training (layer 6) ------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")

@@ -26,6 +26,7 @@ from mpijax._src import inspector
 from mpijax._src import log
 from mpijax._src import jax_runtime
 from mpijax._src import mpi_util
+from mpijax._src.timeline import record as timeline_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +352,8 @@ def init(*, launcher: str | None = None,
          devices_per_process: int | None = None,
          jax_distributed: bool | None = None,
          comm: Any = None,
-         abort_on_exception: bool | None = None) -> Runtime:
+         abort_on_exception: bool | None = None,
+         timeline: str | None = None) -> Runtime:
   """Starts the mpijax runtime on this rank (idempotent).
 
   Args:
@@ -375,6 +377,9 @@ def init(*, launcher: str | None = None,
       mpijax works on a private clone of it.
     abort_on_exception: install the hook that aborts every rank when one has
       an uncaught exception (default on, MPIJAX_ABORT_ON_EXCEPTION).
+    timeline: record every rank's mpijax calls and training steps, and write
+      them merged into this one Chrome-trace JSON file at exit (default:
+      MPIJAX_TIMELINE; see docs/timeline.md). The same path on every rank.
 
   Returns:
     The :class:`Runtime`.
@@ -471,7 +476,16 @@ def init(*, launcher: str | None = None,
     # starts with the first collective and stops at shutdown() and at exit.
     inspector.prepare(private, drain=_drain_at_exit)
     register_shutdown_hook(inspector.stop)
+    timeline_path = timeline if timeline is not None else config.get("timeline")
+    if timeline_path:
+      # Written at exit after the drain and before MPI finalizes (atexit runs
+      # the last registered first), or at shutdown().
+      atexit.register(timeline_record.finish, _drain_at_exit)
+      register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
     atexit.register(_drain_at_exit)
+    if timeline_path:
+      timeline_record.start(str(timeline_path), private, hostnames=hostnames,
+                            devices=len(local_devices))
     return _runtime
 
 

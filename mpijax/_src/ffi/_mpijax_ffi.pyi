@@ -58,6 +58,22 @@ def stop_inspector() -> None:
 def status(key: int, device: int) -> str:
   """'<calls> <phase> <text>' for (communicator key, device), as sent to askers."""
 
+def timeline_start(capacity: int) -> None:
+  """Turns the collective timeline on: every handler call records one event
+  in a ring of at least ``capacity`` events (allocated once)."""
+
+def timeline_stop() -> None:
+  """Turns the collective timeline off."""
+
+def timeline_drain() -> tuple[list[tuple[Any, ...]], int]:
+  """The events recorded since the last drain, oldest first, as tuples (name,
+  dtype, shape or None, bytes, path bits, site, communicator key, local
+  device, communicator size, sequence number or -1, enter ns, exit ns), and
+  how many were lost."""
+
+def now_ns() -> int:
+  """The handlers' clock (steady_clock) in nanoseconds."""
+
 def build_mpi_version() -> str:
   """MPI family and version of the mpi.h this module was compiled with."""
 

@@ -17,6 +17,7 @@ from mpijax._src import config
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
+from mpijax._src.timeline import record as _timeline
 from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import data as _data
@@ -218,6 +219,7 @@ class DataParallel:
     self._step = jax.jit(self._step_impl)
     self._eval = jax.jit(self._eval_impl)
     self._compiled: dict[Any, Any] = {}  # input signature -> compiled step
+    self._timeline_steps = 0  # steps recorded in the timeline
 
   # -- state ------------------------------------------------------------------
 
@@ -380,6 +382,19 @@ class DataParallel:
       of the global batch (``"loss"`` and the ``aux`` keys, or ``"aux"`` for
       an ``aux`` that is not a dict), as jax values.
     """
+    if _timeline.active():
+      # The span ends when the step's results are ready: with the timeline
+      # on, each step waits for its own before returning.
+      start = _timeline.now_ns()
+      out = self._step_once(state, batch)
+      jax.block_until_ready(out)
+      self._timeline_steps += 1
+      _timeline.add_span("DataParallel.step", start, _timeline.now_ns(),
+                         step=self._timeline_steps - 1)
+      return out
+    return self._step_once(state, batch)
+
+  def _step_once(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
     if self.handle_preemption:
       self._stop_if_agreed(state)
     if self.checkpoint_every:
@@ -427,7 +442,8 @@ class DataParallel:
       # collective: do it here, on every rank, so that a rank whose trace
       # fails early cannot leave the others in that collective.
       communicators.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
-      with _all_ranks_or_none(comm, "DataParallel.step: building the step"):
+      with _all_ranks_or_none(comm, "DataParallel.step: building the step"), \
+          _timeline.span("compile"):
         if error is not None:
           raise error
         with _ms.bind_data_axis(self.axis_name, comm) as axis:

@@ -9,6 +9,7 @@
 #include "ring.h"
 #include "settings.h"
 #include "signature.h"
+#include "timeline.h"
 #include "wait.h"
 
 namespace mpijax::detail {
@@ -142,16 +143,19 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
   if (*cma || UseRing(info, n * es, in_place)) {
     Spans spans(es);
     spans.Add(src, dst, n);
+    info.path |= *cma ? kPathCma : kPathRing;
     if (*cma) return CmaAllreduce(info, spans, type, dt, mop, divisor);
     return RingSegments(info, comm, spans, type, dt, mop, divisor);
   }
   auto shm = UseShm(info, n * es);
   if (shm.has_error()) return shm.error();
   if (*shm) {
+    info.path |= kPathShm;
     HandlerCaller caller(info, type, divisor);
     return ToFfi(node_local::ShmAllreduce(info.dc->node, caller, src, dst, n,
                                           es, dt, mop));
   }
+  info.path |= kPathMpi;
   size_t chunk = ChunkElems(es);
   for (size_t off = 0; off < n; off += chunk) {
     int count = static_cast<int>(std::min(chunk, n - off));

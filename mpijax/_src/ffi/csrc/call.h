@@ -25,6 +25,11 @@ struct CallInfo {
   DevComm* dc = nullptr;  // set by MPIJAX_ENTER
   int64_t site = -1;
   int64_t sig = 0;
+  // For the timeline: the bytes of all operands when not just dims x dtype
+  // (allreduce_many), and the paths the call took (kPath* bits, set by the
+  // code that chooses them on a const CallInfo, hence mutable).
+  int64_t bytes = -1;
+  mutable int path = 0;
 
   // "mpijax.ops.allreduce on float32[4] (communicator 0, size 2, ...)".
   std::string Describe() const;

@@ -20,6 +20,7 @@
 #include "settings.h"
 #include "signature.h"
 #include "spans.h"
+#include "timeline.h"
 #include "wait.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,6 +60,7 @@ struct StridedBytes {
   info_.dc = var##_dc;                                                \
   info_.site = site_id;                                               \
   info_.sig = signature;                                              \
+  TimelineScope timeline_(info_, true);                               \
   CallScope scope_(var##_dc->status, site_id);                        \
   if (auto e_ = CheckSignature(info_, signature); e_.failure()) return e_;
 
@@ -99,6 +101,7 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
   CallInfo info{"allreduce", first->element_type(), first->dimensions(),
                 CommSize(comm), comm_id, device};
   MPIJAX_ENTER(info, comm, site, sig);
+  info.bytes = 0;
   MPI_Datatype dt;
   MPI_Op mop;
   // Buffers of one dtype share one ring (UseRing); the dtypes go in order
@@ -109,6 +112,7 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
     if (x.has_error()) return x.error();
     if (std::find(types.begin(), types.end(), x->element_type()) == types.end())
       types.push_back(x->element_type());
+    info.bytes += static_cast<int64_t>(x->size_bytes());
   }
   for (ffi::DataType type : types) {
     if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
@@ -129,12 +133,14 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
         UseCma(info, spans.size() * spans.elem_bytes(), spans.buffers());
     if (cma.has_error()) return cma.error();
     if (*cma) {
+      info.path |= kPathCma;
       if (auto e = CmaAllreduce(info, spans, type, dt, mop, 1); e.failure())
         return e;
       continue;
     }
     if (UseRing(info, spans.size() * spans.elem_bytes(),
                 spans.any_in_place())) {
+      info.path |= kPathRing;
       if (auto e = RingSegments(info, comm, spans, type, dt, mop, 1);
           e.failure())
         return e;
@@ -645,6 +651,7 @@ ffi::Error P2pImpl(int64_t device, ffi::RemainingArgs args,
   info.dc = comm_dc;
   info.site = site;
   info.sig = sig;
+  TimelineScope timeline_(info, false);
   CallScope scope_(comm_dc->status, site);
   auto bad_peer = [&](int64_t code, bool any_ok) {
     return !(code == kNoPeer || (any_ok && code == kAnyPeer) ||

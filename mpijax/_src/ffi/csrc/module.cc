@@ -15,12 +15,14 @@
 #include "inspector.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "node_local.h"
 #include "reduce_ops.h"
 #include "registry.h"
 #include "settings.h"
+#include "timeline.h"
 
 namespace nb = nanobind;
 
@@ -247,6 +249,45 @@ NB_MODULE(_mpijax_ffi, m) {
   m.def("status", &DescribeStatus, nb::arg("key"), nb::arg("device"),
   "This process's status line for (communicator key, device), as the stall "
   "inspector sends it: '<calls> <phase> <text>'.");
+
+  m.def("timeline_start", [](int64_t capacity) {
+    if (capacity < 1) throw nb::value_error("timeline_start: capacity must be >= 1");
+    TimelineStart(capacity);
+  }, nb::arg("capacity"),
+  "Turns the collective timeline on: every handler call records one event in "
+  "a ring of at least `capacity` events (a power of two, allocated once).");
+
+  m.def("timeline_stop", &TimelineStop, "Turns the collective timeline off.");
+
+  m.def("timeline_drain", [] {
+    int64_t lost = 0;
+    std::vector<TimelineEvent> events;
+    {
+      nb::gil_scoped_release release;
+      events = TimelineDrain(&lost);
+    }
+    nb::list out;
+    for (const TimelineEvent& e : events) {
+      nb::object shape = nb::none();
+      if (e.ndim >= 0) {
+        nb::list dims;
+        for (int i = 0; i < std::min(e.ndim, kTimelineMaxDims); ++i)
+          dims.append(e.dims[i]);
+        shape = nb::tuple(dims);
+      }
+      out.append(nb::make_tuple(
+          e.name, DtypeName(static_cast<ffi::DataType>(e.dtype)), shape,
+          e.bytes, e.path, e.site, e.key, e.device, e.comm_size, e.seq,
+          e.enter_ns, e.exit_ns));
+    }
+    return std::make_pair(out, lost);
+  }, "The events recorded since the last drain, oldest first, as tuples (name, "
+  "dtype, shape or None, bytes, path bits, site, communicator key, local "
+  "device, communicator size, sequence number or -1, enter ns, exit ns), and "
+  "how many were lost.");
+
+  m.def("now_ns", [] { return mpijax::NowNs(); },
+        "The handlers' clock (steady_clock) in nanoseconds.");
 
   m.def("build_mpi_version", [] {
 #if defined(MPIJAX_BUILD_MPI_VERSION)

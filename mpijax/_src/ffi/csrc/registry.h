@@ -58,6 +58,9 @@ struct DevComm {
   // that can use it; touched only by this device's handler thread.
   node_local::Comm node;
   uint64_t p2p_seq = 0;  // ppermute calls so far: the same on every rank
+  // Collective calls so far (every handler but send/recv): the same on every
+  // rank, so the timeline pairs the k-th call across ranks.
+  uint64_t coll_seq = 0;
 };
 
 struct CommEntry {

@@ -1,0 +1,1 @@
+"""The collective timeline: record (record.py), merge (merge.py), render (render.py)."""

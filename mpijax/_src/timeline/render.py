@@ -1,0 +1,137 @@
+"""A PNG summary of one step of a timeline file (matplotlib)."""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any
+
+from mpijax._src.timeline.merge import STEPS_TID
+
+_WAIT_COLOR = "#f4a261"
+_TRANSFER_COLOR = "#2a6f97"
+_STEP_COLOR = "#cccccc"
+
+
+def _load(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    trace = json.load(f)
+  if not isinstance(trace, dict) or "traceEvents" not in trace:
+    raise ValueError(f"{path} is not a timeline file (no 'traceEvents')")
+  return trace
+
+
+def step_window(events: list[dict[str, Any]], step: int | None) -> tuple[float, float, str]:
+  """(start, end, label) in µs of step ``step`` over all ranks, or of the whole trace."""
+  steps: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and e.get("tid") == STEPS_TID and e.get("cat") == "step" \
+        and e["name"] != "compile":
+      steps[e["pid"]].append(e)
+  counts = {len(v) for v in steps.values()}
+  if steps and min(counts) > 0:
+    n = min(counts)
+    k = n - 1 if step is None else step
+    if not -n <= k < n:
+      raise ValueError(f"--step {step} is out of range: the file has {n} steps (0..{n - 1})")
+    k %= n
+    chosen = [sorted(v, key=lambda e: e["ts"])[k] for v in steps.values()]
+    return (min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen),
+            f"step {k} of {n}")
+  if step is not None:
+    raise ValueError("the file has no step spans (DataParallel.step or mpijax.timeline.span): "
+                     "render without --step to see the whole trace")
+  calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "mpijax"]
+  if not calls:
+    raise ValueError("the file has no mpijax calls")
+  return (min(e["ts"] for e in calls), max(e["ts"] + e["dur"] for e in calls), "whole trace")
+
+
+def waits_in(events: list[dict[str, Any]], start: float, end: float) -> dict[int, dict[int, float]]:
+  """rank -> (rank waited for -> µs) over the calls that start in [start, end]."""
+  out: dict[int, dict[int, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+  for e in events:
+    if e.get("cat") != "mpijax" or not start <= e["ts"] <= end:
+      continue
+    who = e["args"].get("waited_for_rank")
+    if who is not None:
+      out[e["pid"]][who] += e["args"]["wait_ns"] / 1000.0
+  return out
+
+
+def render(trace_path: str, output: str, *, step: int | None = None) -> str:
+  """Draws step ``step`` (default: the last) of ``trace_path`` into ``output``; a text summary."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.patches import Patch
+
+  trace = _load(trace_path)
+  events = trace["traceEvents"]
+  start, end, label = step_window(events, step)
+  span = max(end - start, 1e-3)
+  rows = sorted({(e["pid"], e["tid"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") == "mpijax"})
+  ranks = sorted({p for p, _ in rows} | {e["pid"] for e in events if e.get("ph") == "X"})
+  # One row per (rank, device), plus the rank's step bar above its devices.
+  y: dict[tuple[int, int], float] = {}
+  pos = 0.0
+  ticks, tick_labels = [], []
+  for r in ranks:
+    y[(r, STEPS_TID)] = pos
+    ticks.append(pos)
+    tick_labels.append(f"rank {r} step")
+    pos += 0.6
+    for p, t in rows:
+      if p == r:
+        y[(p, t)] = pos
+        ticks.append(pos)
+        tick_labels.append(f"rank {r} dev {t - 1}")
+        pos += 1.0
+    pos += 0.4
+  fig_h = 1.6 + 0.45 * pos
+  fig, ax = plt.subplots(figsize=(11, fig_h))
+  for e in events:
+    if e.get("ph") != "X" or e["ts"] + e["dur"] < start or e["ts"] > end:
+      continue
+    key = (e["pid"], e["tid"])
+    if key not in y:
+      continue
+    x0, w = (e["ts"] - start) / 1000.0, e["dur"] / 1000.0
+    if e.get("cat") == "step":
+      ax.barh(y[key], w, left=x0, height=0.35, color=_STEP_COLOR, edgecolor="#888888")
+      ax.text(x0, y[key], f" {e['name']}", va="center", fontsize=7)
+    elif e.get("cat") == "mpijax":
+      a = e["args"]
+      wait, transfer = a["wait_ns"] / 1e6, a["transfer_ns"] / 1e6
+      ax.barh(y[key], wait, left=x0, height=0.7, color=_WAIT_COLOR)
+      ax.barh(y[key], transfer, left=x0 + wait, height=0.7, color=_TRANSFER_COLOR)
+  waits = waits_in(events, start, end)
+  lines = []
+  for r in ranks:
+    if r not in waits:
+      continue
+    who, us = max(waits[r].items(), key=lambda kv: kv[1])
+    total = sum(waits[r].values())
+    text = f"rank {r} waited {total / 1000:.2f} ms, most for rank {who} ({us / 1000:.2f} ms)"
+    lines.append(text)
+    ys = [v for (p, t), v in y.items() if p == r and t != STEPS_TID]
+    ax.annotate(f"waited {total / 1000:.2f} ms, {us / 1000:.2f} for rank {who}",
+                xy=(span / 1000.0, max(ys)), xytext=(4, 0), textcoords="offset points",
+                va="center", fontsize=8, annotation_clip=False)
+  ax.set_yticks(ticks, tick_labels, fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlim(0, span / 1000.0)
+  ax.set_xlabel("ms from the start of the window (clocks aligned to rank 0)")
+  ax.set_title(f"mpijax timeline: {label}, {span / 1000:.2f} ms", fontsize=10)
+  ax.legend(handles=[Patch(color=_WAIT_COLOR, label="waiting for the other ranks"),
+                     Patch(color=_TRANSFER_COLOR, label="moving / reducing data"),
+                     Patch(color=_STEP_COLOR, label="step (Python)")],
+            loc="upper center", bbox_to_anchor=(0.5, -0.12 * 4 / max(fig_h, 4)), ncol=3,
+            fontsize=8, frameon=False)
+  fig.tight_layout()
+  fig.subplots_adjust(right=0.78)
+  fig.savefig(output, dpi=110)
+  plt.close(fig)
+  summary = [f"{label}: {span / 1000:.3f} ms"] + (lines or ["no rank waited"])
+  return "\n".join(summary)
