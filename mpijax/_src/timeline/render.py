@@ -77,11 +77,13 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
   y: dict[tuple[int, int], float] = {}
   pos = 0.0
   ticks, tick_labels = [], []
+  has_steps = {e["pid"] for e in events if e.get("ph") == "X" and e.get("tid") == STEPS_TID}
   for r in ranks:
-    y[(r, STEPS_TID)] = pos
-    ticks.append(pos)
-    tick_labels.append(f"rank {r} step")
-    pos += 0.6
+    if r in has_steps:
+      y[(r, STEPS_TID)] = pos
+      ticks.append(pos)
+      tick_labels.append(f"rank {r} step")
+      pos += 0.6
     for p, t in rows:
       if p == r:
         y[(p, t)] = pos
@@ -123,14 +125,13 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
   ax.invert_yaxis()
   ax.set_xlim(0, span / 1000.0)
   ax.set_xlabel("ms from the start of the window (clocks aligned to rank 0)")
-  ax.set_title(f"mpijax timeline: {label}, {span / 1000:.2f} ms", fontsize=10)
+  ax.set_title(f"mpijax timeline: {label}, {span / 1000:.2f} ms", fontsize=10, pad=22)
   ax.legend(handles=[Patch(color=_WAIT_COLOR, label="waiting for the other ranks"),
                      Patch(color=_TRANSFER_COLOR, label="moving / reducing data"),
                      Patch(color=_STEP_COLOR, label="step (Python)")],
-            loc="upper center", bbox_to_anchor=(0.5, -0.12 * 4 / max(fig_h, 4)), ncol=3,
-            fontsize=8, frameon=False)
+            loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
   fig.tight_layout()
-  fig.subplots_adjust(right=0.78)
+  fig.subplots_adjust(right=0.76)
   fig.savefig(output, dpi=110)
   plt.close(fig)
   summary = [f"{label}: {span / 1000:.3f} ms"] + (lines or ["no rank waited"])

@@ -1,0 +1,102 @@
+"""The collective timeline, recorded for part of the run on every rank and device.
+
+Rank 0 checks the merged file and broadcasts its verdict, so every rank
+passes or fails together.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import mpijax
+from mpijax import ops
+from mpijax import timeline
+from mpijax._src import mpi_util
+
+
+def _problems(trace: dict, n: int, L: int, calls_per_device: int) -> list[str]:
+  problems = []
+  calls = [e for e in trace["traceEvents"] if e.get("cat") == "mpijax"]
+  rows = collections.Counter((e["pid"], e["tid"]) for e in calls)
+  want = {(r, 1 + d) for r in range(n) for d in range(L)}
+  if set(rows) != want:
+    problems.append(f"rows {sorted(rows)}, expected every (rank, device) {sorted(want)}")
+  counts = set(rows.values())
+  if counts != {calls_per_device}:
+    problems.append(f"calls per (rank, device): {dict(rows)}, expected {calls_per_device} each")
+  by_call = collections.defaultdict(set)
+  for e in calls:
+    a = e["args"]
+    if a["wait_ns"] + a["transfer_ns"] != a["duration_ns"] or min(a["wait_ns"], a["transfer_ns"]) < 0:
+      problems.append(f"wait + transfer != duration: {a}")
+    if abs(e["dur"] * 1000 - a["duration_ns"]) > 1:
+      problems.append(f"slice duration {e['dur']} us vs {a['duration_ns']} ns")
+    if a["waited_for_rank"] is not None and not 0 <= a["waited_for_rank"] < n:
+      problems.append(f"waited for rank {a['waited_for_rank']}")
+    by_call[(a["communicator"], e["tid"], a["call_number"])].add((e["pid"], a["op"], a["bytes"]))
+  for key, members in by_call.items():
+    if len({p for p, _, _ in members}) != n or len({(o, b) for _, o, b in members}) != 1:
+      problems.append(f"collective {key} is not one call on every rank: {sorted(members)}")
+  # Every collective has a last arrival: at least one rank of it did not wait.
+  for key in by_call:
+    waits = [e["args"]["wait_ns"] for e in calls
+             if (e["args"]["communicator"], e["tid"], e["args"]["call_number"]) == key]
+    if n > 1 and min(waits) != 0:
+      problems.append(f"collective {key}: every rank waited {waits}")
+  paths = {e["args"]["path"] for e in calls}
+  if not paths or "none" in paths:
+    problems.append(f"paths {paths}")
+  if any(not re.search(r" at test_timeline\.py:\d+$", e["args"]["call_site"]) for e in calls):
+    problems.append("call sites: " + str({e["args"]["call_site"] for e in calls}))
+  return problems
+
+
+def test_timeline_of_ops_on_every_rank_and_device(rt):
+  n, L, r = rt.size, rt.local_device_count, rt.rank
+  mesh = Mesh(np.array(rt.local_devices), ("d",))
+  directory = mpi_util.bcast_str(rt.comm, tempfile.mkdtemp() if r == 0 else None)
+  path = os.path.join(directory, "trace.json")
+
+  def body(x):  # (1, k) per device
+    return ops.allreduce(x), ops.allgather(x[0])[None], ops.bcast(x, root=0)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"),) * 3,
+                            check_vma=False))
+  # 4 B per device (shared memory or MPI) and 256 KiB (cross-memory attach or MPI).
+  xs = [jax.device_put(jnp.stack([jnp.full((k,), 10.0 * d + r) for d in range(L)]),
+                       NamedSharding(mesh, P("d"))) for k in (1, 65536)]
+  timeline.start(path)
+  assert timeline.active()
+  steps = 2
+  for _ in range(steps):
+    for x in xs:
+      s, g, b = f(x)
+      s, g, b = np.asarray(s), np.asarray(g), np.asarray(b)
+      for d in range(L):
+        np.testing.assert_array_equal(s[d], n * 10.0 * d + sum(range(n)))
+        np.testing.assert_array_equal(g[d][:, 0], 10.0 * d + np.arange(n))
+        np.testing.assert_array_equal(b[d], 10.0 * d)
+  written = timeline.finish()
+  assert not timeline.active()
+  verdict = ""
+  if r == 0:
+    assert written == path
+    with open(path) as fh:
+      trace = json.load(fh)
+    verdict = "\n".join(_problems(trace, n, L, calls_per_device=3 * 2 * steps))
+    meta = trace["otherData"]["mpijax"]
+    if meta["ranks_merged"] != list(range(n)) or any(meta["lost_events"].values()):
+      verdict += f"\nmetadata {meta}"
+  verdict = mpi_util.bcast_str(rt.comm, verdict)
+  assert not verdict, verdict
+  # Off again: calls leave no events (the next recording starts empty).
+  f(xs[0])[0].block_until_ready()
