@@ -13,6 +13,10 @@ _TRANSFER_COLOR = "#2a6f97"
 _STEP_COLOR = "#cccccc"
 
 
+def _fmt(us: float) -> str:
+  return f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.1f} µs"
+
+
 def _load(path: str) -> dict[str, Any]:
   with open(path) as f:
     trace = json.load(f)
@@ -115,10 +119,10 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
       continue
     who, us = max(waits[r].items(), key=lambda kv: kv[1])
     total = sum(waits[r].values())
-    text = f"rank {r} waited {total / 1000:.2f} ms, most for rank {who} ({us / 1000:.2f} ms)"
+    text = f"rank {r} waited {_fmt(total)}, most for rank {who} ({_fmt(us)})"
     lines.append(text)
     ys = [v for (p, t), v in y.items() if p == r and t != STEPS_TID]
-    ax.annotate(f"waited {total / 1000:.2f} ms, {us / 1000:.2f} for rank {who}",
+    ax.annotate(f"waited {_fmt(total)}, {_fmt(us)} for rank {who}",
                 xy=(span / 1000.0, max(ys)), xytext=(4, 0), textcoords="offset points",
                 va="center", fontsize=8, annotation_clip=False)
   ax.set_yticks(ticks, tick_labels, fontsize=8)
@@ -134,5 +138,5 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
   fig.subplots_adjust(right=0.76)
   fig.savefig(output, dpi=110)
   plt.close(fig)
-  summary = [f"{label}: {span / 1000:.3f} ms"] + (lines or ["no rank waited"])
+  summary = [f"{label}: {_fmt(span)}"] + (lines or ["no rank waited"])
   return "\n".join(summary)

@@ -1,0 +1,66 @@
+"""MPIJAX_TIMELINE on a 4-rank training job: one complete file, same results, a PNG."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+
+from tests._launch import REPO, run_mpi, tail
+
+SCRIPT = str(REPO / "tests" / "scripts" / "timeline_train.py")
+RANKS, STEPS = 4, 5
+
+
+def _digests(out: str) -> dict[int, str]:
+  return {int(r): d for r, d in re.findall(r"rank (\d+): state sha256 (\w+)", out)}
+
+
+def test_timeline_of_a_training_job(tmp_path):
+  plain, _ = run_mpi(RANKS, [sys.executable, SCRIPT, str(STEPS)], timeout=300)
+  assert plain.returncode == 0, tail(plain.stdout)
+  path = tmp_path / "trace.json"
+  traced, _ = run_mpi(RANKS, [sys.executable, SCRIPT, str(STEPS)], timeout=300,
+                      env={"MPIJAX_TIMELINE": str(path)})
+  assert traced.returncode == 0, tail(traced.stdout)
+  # The timeline changes no value.
+  assert len(_digests(plain.stdout)) == RANKS
+  assert _digests(traced.stdout) == _digests(plain.stdout)
+
+  trace = json.loads(path.read_text())
+  meta = trace["otherData"]["mpijax"]
+  assert meta["ranks_merged"] == list(range(RANKS)) and not meta["ranks_missing"]
+  events = trace["traceEvents"]
+  calls = [e for e in events if e.get("cat") == "mpijax"]
+  per_rank = collections.Counter(e["pid"] for e in calls)
+  assert set(per_rank) == set(range(RANKS)) and len(set(per_rank.values())) == 1, per_rank
+  assert {e["tid"] for e in calls} == {1}  # one device per rank
+  steps = collections.Counter(e["pid"] for e in events
+                              if e.get("cat") == "step" and e["name"] == "DataParallel.step")
+  assert steps == {r: STEPS for r in range(RANKS)}, steps
+  for e in calls:
+    a = e["args"]
+    assert a["wait_ns"] + a["transfer_ns"] == a["duration_ns"] and a["wait_ns"] >= 0
+    assert a["transfer_ns"] >= 0 and a["bytes"] > 0 and a["path"] != "none"
+  # Each step's gradient all-reduce lies inside that rank's step span.
+  spans = collections.defaultdict(list)
+  for e in events:
+    if e.get("cat") == "step" and e["name"] == "DataParallel.step":
+      spans[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+  for e in calls:
+    if "allreduce" in e["name"]:
+      assert any(a - 1 <= e["ts"] and e["ts"] + e["dur"] <= b + 1 for a, b in spans[e["pid"]]), e
+
+  png = tmp_path / "step.png"
+  out = subprocess.run([sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o",
+                        str(png), "--step", "-1"], capture_output=True, text=True, timeout=120,
+                       cwd=str(REPO))
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert f"step {STEPS - 1} of {STEPS}" in out.stdout
+  bad = subprocess.run([sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o",
+                        str(png), "--step", "99"], capture_output=True, text=True, timeout=120,
+                       cwd=str(REPO))
+  assert bad.returncode == 1 and "out of range" in bad.stderr
