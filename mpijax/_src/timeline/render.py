@@ -97,21 +97,26 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     pos += 0.4
   fig_h = 1.6 + 0.45 * pos
   fig, ax = plt.subplots(figsize=(11, fig_h))
+  def clipped(ts: float, dur: float) -> tuple[float, float]:  # ms, within the window
+    a, b = max(ts, start), min(ts + dur, end)
+    return (a - start) / 1000.0, max(b - a, 0.0) / 1000.0
+
   for e in events:
     if e.get("ph") != "X" or e["ts"] + e["dur"] < start or e["ts"] > end:
       continue
     key = (e["pid"], e["tid"])
     if key not in y:
       continue
-    x0, w = (e["ts"] - start) / 1000.0, e["dur"] / 1000.0
     if e.get("cat") == "step":
+      x0, w = clipped(e["ts"], e["dur"])
       ax.barh(y[key], w, left=x0, height=0.35, color=_STEP_COLOR, edgecolor="#888888")
-      ax.text(x0, y[key], f" {e['name']}", va="center", fontsize=7)
     elif e.get("cat") == "mpijax":
       a = e["args"]
-      wait, transfer = a["wait_ns"] / 1e6, a["transfer_ns"] / 1e6
-      ax.barh(y[key], wait, left=x0, height=0.7, color=_WAIT_COLOR)
-      ax.barh(y[key], transfer, left=x0 + wait, height=0.7, color=_TRANSFER_COLOR)
+      wait_ns, transfer_ns = a["wait_ns"], a["transfer_ns"]
+      x0, w = clipped(e["ts"], wait_ns / 1000.0)
+      ax.barh(y[key], w, left=x0, height=0.7, color=_WAIT_COLOR)
+      x0, w = clipped(e["ts"] + wait_ns / 1000.0, transfer_ns / 1000.0)
+      ax.barh(y[key], w, left=x0, height=0.7, color=_TRANSFER_COLOR)
   waits = waits_in(events, start, end)
   lines = []
   for r in ranks:
@@ -122,9 +127,8 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     text = f"rank {r} waited {_fmt(total)}, most for rank {who} ({_fmt(us)})"
     lines.append(text)
     ys = [v for (p, t), v in y.items() if p == r and t != STEPS_TID]
-    ax.annotate(f"waited {_fmt(total)}, {_fmt(us)} for rank {who}",
-                xy=(span / 1000.0, max(ys)), xytext=(4, 0), textcoords="offset points",
-                va="center", fontsize=8, annotation_clip=False)
+    ax.text(1.01, max(ys), f"waited {_fmt(total)},\n{_fmt(us)} for rank {who}",
+            transform=ax.get_yaxis_transform(), va="center", fontsize=8)
   ax.set_yticks(ticks, tick_labels, fontsize=8)
   ax.invert_yaxis()
   ax.set_xlim(0, span / 1000.0)
@@ -134,8 +138,7 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
                      Patch(color=_TRANSFER_COLOR, label="moving / reducing data"),
                      Patch(color=_STEP_COLOR, label="step (Python)")],
             loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
-  fig.tight_layout()
-  fig.subplots_adjust(right=0.76)
+  fig.subplots_adjust(left=0.12, right=0.8, top=1 - 0.9 / fig_h, bottom=0.6 / fig_h)
   fig.savefig(output, dpi=110)
   plt.close(fig)
   summary = [f"{label}: {_fmt(span)}"] + (lines or ["no rank waited"])
