@@ -21,9 +21,11 @@ CONFIGS = [
     pytest.param(2, 2, {}, ALL, id="2ranks-x-2dev"),
     # Not a power of two: uneven ring segments, no exact division in the mean.
     pytest.param(3, 1, {}, ["tests/mpi/test_ops.py", "tests/mpi/test_collectives.py",
-                            "tests/mpi/test_train.py"], id="3ranks-x-1dev"),
+                            "tests/mpi/test_train.py", "tests/mpi/test_timeline.py"],
+                 id="3ranks-x-1dev"),
     pytest.param(1, 1, {}, ["tests/mpi/test_runtime.py", "tests/mpi/test_ops.py",
-                            "tests/mpi/test_collectives.py", "tests/mpi/test_global_array.py"],
+                            "tests/mpi/test_collectives.py", "tests/mpi/test_global_array.py",
+                            "tests/mpi/test_timeline.py"],
                  id="1rank"),
     pytest.param(2, 1, {"MPIJAX_JAX_DISTRIBUTED": "0"},
                  ["tests/mpi/test_runtime.py", "tests/mpi/test_jax_mixed.py",
