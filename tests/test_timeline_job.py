@@ -64,3 +64,44 @@ def test_timeline_of_a_training_job(tmp_path):
                         str(png), "--step", "99"], capture_output=True, text=True, timeout=120,
                        cwd=str(REPO))
   assert bad.returncode == 1 and "out of range" in bad.stderr
+
+
+_ONE_RANK = r"""
+import sys
+import jax, jax.numpy as jnp
+import mpijax
+from mpijax import ops
+try:
+  mpijax.init(timeline=sys.argv[1])
+except ValueError as e:
+  print("ERROR", e)
+  raise SystemExit(3)
+y = jax.jit(lambda x: ops.allreduce(x, "sum"))(jnp.arange(3.0))
+print("sum", y.tolist())
+"""
+
+
+def _one_rank(path: str) -> subprocess.CompletedProcess:
+  from tests.unit.test_cluster import LAUNCHER_PREFIXES
+  import os
+  env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+  return subprocess.run([sys.executable, "-c", _ONE_RANK, path], env=env, capture_output=True,
+                        text=True, timeout=180, cwd=str(REPO))
+
+
+def test_init_argument_writes_the_file_at_exit(tmp_path):
+  path = tmp_path / "sub" / "one.json"
+  out = _one_rank(str(path))
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "sum [0.0, 1.0, 2.0]" in out.stdout
+  trace = json.loads(path.read_text())
+  calls = [e for e in trace["traceEvents"] if e.get("cat") == "mpijax"]
+  assert len(calls) == 1 and calls[0]["args"]["op"] == "allreduce"
+  assert calls[0]["args"]["shape"] == [3] and calls[0]["args"]["bytes"] == 12
+  assert not list(path.parent.glob("*.tmp.*"))  # written atomically, nothing left over
+
+
+def test_unwritable_timeline_path_is_a_clear_error(tmp_path):
+  out = _one_rank(str(tmp_path))  # a directory
+  assert out.returncode == 3, out.stdout + out.stderr
+  assert "cannot be written" in out.stdout and "MPIJAX_TIMELINE" in out.stdout

@@ -81,13 +81,32 @@ def span(name: str, **args: Any) -> Iterator[None]:
 
 # --- bounded point-to-point ----------------------------------------------------
 
-def _wait(req: Any, deadline: float) -> bool:
-  """Polls ``req`` until it completes (True) or ``deadline`` passes (False)."""
+def _wait(req: Any, deadline: float, spin_s: float = 0.002) -> bool:
+  """Polls ``req`` until it completes (True) or ``deadline`` passes (False).
+
+  Spins for ``spin_s`` first: a sleep between tests would lengthen the
+  ping-pong round trips, and with them the clock offsets' error.
+  """
+  spin_until = time.monotonic() + spin_s
   while not req.Test():
-    if time.monotonic() > deadline:
+    now = time.monotonic()
+    if now > deadline:
       return False
-    time.sleep(0.0005)
+    if now > spin_until:
+      time.sleep(0.0005)
   return True
+
+
+def _writable(path: str) -> str:
+  """Why ``path`` cannot be written, or ''."""
+  directory = os.path.dirname(path) or "."
+  while not os.path.exists(directory):
+    directory = os.path.dirname(directory)
+  if os.path.isdir(path):
+    return f"{path} is a directory"
+  if not os.access(directory, os.W_OK | os.X_OK):
+    return f"{directory} is not writable"
+  return ""
 
 
 def _clock_sync(comm: Any, deadline: float,
@@ -160,6 +179,11 @@ def start(path: str, comm: Any, *, hostnames: tuple[str, ...], devices: int,
   path = os.path.abspath(os.path.expanduser(str(path)))
   if drain is not None:
     drain()  # earlier dispatched calls would enter the ring as this one turns on
+  # Rank 0 writes the file: it checks the path, and every rank raises alike.
+  problem = mpi_util.bcast_str(comm, _writable(path) if comm.Get_rank() == 0 else None)
+  if problem:
+    raise ValueError(f"the timeline file {path!r} cannot be written on rank 0 ({problem}); "
+                     "set MPIJAX_TIMELINE / init(timeline=...) to a writable path")
   dup = comm.Dup()
   dup.Set_name("mpijax timeline")
   rec = _Recorder(path, dup, devices)
