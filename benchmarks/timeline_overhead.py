@@ -18,7 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from _common import HarnessComm, Row, WrongResult  # noqa: E402
+from _common import HarnessComm  # noqa: E402
+from _common import Row  # noqa: E402
+from _common import WrongResult  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 
@@ -37,7 +39,6 @@ def parse_args(argv=None):
 def measure(args) -> list[Row]:
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   import mpijax
   from mpijax import ops

@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 
-from tests._launch import REPO, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import run_mpi
+from tests._launch import tail
 
 SCRIPT = str(REPO / "tests" / "scripts" / "timeline_train.py")
 RANKS, STEPS = 4, 5
@@ -82,8 +84,9 @@ print("sum", y.tolist())
 
 
 def _one_rank(path: str) -> subprocess.CompletedProcess:
-  from tests.unit.test_cluster import LAUNCHER_PREFIXES
   import os
+
+  from tests.unit.test_cluster import LAUNCHER_PREFIXES
   env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
   return subprocess.run([sys.executable, "-c", _ONE_RANK, path], env=env, capture_output=True,
                         text=True, timeout=180, cwd=str(REPO))

@@ -15,9 +15,10 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import mpijax
 from mpijax import ops
 from mpijax import timeline
 from mpijax._src import mpi_util
