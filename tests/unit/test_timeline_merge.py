@@ -85,9 +85,9 @@ def _rank_data(rank, calls, spans=(), devices=1):
 
 def test_chrome_trace_has_rows_slices_and_exact_split():
   ranks = [_rank_data(0, [(0, 0, 1_000, 5_000), (0, 1, 6_000, 7_000)],
-                      spans=[("DataParallel.step", 500, 8_000, {"step": 0})]),
+                      spans=[("DataParallel.step", 500, 8_000, {"category": "step", "step": 0})]),
            _rank_data(1, [(0, 0, 3_000, 5_100), (0, 1, 6_500, 7_200)],
-                      spans=[("DataParallel.step", 2_500, 8_100, {"step": 0})])]
+                      spans=[("DataParallel.step", 2_500, 8_100, {"category": "step", "step": 0})])]
   ranks = [merge.RankData.from_json(json.loads(json.dumps(r.to_json()))) for r in ranks]
   trace = merge.chrome_trace(ranks, job_ranks=2)
   json.dumps(trace)
@@ -107,6 +107,7 @@ def test_chrome_trace_has_rows_slices_and_exact_split():
     assert e["args"]["wait_ns"] + e["args"]["transfer_ns"] == e["args"]["duration_ns"]
   steps = [e for e in ev if e.get("cat") == "step"]
   assert len(steps) == 2 and all(e["tid"] == merge.STEPS_TID for e in steps)
+  assert steps[0]["args"] == {"step": 0}
 
 
 def test_path_names():
@@ -115,12 +116,16 @@ def test_path_names():
   assert merge.path_name(2 | 1) == "mpi+ring"
 
 
+_STEP = {"category": "step"}
+
+
 def test_render_draws_the_chosen_step(tmp_path):
   pytest.importorskip("matplotlib")
   ranks = [_rank_data(0, [(0, 0, 1_000, 5_000), (0, 1, 11_000, 14_000)],
-                      spans=[("DataParallel.step", 500, 6_000, {}), ("DataParallel.step", 10_500, 15_000, {})]),
+                      spans=[("DataParallel.step", 500, 6_000, _STEP), ("DataParallel.step", 10_500, 15_000, _STEP),
+                             ("jax compile: f", 600, 900, {"category": "compile"})]),
            _rank_data(1, [(0, 0, 3_000, 5_100), (0, 1, 11_500, 14_100)],
-                      spans=[("DataParallel.step", 2_500, 6_100, {}), ("DataParallel.step", 10_900, 15_100, {})])]
+                      spans=[("DataParallel.step", 2_500, 6_100, _STEP), ("DataParallel.step", 10_900, 15_100, _STEP)])]
   trace_path = tmp_path / "t.json"
   trace_path.write_text(json.dumps(merge.chrome_trace(ranks, job_ranks=2)))
   out = tmp_path / "step.png"

@@ -193,8 +193,9 @@ def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
       events.append({"ph": "M", "name": "thread_name", "pid": r.rank, "tid": 1 + d,
                      "args": {"name": f"device {d}"}})
   for rank, name, a, b, args in spans:
-    events.append({"ph": "X", "cat": "step", "name": name, "pid": rank, "tid": STEPS_TID,
-                   "ts": _us(a - t0), "dur": _us(b - a), "args": dict(args)})
+    args = dict(args)
+    events.append({"ph": "X", "cat": args.pop("category", "span"), "name": name, "pid": rank,
+                   "tid": STEPS_TID, "ts": _us(a - t0), "dur": _us(b - a), "args": args})
   for s in splits:
     c = s.call
     tid = 1 + c.device

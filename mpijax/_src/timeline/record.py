@@ -59,16 +59,53 @@ def now_ns() -> int:
   return _ffi.load().now_ns()
 
 
-def add_span(name: str, start_ns: int, end_ns: int, **args: Any) -> None:
-  """Records a Python-side span (times from :func:`now_ns`) on this rank's row."""
+def add_span(name: str, start_ns: int, end_ns: int, *, category: str = "span",
+             **args: Any) -> None:
+  """Records a Python-side span (times from :func:`now_ns`) on this rank's row.
+
+  ``category`` "step" marks a training step (what ``render --step`` counts);
+  "compile" JAX's and mpijax's compilation.
+  """
   rec = _rec
   if rec is not None and not rec.done:
-    rec.spans.append((name, int(start_ns), int(end_ns), args))
+    rec.spans.append((name, int(start_ns), int(end_ns), {"category": category, **args}))
+
+
+# JAX reports how long tracing, lowering and compiling a function took
+# (jax.monitoring, at the end of each): spans on the rank's Python row.
+_JAX_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "jax trace",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "jax lower",
+               "/jax/core/compile/backend_compile_duration": "jax compile"}
+_jax_listener_installed = False
+
+
+def _on_jax_event(event: str, duration: float, **kwargs: Any) -> None:
+  name = _JAX_EVENTS.get(event)
+  if name is not None and active():
+    end = now_ns()
+    fun = kwargs.get("fun_name")
+    add_span(f"{name}: {fun}" if fun else name, end - int(duration * 1e9), end,
+             category="compile")
+
+
+def _install_jax_listener() -> None:
+  global _jax_listener_installed
+  if not _jax_listener_installed:
+    import jax.monitoring
+    jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+    _jax_listener_installed = True
 
 
 @contextlib.contextmanager
-def span(name: str, **args: Any) -> Iterator[None]:
-  """Records the enclosed code as a span on this rank's row (nothing when off)."""
+def span(name: str, *, step: bool = False, **args: Any) -> Iterator[None]:
+  """Records the enclosed code as a span on this rank's Python row (nothing when off).
+
+  Args:
+    name: the span's name in the trace.
+    step: the span is one training step: ``python -m mpijax.timeline render
+      --step N`` draws the N-th of them (as it does DataParallel's steps).
+    **args: shown with the span (JSON values).
+  """
   if not active():
     yield
     return
@@ -76,7 +113,7 @@ def span(name: str, **args: Any) -> Iterator[None]:
   try:
     yield
   finally:
-    add_span(name, start, now_ns(), **args)
+    add_span(name, start, now_ns(), category="step" if step else "span", **args)
 
 
 # --- bounded point-to-point ----------------------------------------------------
@@ -193,6 +230,7 @@ def start(path: str, comm: Any, *, hostnames: tuple[str, ...], devices: int,
   mine = _share_sync(dup, _clock_sync(dup, deadline), hostnames, deadline)
   if mine is not None:
     rec.sync = merge.ClockSync(t1=t_local, offset1=mine[0])
+  _install_jax_listener()
   _ffi.load().timeline_start(CAPACITY)
   _rec = rec
   if dup.Get_rank() == 0:

@@ -29,8 +29,7 @@ def step_window(events: list[dict[str, Any]], step: int | None) -> tuple[float, 
   """(start, end, label) in µs of step ``step`` over all ranks, or of the whole trace."""
   steps: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
   for e in events:
-    if e.get("ph") == "X" and e.get("tid") == STEPS_TID and e.get("cat") == "step" \
-        and e["name"] != "compile":
+    if e.get("ph") == "X" and e.get("tid") == STEPS_TID and e.get("cat") == "step":
       steps[e["pid"]].append(e)
   counts = {len(v) for v in steps.values()}
   if steps and min(counts) > 0:
@@ -43,8 +42,9 @@ def step_window(events: list[dict[str, Any]], step: int | None) -> tuple[float, 
     return (min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen),
             f"step {k} of {n}")
   if step is not None:
-    raise ValueError("the file has no step spans (DataParallel.step or mpijax.timeline.span): "
-                     "render without --step to see the whole trace")
+    raise ValueError("the file has no step spans (DataParallel.step, or "
+                     "mpijax.timeline.span(name, step=True)): render without --step to see the "
+                     "whole trace")
   calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "mpijax"]
   if not calls:
     raise ValueError("the file has no mpijax calls")
@@ -107,7 +107,7 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     key = (e["pid"], e["tid"])
     if key not in y:
       continue
-    if e.get("cat") == "step":
+    if e["tid"] == STEPS_TID:
       x0, w = clipped(e["ts"], e["dur"])
       ax.barh(y[key], w, left=x0, height=0.35, color=_STEP_COLOR, edgecolor="#888888")
     elif e.get("cat") == "mpijax":

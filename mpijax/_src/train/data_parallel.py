@@ -389,7 +389,7 @@ class DataParallel:
       out = self._step_once(state, batch)
       jax.block_until_ready(out)
       self._timeline_steps += 1
-      _timeline.add_span("DataParallel.step", start, _timeline.now_ns(),
+      _timeline.add_span("DataParallel.step", start, _timeline.now_ns(), category="step",
                          step=self._timeline_steps - 1)
       return out
     return self._step_once(state, batch)
@@ -443,7 +443,7 @@ class DataParallel:
       # fails early cannot leave the others in that collective.
       communicators.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
       with _all_ranks_or_none(comm, "DataParallel.step: building the step"), \
-          _timeline.span("compile"):
+          _timeline.span("DataParallel compile"):
         if error is not None:
           raise error
         with _ms.bind_data_axis(self.axis_name, comm) as axis:
