@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from mpijax import ops
 from mpijax import timeline
+from mpijax._src import ffi
 from mpijax._src import mpi_util
 
 
@@ -67,11 +68,12 @@ def test_timeline_of_ops_on_every_rank_and_device(rt):
   directory = mpi_util.bcast_str(rt.comm, tempfile.mkdtemp() if r == 0 else None)
   path = os.path.join(directory, "trace.json")
 
-  def body(x):  # (1, k) per device
-    return ops.allreduce(x), ops.allgather(x[0])[None], ops.bcast(x, root=0)
+  def body(*xs):  # (1, k) per device, per size
+    return tuple(y for x in xs for y in (ops.allreduce(x), ops.allgather(x[0])[None],
+                                           ops.bcast(x, root=0)))
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"),) * 3,
-                            check_vma=False))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d")),
+                            out_specs=(P("d"),) * 6, check_vma=False))
   # 4 B per device (shared memory or MPI) and 256 KiB (cross-memory attach or MPI).
   xs = [jax.device_put(jnp.stack([jnp.full((k,), 10.0 * d + r) for d in range(L)]),
                        NamedSharding(mesh, P("d"))) for k in (1, 65536)]
@@ -79,9 +81,8 @@ def test_timeline_of_ops_on_every_rank_and_device(rt):
   assert timeline.active()
   steps = 2
   for _ in range(steps):
-    for x in xs:
-      s, g, b = f(x)
-      s, g, b = np.asarray(s), np.asarray(g), np.asarray(b)
+    out = [np.asarray(y) for y in f(*xs)]
+    for s, g, b in (out[:3], out[3:]):
       for d in range(L):
         np.testing.assert_array_equal(s[d], n * 10.0 * d + sum(range(n)))
         np.testing.assert_array_equal(g[d][:, 0], 10.0 * d + np.arange(n))
@@ -89,15 +90,19 @@ def test_timeline_of_ops_on_every_rank_and_device(rt):
   written = timeline.finish()
   assert not timeline.active()
   verdict = ""
-  if r == 0:
-    assert written == path
-    with open(path) as fh:
-      trace = json.load(fh)
-    verdict = "\n".join(_problems(trace, n, L, calls_per_device=3 * 2 * steps))
-    meta = trace["otherData"]["mpijax"]
-    if meta["ranks_merged"] != list(range(n)) or any(meta["lost_events"].values()):
-      verdict += f"\nmetadata {meta}"
+  if r == 0:  # any failure here must reach the other ranks, waiting in the bcast below
+    try:
+      with open(path) as fh:
+        trace = json.load(fh)
+      verdict = "\n".join(_problems(trace, n, L, calls_per_device=3 * 2 * steps))
+      meta = trace["otherData"]["mpijax"]
+      if written != path or meta["ranks_merged"] != list(range(n)) or \
+          any(meta["lost_events"].values()):
+        verdict += f"\nwritten {written!r}, metadata {meta}"
+    except Exception as e:
+      verdict = f"{type(e).__name__}: {e}"
   verdict = mpi_util.bcast_str(rt.comm, verdict)
   assert not verdict, verdict
-  # Off again: calls leave no events (the next recording starts empty).
-  f(xs[0])[0].block_until_ready()
+  # Off again: calls leave no events.
+  jax.block_until_ready(f(*xs))
+  assert ffi.load().timeline_drain() == ([], 0)
