@@ -105,6 +105,9 @@ def test_chrome_trace_has_rows_slices_and_exact_split():
   assert waits and waits[0]["name"] == "wait for rank 1" and waits[0]["dur"] == 2.0
   for e in calls:
     assert e["args"]["wait_ns"] + e["args"]["transfer_ns"] == e["args"]["duration_ns"]
+  # Arrows from the last rank (rank 1 both times) to the waiter, at its arrival.
+  flows = [(e["ph"], e["pid"], e["ts"]) for e in ev if e.get("cat") == "waited_for"]
+  assert flows == [("s", 1, 2.5), ("f", 0, 2.5), ("s", 1, 6.0), ("f", 0, 6.0)]
   steps = [e for e in ev if e.get("cat") == "step"]
   assert len(steps) == 2 and all(e["tid"] == merge.STEPS_TID for e in steps)
   assert steps[0]["args"] == {"step": 0}

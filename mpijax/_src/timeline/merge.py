@@ -165,6 +165,30 @@ def _us(ns: int) -> float:
   return ns / 1000.0
 
 
+def _flows(splits: Sequence[Split], t0: int) -> list[dict[str, Any]]:
+  """Arrows from each collective's last rank (as it enters) to each rank that waited for it."""
+  groups: dict[tuple[int, int, int], list[Split]] = defaultdict(list)
+  for s in splits:
+    if s.call.seq >= 0:
+      groups[(s.call.key, s.call.device, s.call.seq)].append(s)
+  out: list[dict[str, Any]] = []
+  for members in groups.values():
+    waiters = [s for s in members if s.waited_for is not None]
+    if not waiters:
+      continue
+    last = next((s for s in members if s.call.rank == waiters[0].waited_for), None)
+    if last is None:
+      continue
+    for w in waiters:
+      fid = len(out) // 2
+      common = {"cat": "waited_for", "name": "last to arrive", "id": fid}
+      out.append({"ph": "s", "pid": last.call.rank, "tid": 1 + last.call.device,
+                  "ts": _us(last.enter - t0), **common})
+      out.append({"ph": "f", "bp": "e", "pid": w.call.rank, "tid": 1 + w.call.device,
+                  "ts": _us(w.ready - t0), **common})
+  return out
+
+
 def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
                  missing: Sequence[int] = ()) -> dict[str, Any]:
   """The merged Chrome trace (Perfetto reads it too) of every rank's data."""
@@ -222,6 +246,7 @@ def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
     if s.transfer > 0:
       events.append({"ph": "X", "cat": "transfer", "name": "transfer", "pid": c.rank,
                      "tid": tid, "ts": _us(s.ready - t0), "dur": _us(s.transfer), "args": {}})
+  events += _flows(splits, t0)
   return {
       "traceEvents": events,
       "displayTimeUnit": "ns",
