@@ -20,11 +20,13 @@ import numpy as np
 
 from mpijax._src import config
 from mpijax._src import jax_compat
+from mpijax._src import runtime
 from mpijax._src.axes import AxisInfo
 from mpijax._src.axes import Mesh
 from mpijax._src.axes import axis_env
 from mpijax._src.ops.allgather import allgather as mpi_allgather
 from mpijax._src.ops.allreduce import allreduce as mpi_allreduce
+from mpijax._src.ops.allreduce import device_allreduce as mpi_device_allreduce
 from mpijax._src.ops.alltoall import alltoall as mpi_alltoall
 from mpijax._src.ops.bcast import bcast as mpi_bcast
 from mpijax._src.ops.ppermute import ppermute as mpi_ppermute
@@ -137,6 +139,13 @@ def _reduce_leaf_impl(x, mesh: Mesh, axes: list[AxisInfo], op: str):
   if comm is None:
     return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, local)
   n_local = math.prod(a.local_size for a in axes)
+  if (n_local > 1 and n_local == runtime.get("mpijax.lax.psum").local_device_count
+      and config.get("device_allreduce") and not jax_compat.typed_varying(x)):
+    # Every device of every rank: one node-local all-reduce among all of them
+    # where the ranks share a node (no local XLA collective, no MPI message).
+    out = mpi_device_allreduce(x, op, comm=comm)
+    if out is not None:
+      return out
   if (n_local > 1 and x.size >= n_local
       and x.size * x.dtype.itemsize >= config.get("hierarchical_min_bytes")):
     # Bandwidth-aware: each local device reduces 1/n_local of the array across

@@ -190,7 +190,15 @@ _define("cma_min_bytes", int, 64 * 1024,
         "container seccomp profiles). Must be the same on every rank.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
-        "locally before the MPI step.")
+        "locally before the MPI step (where the node-local all-reduce over "
+        "every device does not apply).")
+_define("device_allreduce", _parse_bool, True,
+        "psum/pmax/pmin over a mesh axis that spans every local device of "
+        "every rank, with the ranks on one node: every (rank, device) takes "
+        "part in one node-local all-reduce (cross-memory attach from "
+        "MPIJAX_CMA_MIN_BYTES, shared memory below), instead of a local XLA "
+        "collective around an MPI all-reduce per device. Read when a program "
+        "is traced. 0 turns it off.")
 
 # --- messages ----------------------------------------------------------------
 _define("log_level", _parse_log_level, "",

@@ -34,6 +34,12 @@ def node_paths(comm_id: int) -> list[int]:
   set up yet, -1 unavailable, 1 shared memory, 2 shared memory and
   cross-memory attach."""
 
+def setup_device_group(comm_id: int, handle: int, segment_bytes: int) -> list[int]:
+  """Sets up (once) the node-local all-reduce over every local device of
+  every rank of ``comm_id``; collective over ``handle`` (a private
+  communicator of the same ranks). Returns [state (1 ready, -1
+  unavailable), segment bytes, 1 if cross-memory attach works]."""
+
 def node_allreduce(handle: int, send: np.ndarray, recv: np.ndarray, *,
                    op: str = "sum", shm_max_bytes: int = 1048576,
                    cma_min_bytes: int = 65536, repeat: int = 1) -> list[int]:

@@ -67,6 +67,7 @@ def _free_all() -> None:
     _registry.clear()
     _hook_installed = False
   _fast.clear()
+  _groups.clear()
 
 
 def _register(comm: Any) -> CommInfo:
@@ -121,6 +122,36 @@ def resolve_comm(comm: Any, op_name: str) -> CommInfo:
   info = _register(comm)
   _fast[id(comm)] = (comm, info)
   return info
+
+
+# comm id -> (ready, segment bytes, cross-memory attach ok), per registered comm.
+_groups: dict[int, tuple[bool, int, bool]] = {}
+
+
+def device_group(comm: Any) -> tuple[bool, int, bool]:
+  """The node-local all-reduce over every local device of every rank of ``comm``.
+
+  Set up at the first call for ``comm`` (collective over it, on a private
+  clone: the device threads may be running earlier programs on the others).
+  Returns (ready, segment bytes, cross-memory attach works); every rank gets
+  the same answer.
+  """
+  info = resolve_comm(comm, "mpijax.lax.psum")
+  with _registry_lock:
+    got = _groups.get(info.id)
+    if got is not None:
+      return got
+    from mpijax._src import config
+    MPI = mpi_util.import_mpi()
+    clone = comm.Clone()
+    clone.Set_name(f"mpijax-ops-{info.id}-devices")
+    state, segment, cma = _ffi.load().setup_device_group(
+        info.id, MPI._handleof(clone), max(int(config.get("shm_max_bytes")), 4096))
+    for entry in _registry.values():
+      if entry.info.id == info.id:
+        entry.clones.append(clone)  # freed at shutdown, after the segments
+    got = _groups[info.id] = (state == 1, int(segment), bool(cma))
+    return got
 
 
 def info_of(comm_id: int) -> CommInfo:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 
 #include "inspector.h"
 #include "node_local.h"
@@ -83,17 +84,21 @@ ffi::ErrorOr<bool> NodeReady(const CallInfo& info) {
   node_local::Status s = node_local::Ready(
       node, caller, g_settings.shm_max_bytes.load(), &ready);
   if (!s.ok()) return ffi::Unexpected(ToFfi(s));
+  // The other local devices' threads may spin in their own all-reduces at
+  // the same time: count them when deciding whether to yield.
+  int threads = info.comm_size * info.dc->local_devices;
+  node.oversubscribed |=
+      threads > static_cast<int>(std::thread::hardware_concurrency());
   return ready;
 }
 
 // Whether an all-reduce of `bytes` goes through shared memory (setting it up
-// at the first call that could). Not with several local devices per rank:
-// their reductions already meet in XLA's local collectives first.
+// at the first call that could). With several local devices each has its
+// own segments, on its own communicator.
 ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
   DevComm* dc = info.dc;
   int64_t max_bytes = g_settings.shm_max_bytes.load(std::memory_order_relaxed);
-  if (dc == nullptr || dc->local_devices != 1 || info.comm_size < 2 ||
-      max_bytes <= 0 || bytes == 0 || bytes > static_cast<size_t>(max_bytes))
+  if (dc == nullptr || info.comm_size < 2 || max_bytes <= 0 || bytes == 0 || bytes > static_cast<size_t>(max_bytes))
     return false;
   auto ready = NodeReady(info);
   if (ready.has_error()) return ready;
@@ -104,8 +109,7 @@ ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
 
 ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
   int64_t min_bytes = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
-  if (info.dc == nullptr || info.dc->local_devices != 1 ||
-      info.comm_size < 2 || min_bytes <= 0 ||
+  if (info.dc == nullptr || info.comm_size < 2 || min_bytes <= 0 ||
       bytes < static_cast<size_t>(min_bytes) ||
       buffers > node_local::kCmaMaxBuffers)
     return false;
@@ -171,6 +175,48 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error DeviceAllreduce(const CallInfo& info, ffi::AnyBuffer x,
+                           ffi::AnyBuffer out, int64_t op) {
+  node_local::Comm& group = info.dc->group;
+  ffi::DataType type = x.element_type();
+  size_t es = ffi::ByteWidth(type), n = x.element_count(), bytes = n * es;
+  if (group.state != 1) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      info.Describe() + ": the node-local segments of the "
+                      "all-reduce over every device are not set up (the "
+                      "program was compiled in another process?)");
+  }
+  MPI_Datatype dt;
+  MPI_Op mop;
+  if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
+  const char* src = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out.untyped_data());
+  HandlerCaller caller(info, type, 1);
+  int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
+  size_t shm_max = static_cast<size_t>(std::max<int64_t>(
+      g_settings.shm_max_bytes.load(std::memory_order_relaxed), 0));
+  // Cross-memory attach from cma_min_bytes, and wherever shared memory does
+  // not take the message; shared memory otherwise (Python chose this op
+  // only where one of them applies).
+  bool cma = group.cma_ok && cma_min > 0 &&
+             (bytes >= static_cast<size_t>(cma_min) ||
+              bytes > std::min(shm_max, group.segment_bytes()));
+  if (cma) {
+    Spans spans(es);
+    spans.Add(src, dst, n);
+    return ToFfi(node_local::CmaAllreduce(group, caller, spans, dt, mop));
+  }
+  if (bytes > group.segment_bytes()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      info.Describe() + ": " + std::to_string(bytes) +
+                      " bytes do not fit the node-local segment (" +
+                      std::to_string(group.segment_bytes()) +
+                      " bytes) and cross-memory attach is off");
+  }
+  return ToFfi(node_local::ShmAllreduce(group, caller, src, dst, n, es, dt,
+                                        mop));
 }
 
 }  // namespace mpijax::detail

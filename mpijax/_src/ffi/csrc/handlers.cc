@@ -77,6 +77,21 @@ ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
   return AllreduceBuffer(info, comm, x, *out, op, divisor);
 }
 
+// The all-reduce over every local device of every rank (DeviceAllreduce):
+// each device's handler takes part with its own buffer.
+ffi::Error DeviceAllreduceImpl(int64_t device, ffi::AnyBuffer x,
+                               ffi::AnyBuffer /*token_in*/,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                               int64_t comm_id, int64_t op, int64_t site,
+                               int64_t sig) {
+  MPIJAX_GET_COMM(comm, comm_id, device);
+  CallInfo info{"device_allreduce", x.element_type(), x.dimensions(),
+                CommSize(comm), comm_id, device};
+  MPIJAX_ENTER(info, comm, site, sig);
+  return DeviceAllreduce(info, x, *out, op);
+}
+
 // Several buffers (the buckets of a gradient tree) reduced in one call: those
 // of one dtype in one cross-memory all-reduce (UseCma) or one ring (UseRing)
 // when either applies, else one after another as `allreduce` would; the last
@@ -729,6 +744,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
                               OneBufferOp()
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("divisor")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("sig"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDeviceAllreduce, DeviceAllreduceImpl,
+                              OneBufferOp()
+                                  .Attr<int64_t>("op")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("sig"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduceMany, AllreduceManyImpl,

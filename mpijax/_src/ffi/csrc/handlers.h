@@ -9,6 +9,7 @@
 extern "C" {
 XLA_FFI_Error* kAllreduce(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllreduceMany(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kDeviceAllreduce(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllgather(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kReduceScatter(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAlltoall(XLA_FFI_CallFrame* call_frame);

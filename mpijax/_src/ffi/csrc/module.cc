@@ -159,6 +159,7 @@ NB_MODULE(_mpijax_ffi, m) {
     nb::dict d;
     d["mpijax_allreduce"] = Capsule(kAllreduce);
     d["mpijax_allreduce_many"] = Capsule(kAllreduceMany);
+    d["mpijax_device_allreduce"] = Capsule(kDeviceAllreduce);
     d["mpijax_allgather"] = Capsule(kAllgather);
     d["mpijax_reduce_scatter"] = Capsule(kReduceScatter);
     d["mpijax_alltoall"] = Capsule(kAlltoall);
@@ -212,6 +213,16 @@ NB_MODULE(_mpijax_ffi, m) {
   "yet (no all-reduce has needed them), -1 unavailable (ranks on several "
   "nodes, or no shared memory), 1 shared memory, 2 shared memory and "
   "cross-memory attach. For diagnostics and tests; read between calls.");
+
+  m.def("setup_device_group", [](int64_t comm_id, uintptr_t handle,
+                                 int64_t segment_bytes) {
+    nb::gil_scoped_release release;
+    return SetupDeviceGroup(comm_id, HandleToComm(handle), segment_bytes);
+  }, nb::arg("comm_id"), nb::arg("handle"), nb::arg("segment_bytes"),
+  "Sets up (once) the node-local all-reduce over every local device of every "
+  "rank of comm_id: collective over the mpi4py communicator `handle` (a "
+  "private one of the same ranks, kept until shutdown). Returns [state (1 "
+  "ready, -1 unavailable), segment bytes, 1 if cross-memory attach works].");
 
   m.def("node_allreduce", &NodeAllreduce, nb::arg("handle"), nb::arg("send"),
         nb::arg("recv"), nb::kw_only(), nb::arg("op") = "sum",

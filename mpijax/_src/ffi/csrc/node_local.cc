@@ -132,6 +132,22 @@ auto AllAtLeast(const Comm& c, std::atomic<uint64_t> Header::*flag,
 // kernel copy, no staging); 0 or an errno.
 int CmaCopy(int64_t pid, const iovec* local, size_t nlocal,
             const iovec* remote, size_t nremote, size_t nbytes, bool write) {
+  if (pid == static_cast<int64_t>(getpid())) {
+    // Another participant of this process (another device's thread): its
+    // memory is ours, no kernel copy needed.
+    const iovec *from = write ? local : remote, *to = write ? remote : local;
+    size_t nfrom = write ? nlocal : nremote, nto = write ? nremote : nlocal;
+    size_t i = 0, j = 0, fi = 0, tj = 0, left = nbytes;
+    while (left > 0 && i < nfrom && j < nto) {
+      size_t m = std::min({from[i].iov_len - fi, to[j].iov_len - tj, left});
+      std::memcpy(static_cast<char*>(to[j].iov_base) + tj,
+                  static_cast<const char*>(from[i].iov_base) + fi, m);
+      left -= m;
+      if ((fi += m) == from[i].iov_len) ++i, fi = 0;
+      if ((tj += m) == to[j].iov_len) ++j, tj = 0;
+    }
+    return left == 0 ? 0 : EIO;
+  }
 #if defined(__linux__)
   ssize_t got = write ? process_vm_writev(static_cast<pid_t>(pid), local,
                                           nlocal, remote, nremote, 0)
@@ -178,17 +194,19 @@ uint64_t& CmaNonce() {
 // /dev/shm).
 Status CmaProbe(Comm& c, Caller& caller) {
   c.cma_ok = false;
-  int p = c.size, r = c.rank;
-  Header* me = Head(c, r);
+  int p = c.size / c.slots, r = c.rank / c.slots;  // ranks of c.comm
+  Header* me = Head(c, c.rank);
   uint64_t& nonce = CmaNonce();
   me->pid = static_cast<int64_t>(getpid());
   me->probe = reinterpret_cast<uint64_t>(&nonce);
   me->nonce = nonce;
+  // This rank's other participants are in this process too.
+  for (int d = 1; d < c.slots; ++d) Head(c, c.rank + d)->pid = me->pid;
   NODE_CHECK_MPI(caller, MPI_Barrier(c.comm));  // every rank has published
   int ok = 1;
   for (int i = 0; i < p && ok; ++i) {
     if (i == r) continue;
-    const Header* h = Head(c, i);
+    const Header* h = Head(c, i * c.slots);
     uint64_t word = 0;
     iovec there{reinterpret_cast<void*>(h->probe), sizeof word};
     iovec here{&word, sizeof word};
@@ -203,7 +221,7 @@ Status CmaProbe(Comm& c, Caller& caller) {
 }
 
 // Maps the shared segments of c (see Ready).
-Status Setup(Comm& c, Caller& caller, int64_t segment_bytes) {
+Status Setup(Comm& c, Caller& caller, int64_t segment_bytes, int slots) {
   c.state = -1;
   MPI_Comm comm = c.comm;
   int p = CommSize(comm), r = CommRank(comm);
@@ -220,7 +238,7 @@ Status Setup(Comm& c, Caller& caller, int64_t segment_bytes) {
   NODE_CHECK_MPI(caller, everywhere(&one_node));
   if (!one_node) return {};
   size_t seg = (static_cast<size_t>(segment_bytes) + 4095) / 4096 * 4096;
-  size_t stride = kHeaderBytes + seg, total = stride * p;
+  size_t stride = kHeaderBytes + seg, total = stride * p * slots;
   char name[64] = {0};
   int fd = -1;
   if (r == 0) {
@@ -258,9 +276,12 @@ Status Setup(Comm& c, Caller& caller, int64_t segment_bytes) {
   c.base = static_cast<char*>(base);
   c.stride = stride;
   c.map_bytes = total;
-  c.rank = r;
-  c.size = p;
-  c.oversubscribed = p > static_cast<int>(std::thread::hardware_concurrency());
+  c.slots = slots;
+  c.rank = r * slots;
+  c.size = p * slots;
+  // Every participant spins in its own thread.
+  c.oversubscribed =
+      c.size > static_cast<int>(std::thread::hardware_concurrency());
   c.state = 1;
   return CmaProbe(c, caller);
 }
@@ -349,7 +370,7 @@ class PlainCaller : public Caller {
 }  // namespace
 
 void Comm::Release() {
-  if (base != nullptr) munmap(base, map_bytes);
+  if (base != nullptr && owns) munmap(base, map_bytes);
   base = nullptr;
   state = -1;
   cma_ok = false;
@@ -393,14 +414,36 @@ Status Caller::CmaFailed(int rank, const std::string& how) {
 }
 
 Status Ready(Comm& c, Caller& caller, int64_t segment_bytes, bool* ready) {
+  return Ready(c, caller, segment_bytes, 1, ready);
+}
+
+Status Ready(Comm& c, Caller& caller, int64_t segment_bytes, int slots,
+             bool* ready) {
   if (c.state == 0) {
     caller.Blocking(true);
-    Status s = Setup(c, caller, segment_bytes);
+    Status s = Setup(c, caller, segment_bytes, std::max(slots, 1));
     caller.Blocking(false);
     if (!s.ok()) return s;
   }
   *ready = c.state == 1;
   return {};
+}
+
+void View(Comm& view, const Comm& owner, int slot) {
+  view.Release();
+  view.comm = owner.comm;
+  view.limits = owner.limits;
+  view.state = owner.state;
+  view.rank = owner.rank + slot;
+  view.size = owner.size;
+  view.slots = owner.slots;
+  view.owns = false;
+  view.base = owner.base;
+  view.stride = owner.stride;
+  view.map_bytes = owner.map_bytes;
+  view.oversubscribed = owner.oversubscribed;
+  view.cma_ok = owner.cma_ok;
+  view.seq = 0;
 }
 
 Status ShmAllreduce(Comm& c, Caller& caller, const char* src, char* dst,

@@ -77,7 +77,8 @@ struct Comm {
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
-  // Unmaps the segments; the node-local paths stay off from then on.
+  // Unmaps the segments (a view only forgets them); the node-local paths
+  // stay off from then on.
   void Release();
   // Bytes one reduction may have on the shared-memory path (once mapped).
   size_t segment_bytes() const { return stride - kHeaderBytes; }
@@ -86,7 +87,10 @@ struct Comm {
   Limits limits;  // node_local::Allreduce's; Ready() callers pass their own
 
   int state = 0;  // 0 not tried yet, 1 mapped, -1 unavailable
-  int rank = 0, size = 0;
+  // Participants: `size` slots, `slots` per rank of `comm`; this one is
+  // slot `rank` (the rank's first slot, or its device's in a View).
+  int rank = 0, size = 0, slots = 1;
+  bool owns = true;  // false in a View: the owner unmaps
   char* base = nullptr;
   size_t stride = 0, map_bytes = 0;  // header + segment; all slots
   bool oversubscribed = false;       // more ranks on the node than cores
@@ -155,6 +159,17 @@ class Caller {
 // several nodes, no /dev/shm, no space) leaves the paths off everywhere.
 // *ready: whether they are mapped.
 Status Ready(Comm& c, Caller& caller, int64_t segment_bytes, bool* ready);
+
+// Ready() for `slots` participants per rank (e.g. one per local device of
+// each rank, each taking part from its own thread through a View).
+Status Ready(Comm& c, Caller& caller, int64_t segment_bytes, int slots,
+             bool* ready);
+
+// Makes `view` participant `slot` (0 <= slot < owner.slots) of this rank in
+// owner's mapping, with its own call count: several threads of one process
+// then all-reduce with each other and with the other ranks' participants,
+// each on its own view. `owner` must be mapped and outlive the view.
+void View(Comm& view, const Comm& owner, int slot);
 
 // All-reduce of n elements of elem_bytes each through the shared segments
 // (needs Ready, n * elem_bytes <= c.segment_bytes()); src may be dst.

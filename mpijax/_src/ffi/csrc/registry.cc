@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include <stdexcept>
+
 namespace mpijax::detail {
 
 std::mutex g_comms_mu;
@@ -41,7 +43,11 @@ void UnregisterComms(int64_t comm_id) {
     // Later calls fail cleanly, never use freed comms; the DevComms stay
     // allocated so the responder thread never reads freed memory.
     g_comms[comm_id].freed = true;
-    for (auto& dev : g_comms[comm_id].devs) dev->node.Release();
+    for (auto& dev : g_comms[comm_id].devs) {
+      dev->node.Release();
+      dev->group.Release();
+    }
+    if (g_comms[comm_id].group) g_comms[comm_id].group->Release();
   }
 }
 
@@ -55,6 +61,39 @@ std::vector<int> NodePaths(int64_t comm_id) {
     }
   }
   return out;
+}
+
+std::vector<int64_t> SetupDeviceGroup(int64_t comm_id, MPI_Comm setup_comm,
+                                      int64_t segment_bytes) {
+  node_local::Comm* group = nullptr;
+  int slots = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_comms_mu);
+    if (comm_id < 0 || comm_id >= static_cast<int64_t>(g_comms.size()) ||
+        g_comms[comm_id].freed)
+      throw std::runtime_error("setup_device_group: unknown or freed "
+                               "communicator id " + std::to_string(comm_id));
+    group = g_comms[comm_id].group.get();
+    slots = static_cast<int>(g_comms[comm_id].devs.size());
+  }
+  if (group == nullptr) {
+    // Collective; not under the lock, which the handlers take.
+    auto owner = std::make_unique<node_local::Comm>(setup_comm);
+    node_local::Caller caller;
+    bool ready = false;
+    node_local::Status s = node_local::Ready(*owner, caller, segment_bytes,
+                                             slots, &ready);
+    if (!s.ok()) throw std::runtime_error(s.message);
+    std::lock_guard<std::mutex> lock(g_comms_mu);
+    CommEntry& e = g_comms[comm_id];
+    for (int d = 0; ready && d < slots; ++d)
+      node_local::View(e.devs[d]->group, *owner, d);
+    e.group = std::move(owner);
+    group = e.group.get();
+  }
+  return {group->state,
+          group->state == 1 ? static_cast<int64_t>(group->segment_bytes()) : 0,
+          group->cma_ok ? 1 : 0};
 }
 
 ffi::ErrorOr<DevComm*> GetComm(int64_t comm_id, int64_t device) {

@@ -57,6 +57,9 @@ struct DevComm {
   // The node-local all-reduce's state on `comm`, set up by the first call
   // that can use it; touched only by this device's handler thread.
   node_local::Comm node;
+  // This device's place in the all-reduce over every local device of every
+  // rank (a view of CommEntry::group; see SetupDeviceGroup).
+  node_local::Comm group;
   uint64_t p2p_seq = 0;  // ppermute calls so far: the same on every rank
   // Collective calls so far (every handler but send/recv): the same on every
   // rank, so the timeline pairs the k-th call across ranks.
@@ -72,6 +75,9 @@ struct CommEntry {
   // is the local index in a single-process JAX but a global id (e.g. 2048 on
   // the second process) under jax.distributed.
   std::vector<int64_t> ordinals;
+  // The node-local segments of the all-reduce over every local device of
+  // every rank: one slot per (rank, local device); null until set up.
+  std::unique_ptr<node_local::Comm> group;
   bool freed = false;
 };
 
@@ -88,6 +94,16 @@ void UnregisterComms(int64_t comm_id);
 // Per local device: 0 node-local paths not set up yet, -1 unavailable, 1
 // shared memory, 2 shared memory and cross-memory attach.
 std::vector<int> NodePaths(int64_t comm_id);
+
+// Sets up the all-reduce over every local device of every rank of comm_id
+// (once; collective over `setup_comm`, a private communicator of the same
+// ranks, from one thread of each rank): a node-local segment of
+// `segment_bytes` per (rank, local device) and cross-memory attach between
+// the ranks where allowed. Returns {state (1 ready, -1 unavailable: ranks on
+// several nodes, no shared memory), segment bytes, cross-memory attach ok}.
+// Throws std::runtime_error on an MPI failure.
+std::vector<int64_t> SetupDeviceGroup(int64_t comm_id, MPI_Comm setup_comm,
+                                      int64_t segment_bytes);
 
 // The DevComm of (comm id, XLA device ordinal), or an error naming the fix.
 ffi::ErrorOr<DevComm*> GetComm(int64_t comm_id, int64_t device);
