@@ -60,8 +60,21 @@ def test_reductions(shape, dtype):
     _compare(lambda x: mlax.pmean(x, "i"), g, exact=False)
 
 
-def test_large_psum_takes_the_hierarchical_path():
+@pytest.fixture
+def no_device_allreduce():
+  """Reductions over every device take the local + MPI path, not the
+  node-local all-reduce among all devices (tests/mpi/test_device_allreduce.py)."""
+  from mpijax._src import config
+  config.update("device_allreduce", False)
+  yield
+  config.reset("device_allreduce")
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_large_psum_takes_the_hierarchical_path(device_path, request):
   # 64 KiB and up reduce-scatter locally first (when L > 1); same result.
+  if not device_path:
+    request.getfixturevalue("no_device_allreduce")
   g = _global((5000,), np.float32, 2)
   _compare(lambda x: mlax.psum(x, "i"), g, exact=False)
   _compare(lambda x: mlax.pmax(x, "i"), g, exact=True)
