@@ -1,20 +1,30 @@
-"""Hierarchical psum against a flat MPI allreduce and JAX's gloo psum, same global data.
+"""psum over every device of 2 ranks x 2 CPU devices, against its parts and JAX's psum.
 
-Four CPU devices hold one float32 buffer of SIZE bytes each; every row sums
-them over all four devices:
+Each of the four devices holds one float32 buffer of SIZE bytes; in ONE
+``mpirun`` job of 2 ranks x 2 devices, each row (blocking, and 8 calls
+dispatched back to back) is timed with its trials interleaved:
 
-* mpijax hierarchical psum, 2 ranks x 2 local devices:
-  ``mpijax.pmap(lambda x: mpijax.lax.psum(x, 'i'), axis_name='i')`` (local
-  reduce-scatter, one MPI allreduce per local device, local all-gather).
-* flat MPI: 4 ranks x 1 device, ``mpijax.ops.allreduce`` inside ``jax.jit``
-  (and raw mpi4py ``Allreduce`` over the same 4 ranks for reference).
-* JAX's own psum over gloo with ``jax.distributed``, 4 processes x 1 device
-  (and 2 processes x 2 devices).
+* mpijax: ``jax.jit(mpijax.shard_map(lambda x: mpijax.lax.psum(x, 'i')))``
+  over a 1-D mesh of the 4 devices, the input already on them (the
+  node-local all-reduce among every (rank, device));
+* the same with ``MPIJAX_DEVICE_ALLREDUCE=0`` (a local XLA collective around
+  an MPI all-reduce per device), for A/B;
+* XLA's psum over this rank's 2 devices alone (``jax.shard_map``);
+* mpijax's all-reduce of SIZE bytes over the 2 ranks from one device
+  (``mpijax.ops.allreduce`` in ``jax.jit``);
+* JAX's own psum over the same 4 devices (``jax.distributed``, which
+  ``mpijax.init()`` starts; XLA's cross-process collectives over gloo here).
 
-Run from a plain shell; it starts one bounded ``mpirun`` job per layout::
+Targets, per size and mode, printed PASS/FAIL: mpijax <= 1.3 x (XLA's local
+psum + mpijax's 2-rank all-reduce), and mpijax <= JAX's psum.
 
-  python benchmarks/hierarchical.py            # sizes 4 KiB .. 64 MiB
-  python benchmarks/hierarchical.py --quick    # smoke test
+Run from a plain shell (it starts the bounded ``mpirun`` jobs), or as the
+2 x 2 job itself::
+
+  python benchmarks/hierarchical.py                 # 4 KiB, 1 MiB, 16 MiB
+  python benchmarks/hierarchical.py --quick         # smoke test
+  timeout 900 mpijax-run -n 2 --devices-per-process 2 python benchmarks/hierarchical.py
+  python benchmarks/hierarchical.py --phases hier,flat,gloo4   # + 4 ranks x 1 device
 
 Writes ``hierarchical.json``, ``.md`` and ``.png`` to ``--out`` (default
 ``benchmarks/results/``). Every row's result is checked against NumPy before
@@ -35,102 +45,184 @@ import allreduce as ar  # noqa: E402
 from _common import HarnessComm, Row  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
-DEFAULT_SIZES = (4 << 10, 256 << 10, 4 << 20, 64 << 20)
+DEFAULT_SIZES = (4 << 10, 1 << 20, 16 << 20)
 QUICK_SIZES = (4 << 10, 256 << 10)
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+BACK_TO_BACK = 8  # calls dispatched before blocking on the last
+TARGET = 1.3
 
-# key -> (label, phase); phase -> (ranks, extra environment)
-ROWS = {
-    "hier": ("mpijax hierarchical psum, 2 ranks x 2 devices", "hier"),
-    "flat": ("mpijax allreduce in jit (flat), 4 ranks x 1 device", "flat"),
-    "raw4": ("mpi4py Allreduce out of place, 4 ranks (reference)", "flat"),
+# method -> label (2 ranks x 2 devices, one job)
+METHODS = {
+    "mpijax": "mpijax psum over the 4 devices",
+    "mpijax_off": "mpijax psum, MPIJAX_DEVICE_ALLREDUCE=0 (local XLA + MPI)",
+    "local": "XLA psum over this rank's 2 devices",
+    "mpi": "mpijax allreduce over 2 ranks, 1 device",
+    "jax": "JAX psum over the 4 devices (jax.distributed)",
+}
+MODES = {"blk": "blocking", "b2b": f"{BACK_TO_BACK} back to back"}
+# Rows of the optional 4 ranks x 1 device phases, for reference.
+EXTRA = {
+    "flat": ("mpijax allreduce in jit, 4 ranks x 1 device", "flat"),
+    "raw4": ("mpi4py Allreduce out of place, 4 ranks", "flat"),
     "gloo4": ("JAX psum over gloo, 4 processes x 1 device", "gloo4"),
-    "gloo2x2": ("JAX psum over gloo, 2 processes x 2 devices", "gloo2x2"),
 }
-PHASES = {
-    "hier": (2, TWO_DEVICES),
-    "flat": (4, {}),
-    "gloo4": (4, {}),
-    "gloo2x2": (2, TWO_DEVICES),
-}
+PHASES = {"hier": (2, TWO_DEVICES), "flat": (4, {}), "gloo4": (4, {})}
 
 
-def _hier_factory(hc: HarnessComm):
+def _key(method: str, mode: str) -> str:
+  return f"{method}/{mode}"
+
+
+def _hier_specs(hc: HarnessComm):
+  """(key, label, phase, factory) of every row of the 2 x 2 job."""
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import mpijax
-  if not hasattr(mpijax, "pmap"):
-    raise ar.Skip("this mpijax has no mpijax.pmap")
-  try:
-    import mpijax.lax as mlax
-  except Exception as e:
-    raise ar.Skip(f"mpijax.lax not importable: {type(e).__name__}: {e}") from None
-  L = mpijax.local_device_count()
-  P = mpijax.process_count()
-  f = mpijax.pmap(lambda x: mlax.psum(x, "i"), axis_name="i")
-  place = mpijax.pmap(lambda x: x, axis_name="i")
-  G = P * L
+  from mpijax._src import config
 
-  def build(nbytes: int):
-    n = nbytes // 4
-    base = mpijax.process_index() * L
-    host = np.stack([ar.pattern(n, base + l) for l in range(L)])  # global device g: pattern(g)
-    x = place(host)
-    ar._expect(f(x), ar.pattern_sum(n, G), "mpijax hierarchical psum")
-    x = place(np.zeros_like(host))
-    return (lambda: jax.block_until_ready(f(x))), 1
-  return build
+  rt = mpijax.init()
+  L, W, r = len(rt.local_devices), rt.size, rt.rank
+  if L != 2 or W != 2:
+    raise SystemExit(f"the hier phase needs 2 ranks x 2 devices, got {W} x {L}")
+  G = W * L
+  gmesh = mpijax.make_mesh((G,), ("i",))
+  lmesh = Mesh(np.array(rt.local_devices), ("d",))
+  jmesh = Mesh(np.array(jax.devices()), ("g",)) if len(jax.devices()) == G else None
+
+  def global_psum():
+    return jax.jit(mpijax.shard_map(lambda x: mpijax.lax.psum(x, "i"), mesh=gmesh,
+                                    in_specs=P("i"), out_specs=P("i")))
+
+  fns = {
+      "mpijax": global_psum(),
+      "mpijax_off": global_psum(),
+      "local": jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=lmesh,
+                                     in_specs=P("d"), out_specs=P("d"))),
+      "mpi": jax.jit(lambda x: mpijax.ops.allreduce(x)),
+  }
+  if jmesh is not None:
+    fns["jax"] = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "g"), mesh=jmesh,
+                                       in_specs=P("g"), out_specs=P("g")))
+
+  def factory(method: str, mode: str):
+    def make():
+      if method not in fns:
+        raise ar.Skip(f"JAX sees {len(jax.devices())} devices, not {G}: jax.distributed is off")
+      f = fns[method]
+
+      def build(nbytes: int):
+        n = nbytes // 4
+        rows = [ar.pattern(n, r * L + d) for d in range(L)]  # global device g: pattern(g)
+        if method == "mpi":
+          x = jax.device_put(jnp.asarray(ar.pattern(n, r)), rt.local_devices[0])
+          want = [ar.pattern_sum(n, W)]
+        elif method == "local":
+          x = jax.device_put(np.concatenate(rows), NamedSharding(lmesh, P("d")))
+          want = [sum(rows)] * L
+        elif method == "jax":
+          shards = [jax.device_put(v, d) for v, d in zip(rows, jax.local_devices())]
+          x = jax.make_array_from_single_device_arrays((G * n,), NamedSharding(jmesh, P("g")),
+                                                       shards)
+          want = None
+        else:
+          x = jax.device_put(np.concatenate(rows), NamedSharding(lmesh, P("d")))
+          want = [ar.pattern_sum(n, G)] * L
+        if method == "mpijax_off":  # read when the program is traced: now
+          config.update("device_allreduce", False)
+        try:
+          y = f(x)
+        finally:
+          config.reset("device_allreduce")
+        if method == "jax":
+          for shard in y.addressable_shards:
+            ar._expect(shard.data, ar.pattern_sum(n, G), METHODS[method])
+        else:
+          got = np.asarray(y).reshape(len(want), n)
+          for g, w in zip(got, want):
+            ar._expect(g, w, METHODS[method])
+        if mode == "blk":
+          return (lambda: f(x).block_until_ready()), 1
+
+        def back_to_back():
+          outs = [f(x) for _ in range(BACK_TO_BACK)]
+          jax.block_until_ready(outs)
+        return back_to_back, BACK_TO_BACK
+      return build
+    return make
+
+  return [(_key(m, mode), f"{METHODS[m]} [{MODES[mode]}]", "hier", factory(m, mode))
+          for mode in MODES for m in METHODS]
 
 
 def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
-  if phase in ("gloo4", "gloo2x2"):
+  if phase == "gloo4":
     hc, err = ar.start_jax_distributed()
 
     def gloo():
       if err:
         raise ar.Skip(err)
       return ar.gloo_factory(hc)
-    return ar._measure(hc, [(phase, ROWS[phase][0], phase, gloo)], sizes, args)
-
+    return ar._measure(hc, [("gloo4", EXTRA["gloo4"][0], phase, gloo)], sizes, args)
   init_error = ar._init_mpijax()
   hc = HarnessComm()
-
-  def needs_mpijax(factory):
-    def wrapped():
-      if init_error:
-        raise ar.Skip(f"mpijax.init() failed: {init_error}")
-      return factory()
-    return wrapped
-
+  if init_error:
+    raise SystemExit(f"mpijax.init() failed: {init_error}")
   if phase == "hier":
-    return ar._measure(hc, [("hier", ROWS["hier"][0], phase, needs_mpijax(lambda: _hier_factory(hc)))],
-                       sizes, args)
+    return ar._measure(hc, _hier_specs(hc), sizes, args)
   if phase == "flat":
-    flat = needs_mpijax(lambda: ar._jitted_allreduce(hc, ar._mpijax_fn(), "mpijax allreduce"))
-    return ar._measure(hc, [("flat", ROWS["flat"][0], phase, flat),
-                            ("raw4", ROWS["raw4"][0], phase, lambda: ar._raw(hc, in_place=False))],
+    flat = lambda: ar._jitted_allreduce(hc, ar._mpijax_fn(), "mpijax allreduce")  # noqa: E731
+    return ar._measure(hc, [("flat", EXTRA["flat"][0], phase, flat),
+                            ("raw4", EXTRA["raw4"][0], phase, lambda: ar._raw(hc, in_place=False))],
                        sizes, args)
   raise SystemExit(f"unknown --phase {phase!r}; known: {sorted(PHASES)}")
 
 
-def report(rows: list[Row], sizes: list[int], args, meta: dict[str, Any]) -> None:
-  order = list(ROWS)
-  rows = sorted(rows, key=lambda r: order.index(r.key))
+def targets(rows: list[Row], sizes: list[int]) -> tuple[str, bool]:
+  """The targets as a Markdown table of ratios with PASS/FAIL, and whether all passed."""
   by = {r.key: r for r in rows}
-  title = "psum of 4 float32 buffers (one per CPU device): median µs (max over ranks)"
-  parts = [f"### {title}", "", _common.markdown_table(rows, sizes, title="method (size per device)")]
-  if by.get("flat") and any(by["flat"].us(s) for s in sizes):
-    parts += ["", "Ratio to the flat mpijax allreduce (4 ranks x 1 device):", "",
-              _common.markdown_table(rows, sizes, ratio_to=by["flat"])]
-  parts += ["", "Fastest trial instead of the median (µs, max over ranks):", "",
-             _common.markdown_table(rows, sizes, stat="best", title="method (size per device)")]
+
+  def us(method, mode, s):
+    row = by.get(_key(method, mode))
+    return row.us(s) if row else None
+
+  lines = ["| size | mode | mpijax | local + 2-rank | mpijax / (local + 2-rank) | "
+           f"≤ {TARGET}× | JAX psum | mpijax / JAX | ≤ 1× |",
+           "|---|---|---:|---:|---:|---|---:|---:|---|"]
+  ok = True
+  fmt = _common._fmt_us
+  for s in sizes:
+    for mode, mode_label in MODES.items():
+      m, loc, mpi, jx = (us(k, mode, s) for k in ("mpijax", "local", "mpi", "jax"))
+      parts = None if None in (m, loc, mpi) else m / (loc + mpi)
+      vs_jax = None if None in (m, jx) else m / jx
+      v1 = "N/A" if parts is None else ("PASS" if parts <= TARGET else "FAIL")
+      v2 = "N/A" if vs_jax is None else ("PASS" if vs_jax <= 1 else "FAIL")
+      ok = ok and v1 == "PASS" and v2 == "PASS"
+      lines.append(f"| {_common.fmt_size(s)} | {mode_label} | {fmt(m)} | "
+                   f"{fmt(None if parts is None else loc + mpi)} | "
+                   f"{_common._fmt_ratio(parts)} | {v1} | {fmt(jx)} | "
+                   f"{_common._fmt_ratio(vs_jax)} | {v2} |")
+  return "\n".join(lines), ok
+
+
+def report(rows: list[Row], sizes: list[int], args, meta: dict[str, Any]) -> None:
+  order = [_key(m, mode) for mode in MODES for m in METHODS] + list(EXTRA)
+  rows = sorted(rows, key=lambda r: order.index(r.key) if r.key in order else len(order))
+  title = "psum of 4 float32 buffers (one per CPU device): median µs per call (max over ranks)"
+  table, ok = targets(rows, sizes)
+  parts = [f"### {title}", "", _common.markdown_table(rows, sizes, title="method (size per device)"),
+           "", "Targets (2 ranks x 2 devices, same job):", "", table,
+           "", "Fastest trial instead of the median (µs, max over ranks):", "",
+           _common.markdown_table(rows, sizes, stat="best", title="method (size per device)")]
   notes = _common.skip_notes(rows)
   if notes:
     parts += ["", "Not measured:", ""] + notes
   parts += ["", _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)
+  print(f"\ntargets: {'all PASS' if ok else 'not all PASS'}", flush=True)
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, "hierarchical")
   with open(base + ".md", "w") as f:
@@ -138,22 +230,22 @@ def report(rows: list[Row], sizes: list[int], args, meta: dict[str, Any]) -> Non
   with open(base + ".json", "w") as f:
     json.dump({"benchmark": "hierarchical", "sizes": sizes, "meta": meta,
                "rows": [r.to_json() for r in rows]}, f, indent=1)
-  why = _common.plot(rows, sizes, base + ".png", "psum over 4 CPU devices",
+  why = _common.plot(rows, sizes, base + ".png", "psum over 4 CPU devices (2 ranks x 2)",
                      xlabel="buffer size per device (float32)")
   print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--sizes", default=None, help="bytes per device, e.g. 4KiB,256KiB,4MiB,64MiB")
+  p.add_argument("--sizes", default=None, help="bytes per device, e.g. 4KiB,1MiB,16MiB")
   p.add_argument("--trials", type=int, default=None,
                  help="trials per cell (default 30 below 1 MiB, 10 from 1 MiB; 5 with --quick)")
   p.add_argument("--trial-seconds", type=float, default=0.005)
   p.add_argument("--quick", action="store_true", help="smoke test: 4 KiB and 256 KiB, 5 trials")
-  p.add_argument("--phases", default=",".join(PHASES),
-                 help=f"comma-separated subset of {','.join(PHASES)}")
+  p.add_argument("--phases", default="hier",
+                 help=f"comma-separated subset of {','.join(PHASES)} (default: hier)")
   p.add_argument("--out", default=_common.default_out_dir())
-  p.add_argument("--phase-timeout", type=float, default=600, help="seconds per mpirun job")
+  p.add_argument("--phase-timeout", type=float, default=900, help="seconds per mpirun job")
   p.add_argument("--verbose", action="store_true")
   p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
   p.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -171,8 +263,12 @@ def main(argv=None) -> int:
       _common.write_phase_output(args.phase_out, rows, _common.environment_info())
     return 0
   if _common.under_mpi_launcher():
-    raise SystemExit("run benchmarks/hierarchical.py from a plain shell (not under mpirun): "
-                     "it starts its own mpirun jobs, one per device layout.")
+    # Run as the 2 x 2 job itself: the hier phase here, the report on rank 0.
+    rows = phase_rows("hier", args, sizes)
+    hc = HarnessComm()
+    if hc.rank == 0:
+      report(rows, sizes, args, {"phases": {"hier": _common.environment_info()}})
+    return _common.exit_status(rows)
   phase_args = ar._phase_args(args, sizes)
   rows: list[Row] = []
   meta: dict[str, Any] = {}
@@ -183,8 +279,12 @@ def main(argv=None) -> int:
     res = _common.run_phase(SCRIPT, nprocs, phase, phase_args, env=env,
                             timeout=args.phase_timeout)
     if isinstance(res, str):
-      rows += [Row(k, lab, ph, {s: res for s in sizes}) for k, (lab, ph) in ROWS.items()
-               if ph == phase]
+      if phase == "hier":
+        rows += [Row(_key(m, mode), f"{METHODS[m]} [{MODES[mode]}]", phase,
+                     {s: res for s in sizes}) for mode in MODES for m in METHODS]
+      else:
+        rows += [Row(k, lab, ph, {s: res for s in sizes}) for k, (lab, ph) in EXTRA.items()
+                 if ph == phase]
     else:
       rows += res[0]
       meta.setdefault("phases", {})[phase] = {"ranks": nprocs, "env": env, **res[1]}
