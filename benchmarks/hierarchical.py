@@ -13,7 +13,8 @@ dispatched back to back) is timed with its trials interleaved:
 * mpijax's all-reduce of SIZE bytes over the 2 ranks from one device
   (``mpijax.ops.allreduce`` in ``jax.jit``);
 * JAX's own psum over the same 4 devices (``jax.distributed``, which
-  ``mpijax.init()`` starts; XLA's cross-process collectives over gloo here).
+  ``mpijax.init()`` starts; XLA's cross-process collectives over gloo here);
+* ``x + 1`` over this rank's 2 devices: the floor of any 2-device program.
 
 Targets, per size and mode, printed PASS/FAIL: mpijax <= 1.3 x (XLA's local
 psum + mpijax's 2-rank all-reduce), and mpijax <= JAX's psum.
@@ -58,6 +59,7 @@ METHODS = {
     "local": "XLA psum over this rank's 2 devices",
     "mpi": "mpijax allreduce over 2 ranks, 1 device",
     "jax": "JAX psum over the 4 devices (jax.distributed)",
+    "floor": "x + 1 over this rank's 2 devices (dispatch floor)",
 }
 MODES = {"blk": "blocking", "b2b": f"{BACK_TO_BACK} back to back"}
 # Rows of the optional 4 ranks x 1 device phases, for reference.
@@ -101,6 +103,8 @@ def _hier_specs(hc: HarnessComm):
       "local": jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=lmesh,
                                      in_specs=P("d"), out_specs=P("d"))),
       "mpi": jax.jit(lambda x: mpijax.ops.allreduce(x)),
+      "floor": jax.jit(jax.shard_map(lambda x: x + 1, mesh=lmesh, in_specs=P("d"),
+                                     out_specs=P("d"))),
   }
   if jmesh is not None:
     fns["jax"] = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "g"), mesh=jmesh,
@@ -121,6 +125,9 @@ def _hier_specs(hc: HarnessComm):
         elif method == "local":
           x = jax.device_put(np.concatenate(rows), NamedSharding(lmesh, P("d")))
           want = [sum(rows)] * L
+        elif method == "floor":
+          x = jax.device_put(np.concatenate(rows), NamedSharding(lmesh, P("d")))
+          want = [v + 1 for v in rows]
         elif method == "jax":
           shards = [jax.device_put(v, d) for v, d in zip(rows, jax.local_devices())]
           x = jax.make_array_from_single_device_arrays((G * n,), NamedSharding(jmesh, P("g")),

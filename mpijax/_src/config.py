@@ -173,15 +173,16 @@ _define("ring_in_place_min_bytes", int, 4 << 20,
         "applies). 0 turns it off.")
 _define("shm_max_bytes", int, 1 << 20,
         "All-reduces of up to this many bytes that run neither by cross-memory "
-        "attach nor the ring, on a communicator whose ranks all run on one node "
-        "with one local device each, go through node-local shared memory (one POSIX shm file per "
-        "communicator, unlinked as soon as every rank has mapped it) instead "
+        "attach nor the ring, on a communicator whose ranks all run on one node, "
+        "go through node-local shared memory (one POSIX shm file per "
+        "communicator and local device, unlinked as soon as every rank has mapped it) instead "
         "of MPI: no MPI message, rendezvous or kernel copy. Also each rank's "
-        "segment size, fixed at the communicator's first such all-reduce. 0 "
+        "segment size (per device in a reduction over every local device), fixed "
+        "at the communicator's first such all-reduce. 0 "
         "turns it off. Must be the same on every rank.")
 _define("cma_min_bytes", int, 64 * 1024,
         "All-reduces of at least this many bytes, on a communicator whose ranks "
-        "all run on one node with one local device each, are reduced by "
+        "all run on one node, are reduced by "
         "cross-memory attach: each rank reads its block of the others' inputs "
         "and writes the result into their outputs (process_vm_readv/writev: "
         "one kernel copy, no MPI message). Goes before the ring and shared "

@@ -29,9 +29,9 @@ struct Settings {
   std::atomic<int64_t> ring_min_bytes{int64_t{128} << 10};
   std::atomic<int64_t> ring_in_place_min_bytes{int64_t{4} << 20};
   // All-reduces of at most this many bytes, on a communicator whose ranks
-  // share one node (and one local device each), go through node-local
-  // shared memory instead of MPI; <= 0: never. Also each rank's segment
-  // size, fixed when a communicator first uses it.
+  // share one node, go through node-local shared memory instead of MPI;
+  // <= 0: never. Also each participant's segment size, fixed when a
+  // communicator (or its reduction over every local device) first uses it.
   std::atomic<int64_t> shm_max_bytes{int64_t{1} << 20};
   // All-reduces of at least this many bytes, on such a communicator, run by
   // cross-memory attach; <= 0: never. They go before the ring and shared
