@@ -219,7 +219,8 @@ def report(rows: list[Row], sizes: list[int], args, meta: dict[str, Any]) -> Non
   rows = sorted(rows, key=lambda r: order.index(r.key) if r.key in order else len(order))
   title = "psum of 4 float32 buffers (one per CPU device): median µs per call (max over ranks)"
   table, ok = targets(rows, sizes)
-  parts = [f"### {title}", "", _common.markdown_table(rows, sizes, title="method (size per device)"),
+  parts = [f"### {title}", "",
+           _common.markdown_table(rows, sizes, title="method (size per device)"),
            "", "Targets (2 ranks x 2 devices, same job):", "", table,
            "", "Fastest trial instead of the median (µs, max over ranks):", "",
            _common.markdown_table(rows, sizes, stat="best", title="method (size per device)")]
