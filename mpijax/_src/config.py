@@ -189,6 +189,17 @@ _define("cma_min_bytes", int, 64 * 1024,
         "memory. 0 turns it off; it is also off, by itself, where the kernel "
         "refuses cross-memory attach between the ranks (ptrace restrictions, "
         "container seccomp profiles). Must be the same on every rank.")
+_define("wait_spin_us", float, 50.0,
+        "Microseconds a rank waiting for the others (a node-local all-reduce, "
+        "a polled MPI request) spins before it sleeps: node-local waits until "
+        "the rank it waits for wakes it (a futex in the shared segment), MPI "
+        "waits between polls that grow with the time waited (up to 1 ms, a "
+        "sixteenth of the wait so far). A spinning waiter holds a core that "
+        "a rank still computing its step may need: with as many ranks per "
+        "node as cores, each rank's XLA threads use them all. Negative: never "
+        "sleep (spin, yielding now and then), for a core per rank and the "
+        "last microseconds of latency. Must be the same on every rank only "
+        "for the same timing.")
 _define("hierarchical_min_bytes", int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step (where the node-local all-reduce over "

@@ -592,6 +592,45 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         assert all(b == mine for b in RT.comm.allgather(mine))
 
 
+# "shm" first: the first node-local all-reduce fixes the segment size (0 under
+# the "cma" settings, where shared memory is off).
+@pytest.mark.parametrize("path", ["shm", "cma", "polled"])
+def test_waiting_rank_sleeps(path):
+  """A rank that reaches an all-reduce long before the others spins only
+  MPIJAX_WAIT_SPIN_US, then sleeps: it leaves its core to ranks still
+  computing. Measured in CPU time, which a loaded machine does not inflate.
+  (MPI's blocking collectives wait inside MPI, which spins.)"""
+  if N == 1:
+    pytest.skip("needs another rank to wait for")
+  import os
+  import time
+  settings = {"cma": dict(cma_min_bytes=1, shm_max_bytes=0),
+              "shm": dict(cma_min_bytes=0, shm_max_bytes=1 << 20),
+              # MPI's own requests, polled (not a blocking MPI call).
+              "polled": dict(cma_min_bytes=0, shm_max_bytes=0, ring_min_bytes=0,
+                             ring_in_place_min_bytes=0, blocking_min_bytes=1 << 40)}[path]
+  late_s = 0.4
+  x = rank_input(R, (4096,), "float32")
+  want = np_reduce(all_inputs((4096,), "float32"), "sum", "float32")
+  f = jax.jit(ops.allreduce)
+  with transport_settings(**settings):
+    assert_close(f(x), want, "float32")  # compiled, and the path set up
+    RT.comm.Barrier()
+    if R == N - 1:
+      time.sleep(late_s)
+    cpu0, t0 = os.times(), time.perf_counter()
+    got = jax.block_until_ready(f(x))
+    cpu1, waited = os.times(), time.perf_counter() - t0
+    if path != "polled" and len(jax.local_devices()) == 1:
+      assert _node_paths()[0] > 0  # the node-local path is set up
+  assert_close(got, want, "float32")
+  if R != N - 1:
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    assert waited > late_s / 2, waited
+    # Spinning, the wait took all the CPU the scheduler gave it.
+    assert cpu < 0.25 * waited, f"waited {waited:.3f} s using {cpu:.3f} s of CPU ({path})"
+
+
 def test_narrow_integer_sums_wrap_around(allreduce_path):
   # Open MPI's AVX kernels add 8/16-bit integers with saturation from 64
   # elements on (int8 100 + 100 gave 127); XLA and jax.lax wrap around.

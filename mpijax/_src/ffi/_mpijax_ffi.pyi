@@ -15,7 +15,7 @@ def registrations() -> dict[str, Any]:
 def setup(*, max_chunk_bytes: int, timeout_s: float, stall_abort: bool,
           check_every: bool, blocking_min_bytes: int, ring_min_bytes: int,
           ring_in_place_min_bytes: int, shm_max_bytes: int,
-          cma_min_bytes: int) -> None:
+          cma_min_bytes: int, wait_spin_s: float) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
   action, whether every call's signature is compared across ranks, the sizes
   from which collectives block and all-reduces run the ring, up to which

@@ -24,7 +24,8 @@ def push_settings() -> None:
       ring_min_bytes=int(config.get("ring_min_bytes")),
       ring_in_place_min_bytes=int(config.get("ring_in_place_min_bytes")),
       shm_max_bytes=int(config.get("shm_max_bytes")),
-      cma_min_bytes=int(config.get("cma_min_bytes")))
+      cma_min_bytes=int(config.get("cma_min_bytes")),
+      wait_spin_s=float(config.get("wait_spin_us")) * 1e-6)
   if settings != _pushed:
     _ffi.load().setup(**settings)
     _pushed = settings

@@ -42,6 +42,9 @@ class HandlerCaller : public node_local::Caller {
   double Timeout() const override {
     return g_settings.timeout_s.load(std::memory_order_relaxed);
   }
+  double SpinS() const override {
+    return g_settings.wait_spin_s.load(std::memory_order_relaxed);
+  }
   void Stalled(double waited_s) override { ReportStall(info_, waited_s); }
   void Blocking(bool inside) override {
     info_.dc->status.blocking_since_ns.store(inside ? NowNs() : 0,

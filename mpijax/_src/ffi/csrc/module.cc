@@ -62,7 +62,7 @@ std::string LinkedLibraryVersion() {
 void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
            bool check_every, int64_t blocking_min_bytes,
            int64_t ring_min_bytes, int64_t ring_in_place_min_bytes,
-           int64_t shm_max_bytes, int64_t cma_min_bytes) {
+           int64_t shm_max_bytes, int64_t cma_min_bytes, double wait_spin_s) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -84,6 +84,7 @@ void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
   s.ring_in_place_min_bytes = ring_in_place_min_bytes;
   s.shm_max_bytes = std::min<int64_t>(shm_max_bytes, int64_t{1} << 30);
   s.cma_min_bytes = cma_min_bytes;
+  s.wait_spin_s = wait_spin_s;
 }
 
 // The MPI datatype of a NumPy array's dtype, for node_allreduce.
@@ -183,12 +184,13 @@ NB_MODULE(_mpijax_ffi, m) {
         nb::arg("timeout_s"), nb::arg("stall_abort"), nb::arg("check_every"),
         nb::arg("blocking_min_bytes"), nb::arg("ring_min_bytes"),
         nb::arg("ring_in_place_min_bytes"), nb::arg("shm_max_bytes"),
-        nb::arg("cma_min_bytes"),
+        nb::arg("cma_min_bytes"), nb::arg("wait_spin_s"),
         "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, "
         "stall action, whether every call's signature is checked, the sizes "
         "from which collectives block and all-reduces run the ring, up to "
-        "which all-reduces go through node-local shared memory, and from "
-        "which they run by cross-memory attach.");
+        "which all-reduces go through node-local shared memory, from "
+        "which they run by cross-memory attach, and how long a wait spins "
+        "before it sleeps (< 0: never sleeps).");
 
   m.def("register_comms", [](const std::vector<uintptr_t>& handles,
                              const std::vector<uintptr_t>& check_handles,

@@ -43,6 +43,7 @@
 #include <thread>
 
 #include "common.h"
+#include "idle.h"
 
 namespace mpijax::node_local {
 namespace {
@@ -54,6 +55,8 @@ struct alignas(64) Header {
   char pad1[56];
   std::atomic<uint64_t> done;     // it has read every other segment
   char pad2[56];
+  idle::Doorbell bell;            // rung when a flag above changes
+  char pad3[56];
   int64_t sig, bytes;             // what it is reducing (mismatch check)
   int64_t path;                   // kPathShm or kPathCma (mismatch check)
   int64_t failed;                 // CmaAllreduce: the call that failed here
@@ -77,6 +80,10 @@ char* Data(const Comm& c, int i) {
   return c.base + i * c.stride + kHeaderBytes;
 }
 
+using idle::Doorbell;
+// A sleeping wait wakes at least this often (a missed ring costs no more).
+constexpr double kMaxSleepS = 0.01;
+
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -89,31 +96,50 @@ inline void CpuRelax() {
     if (rc_ != MPI_SUCCESS) return (caller).MpiFailed(rc_, #call); \
   } while (0)
 
-// Spins until ready(). Past the caller's timeout it reports (Stalled) and
-// goes on waiting; the clock is read every few dozen spins only. Yields the
-// CPU once a wait is not short, and at once when ranks outnumber cores (the
-// rank being waited for may need this core).
+// Waits until ready(): spins for the caller's SpinS(), then sleeps on this
+// rank's doorbell until a rank that publishes a flag rings it (idle.h).
+// Past the caller's timeout it reports (Stalled) and goes on waiting; the
+// clock is read every few dozen spins only. While spinning it yields the CPU
+// now and then, and at once when ranks outnumber cores (the rank being
+// waited for may need this core).
 template <typename Ready>
 void Wait(const Comm& c, Caller& caller, Ready ready) {
   if (ready()) return;
   bool oversubscribed = c.oversubscribed;
-  double timeout = caller.Timeout();
+  double timeout = caller.Timeout(), spin_s = caller.SpinS();
   auto period = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(timeout > 0 ? timeout : 0));
+  auto spin_for = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(spin_s > 0 ? spin_s : 0));
   auto start = Clock::now(), deadline = start + period;
+  auto check_stall = [&](Clock::time_point now) {
+    if (timeout > 0 && now > deadline) {
+      caller.Stalled(std::chrono::duration<double>(now - start).count());
+      deadline = Clock::now() + period;
+    }
+  };
   for (uint64_t spin = 1;; ++spin) {
     CpuRelax();
     if (ready()) return;
-    if ((spin & 63) == 0 && timeout > 0) {
+    if ((spin & 63) == 0) {
       auto now = Clock::now();
-      if (now > deadline) {
-        caller.Stalled(std::chrono::duration<double>(now - start).count());
-        deadline = Clock::now() + period;
-      }
+      check_stall(now);
+      if (spin_s >= 0 && now - start >= spin_for) break;
     }
     if (oversubscribed || (spin > 1024 && (spin & 15) == 0))
       std::this_thread::yield();
   }
+  // Asleep: woken by a ring, or every few ms to check the deadline.
+  Doorbell* bell = &Head(c, c.rank)->bell;
+  double nap = timeout > 0 ? std::min(timeout, kMaxSleepS) : kMaxSleepS;
+  while (!idle::Sleep(bell, ready, nap)) check_stall(Clock::now());
+}
+
+// Sets this rank's `flag` to k and wakes the ranks asleep in Wait.
+void Publish(const Comm& c, std::atomic<uint64_t> Header::*flag, uint64_t k) {
+  (Head(c, c.rank)->*flag).store(k, std::memory_order_release);
+  for (int i = 0; i < c.size; ++i)
+    if (i != c.rank) idle::Ring(&Head(c, i)->bell);
 }
 
 // A wait condition: `flag` of every rank's header is at least `at_least`.
@@ -297,14 +323,14 @@ Status Arrive(Comm& c, Caller& caller, uint64_t k, size_t bytes,
   me->sig = caller.sig;
   me->bytes = static_cast<int64_t>(bytes);
   me->path = path;
-  me->arrived.store(k, std::memory_order_release);
+  Publish(c, &Header::arrived, k);
   Wait(c, caller, AllAtLeast(c, &Header::arrived, k));
   for (int i = 0; i < c.size; ++i) {
     Header* h = Head(c, i);
     if (h->sig == caller.sig && h->bytes == me->bytes && h->path == me->path)
       continue;
-    me->reduced.store(k, std::memory_order_release);
-    me->done.store(k, std::memory_order_release);
+    Publish(c, &Header::reduced, k);
+    Publish(c, &Header::done, k);
     return caller.Mismatch(i, h->sig, h->bytes, me->bytes);
   }
   return {};
@@ -357,6 +383,7 @@ class PlainCaller : public Caller {
  public:
   explicit PlainCaller(const Comm& c) : c_(c) {}
   double Timeout() const override { return c_.limits.timeout_s; }
+  double SpinS() const override { return c_.limits.wait_spin_s; }
   Status MpiFailed(int rc, const char* call) override {
     mpi_error = rc;
     return Caller::MpiFailed(rc, call);
@@ -499,7 +526,7 @@ Status ShmAllreduce(Comm& c, Caller& caller, const char* src, char* dst,
     }
     std::memcpy(pub, out, cnt * es);
   }
-  me->reduced.store(k, std::memory_order_release);
+  Publish(c, &Header::reduced, k);
   // 4. Every block is published: copy the others' out (in place, over input
   // blocks already copied to this rank's segment in step 1).
   Wait(c, caller, AllAtLeast(c, &Header::reduced, k));
@@ -508,7 +535,7 @@ Status ShmAllreduce(Comm& c, Caller& caller, const char* src, char* dst,
     std::memcpy(dst + first(i) * es, Data(c, i) + first(i) * es,
                 (first(i + 1) - first(i)) * es);
   }
-  me->done.store(k, std::memory_order_release);
+  Publish(c, &Header::done, k);
   return {};
 }
 
@@ -620,9 +647,9 @@ Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
   // are, every output is complete and no input is read any more.
   me->failed_errno = err;
   me->failed = err != 0 ? static_cast<int64_t>(k) : 0;
-  me->reduced.store(k, std::memory_order_release);
+  Publish(c, &Header::reduced, k);
   Wait(c, caller, AllAtLeast(c, &Header::reduced, k));
-  me->done.store(k, std::memory_order_release);
+  Publish(c, &Header::done, k);
   for (int i = 0; i < p; ++i) {
     const Header* h = Head(c, i);
     if (h->failed != static_cast<int64_t>(k)) continue;

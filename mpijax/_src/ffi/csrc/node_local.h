@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <string>
 
+#include "idle.h"
 #include "spans.h"
 
 namespace mpijax::node_local {
@@ -64,6 +65,9 @@ struct Limits {
   // repeated every timeout_s (<= 0: none). The wait itself never gives up:
   // the other ranks may still write into this rank's buffers.
   double timeout_s = 0;
+  // Seconds a wait for the other ranks spins before it sleeps until a rank
+  // wakes it (< 0: never sleeps; idle.h).
+  double wait_spin_s = idle::kDefaultSpinS;
 };
 
 // One communicator's node-local state. Set up by the first all-reduce that
@@ -137,6 +141,8 @@ class Caller {
   // Seconds a wait for the other ranks may take before Stalled(); <= 0:
   // waits are not timed.
   virtual double Timeout() const { return 0; }
+  // Seconds a wait spins before it sleeps (< 0: never sleeps).
+  virtual double SpinS() const { return idle::kDefaultSpinS; }
   // A wait has taken `waited_s` (called again every Timeout()); the wait
   // goes on afterwards (or this ends the process).
   virtual void Stalled(double waited_s);

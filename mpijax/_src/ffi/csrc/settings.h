@@ -37,6 +37,8 @@ struct Settings {
   // cross-memory attach; <= 0: never. They go before the ring and shared
   // memory.
   std::atomic<int64_t> cma_min_bytes{int64_t{64} << 10};
+  // Seconds a wait spins before it sleeps (idle.h); < 0: never sleeps.
+  std::atomic<double> wait_spin_s{50e-6};
   std::atomic<bool> stall_abort{true};   // MPIJAX_STALL_ACTION=abort
   std::atomic<bool> check_every{false};  // MPIJAX_CHECK=1
 };

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <thread>
 
+#include "idle.h"
 #include "settings.h"
 
 namespace mpijax::detail {
@@ -55,21 +56,23 @@ class StallClock {
 ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info,
                    MPI_Status* statuses) {
   bool concurrent = info.dc != nullptr && info.dc->local_devices > 1;
+  double spin_s = g_settings.wait_spin_s.load(std::memory_order_relaxed);
+  // MPI_Waitall spins inside MPI: only where waits may hold a core.
   if (g_settings.timeout_s.load(std::memory_order_relaxed) <= 0 &&
-      !concurrent) {
+      !concurrent && spin_s < 0) {
     MPIJAX_CHECK_MPI(MPI_Waitall(n, reqs, statuses), info);
     return ffi::Error::Success();
   }
   StallClock clock(info);
+  idle::Backoff backoff(spin_s);
   for (uint64_t spin = 0;; ++spin) {
     int done = 0;
     MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, statuses), info);
     if (done) return ffi::Error::Success();
     if ((spin & 255) == 255) {
       if (auto e = clock.Check(); e.failure()) return e;
-      // Oversubscribed ranks (more ranks than cores) need the CPU back.
-      if (spin > 4096) std::this_thread::yield();
     }
+    backoff.Pause(spin);
   }
 }
 
