@@ -15,7 +15,12 @@ A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 * full step, mpi4jax one all-reduce per leaf (when importable)
 * full step, JAX's own data parallelism: ``jax.jit`` over a global mesh with
   ``jax.distributed`` (XLA inserts the gradient all-reduce; gloo on CPU)
-* full step without any communication (the compute floor)
+* full step without any communication (the compute floor), and the same with
+  the gradients through an optimization barrier where the all-reduce sits
+  (the program's shape without the communication)
+* A/B, same run: the fused and overlapped steps and the fused all-reduce
+  alone with spinning waits (``MPIJAX_WAIT_SPIN_US=-1``) against the default
+  (a waiting rank sleeps after 50 us)
 * communication only: the gradient tree through ``fused_allreduce`` (fused and
   per leaf; a sum, in place on donated gradients as inside a step) vs ONE raw
   mpi4py ``Allreduce`` of all gradient bytes (the floor), out of place and in place
@@ -64,7 +69,11 @@ LABELS = {
     "step_mpi4jax": "step: mpi4jax one all-reduce per leaf",
     "step_gloo": "step: JAX data-parallel jit (jax.distributed, gloo)",
     "step_local": "step: no communication (compute floor)",
+    "step_barrier": "step: no communication, gradients through an optimization barrier",
+    "step_fused_spin": "step: mpijax allreduce_gradients, one call, spinning waits (MPIJAX_WAIT_SPIN_US=-1)",
+    "step_overlap_spin": "step: mpijax allreduce_gradients(overlap=True), spinning waits",
     "comm_fused": "comm only: mpijax fused_allreduce (default buckets, in place)",
+    "comm_fused_spin": "comm only: mpijax fused_allreduce, spinning waits (MPIJAX_WAIT_SPIN_US=-1)",
     "comm_packall": "comm only: mpijax, every leaf packed (fuse_leaf_bytes=bucket_bytes, in place)",
     "comm_leaf": "comm only: mpijax per leaf (in place)",
     "comm_raw": "comm only: ONE mpi4py Allreduce of all bytes (NumPy)",
@@ -205,6 +214,30 @@ def _stepper(jitted, params, opt_state, x, y, lr=None):
   return run
 
 
+def _with_settings(build, **values):
+  """``build``'s row, every call run with mpijax settings ``values`` (sent to
+  the transport around each call, so the rows it is interleaved with keep
+  the defaults)."""
+  from mpijax._src import config
+  from mpijax._src.ops.settings import push_settings
+
+  def wrapped():
+    run = build()
+
+    def call():
+      for name, value in values.items():
+        config.update(name, value)
+      push_settings()
+      try:
+        run()
+      finally:
+        for name in values:
+          config.reset(name)
+        push_settings()
+    return call
+  return wrapped
+
+
 # --- phase "mpi": every MPI row ----------------------------------------------------
 
 def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
@@ -297,6 +330,17 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
                      "mpi4jax per-leaf step")()
   specs.append(("step_mpi4jax", mpi4jax_build))
   specs.append(("step_local", step_with(None, "step without communication", communicates=False)))
+  # The all-reduce's place in the program without the all-reduce: XLA must
+  # finish every gradient before it and cannot fuse across it.
+  barrier = optax.GradientTransformation(
+      lambda p: optax.EmptyState(), lambda g, s, p=None: (jax.lax.optimization_barrier(g), s))
+  specs.append(("step_barrier", step_with(barrier, "step with a barrier, without communication",
+                                          communicates=False)))
+  spin = {"wait_spin_us": -1.0}
+  specs.append(("step_fused_spin", _with_settings(
+      step_with(train.allreduce_gradients(overlap=False), "mpijax fused step, spinning"), **spin)))
+  specs.append(("step_overlap_spin", _with_settings(
+      step_with(train.allreduce_gradients(overlap=True), "mpijax overlapped step, spinning"), **spin)))
 
   def comm_build(bucket_bytes, what, fuse_leaf_bytes=None):
     # What a step's gradient communication costs: inside the step the
@@ -319,6 +363,8 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
       return run
     return build
   specs.append(("comm_fused", comm_build(None, "mpijax fused_allreduce")))
+  specs.append(("comm_fused_spin", _with_settings(
+      comm_build(None, "mpijax fused_allreduce, spinning"), **spin)))
   specs.append(("comm_packall", comm_build(None, "mpijax fused_allreduce, every leaf packed", big)))
   specs.append(("comm_leaf", comm_build(1, "mpijax fused_allreduce per leaf")))
 
@@ -446,6 +492,19 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
                    f"communication {_fmt_ms(local)} + {limit} x all-reduce alone {_fmt_ms(comm)} "
                    f"= {_fmt_ms(target)} ms (adds {(step - local) / comm:.2f}x the all-reduce) -> "
                    f"{'PASS' if step <= target else 'FAIL'}")
+    # A/B: the same rows with spinning waits, against their own all-reduce alone.
+    spin_comm = get["comm_fused_spin"].us(n) if "comm_fused_spin" in get else None
+    for key, base in (("step_fused_spin", "step_fused"), ("step_overlap_spin", "step_overlap")):
+      a, b = (get[k].us(n) if k in get else None for k in (key, base))
+      if a is not None and b is not None and spin_comm:
+        lines.append(f"- {n} ranks: (A/B) {get[base].label}: sleeping waits {_fmt_ms(b)} ms "
+                     f"(adds {(b - local) / comm:.2f}x the all-reduce), spinning {_fmt_ms(a)} ms "
+                     f"(adds {(a - local) / spin_comm:.2f}x its all-reduce alone, "
+                     f"{_fmt_ms(spin_comm)} ms); sleeping / spinning {b / a:.3f}x")
+    barrier = get["step_barrier"].us(n) if "step_barrier" in get else None
+    if barrier is not None:
+      lines.append(f"- {n} ranks: (info) step with the all-reduce's barrier, no communication / "
+                   f"step without communication: {barrier / local:.3f}x")
     one_call = get["step_fused"].us(n) if "step_fused" in get else None
     for r in rows:
       if r.key.startswith("step_overlap") and r.us(n) is not None and one_call:
