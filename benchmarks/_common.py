@@ -35,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # Variables through which mpirun tells its children who they are. A nested
 # mpirun that inherits them would try to join the outer job.
@@ -326,7 +327,7 @@ def run_phase(script: str, nprocs: int, phase: str, args: Sequence[str], *,
       for line in proc.stdout.rstrip().splitlines():
         print(f"#   [{phase}] {line}", flush=True)
     if proc.returncode != 0 or not os.path.exists(out):
-      reason = ("timed out after %ds" % timeout if proc.returncode in (124, 137)
+      reason = ("timed out after %ds" % timeout if proc.returncode in (124, 137)  # noqa: UP031
                 else f"exit code {proc.returncode}")
       tail = [l for l in proc.stdout.strip().splitlines() if l.strip()][-1:] or [""]
       return f"phase {phase!r} failed ({reason}): {tail[0][:200]}"

@@ -36,11 +36,14 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from _common import HarnessComm, Row, Timing, WrongResult  # noqa: E402
+from _common import HarnessComm  # noqa: E402
+from _common import Row  # noqa: E402
+from _common import WrongResult  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 CHAIN = 10
@@ -319,8 +322,9 @@ def start_jax_distributed() -> tuple[HarnessComm, str | None]:
   hc = HarnessComm()
   if err is None:
     return hc, None
-  import jax
   import socket
+
+  import jax
   address = None
   if hc.rank == 0:
     with socket.socket() as s:
@@ -339,7 +343,8 @@ def gloo_factory(hc: HarnessComm):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   devices = jax.devices()
   if len(devices) != hc.size * len(jax.local_devices()):

@@ -43,7 +43,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import allreduce as ar  # noqa: E402
-from _common import HarnessComm, Row  # noqa: E402
+from _common import HarnessComm  # noqa: E402
+from _common import Row  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_SIZES = (4 << 10, 1 << 20, 16 << 20)
@@ -80,7 +81,10 @@ def _hier_specs(hc: HarnessComm):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   import mpijax
   from mpijax._src import config
 

@@ -41,7 +41,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import allreduce as ar  # noqa: E402
-from _common import HarnessComm, Row  # noqa: E402
+from _common import HarnessComm  # noqa: E402
+from _common import Row  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_SIZES = (4, 4 << 10, 256 << 10, 4 << 20, 16 << 20, 64 << 20)
@@ -67,8 +68,8 @@ def _check(got, want: float, what: str) -> None:
 
 def _rows(n_global: int, nbytes: int):
   """This rank's rows of the global (devices, SIZE) array: device g's row is g + 1."""
-  import numpy as np
   import jax
+  import numpy as np
   L = jax.local_device_count()
   first = jax.process_index() * L
   return np.stack([np.full(nbytes // 4, first + l + 1, np.float32) for l in range(L)])
@@ -76,8 +77,9 @@ def _rows(n_global: int, nbytes: int):
 
 def _xla_factory(hc: HarnessComm, transport: str):
   import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   import mpijax
   rt = mpijax.init()
   if rt.xla_collectives != transport:
@@ -99,9 +101,10 @@ def _xla_factory(hc: HarnessComm, transport: str):
 
 def _mpijax_factory(hc: HarnessComm):
   import jax
+  from jax.sharding import PartitionSpec as P
+
   import mpijax
   import mpijax.lax as mlax
-  from jax.sharding import PartitionSpec as P
   mpijax.init()
   n = jax.device_count() if jax.process_count() > 1 else mpijax.process_count() * \
       mpijax.local_device_count()

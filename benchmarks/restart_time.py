@@ -177,7 +177,7 @@ def trial(args, seed: int) -> dict:
   steps0 = [t for t, _ in events[(0, "step")]]
   steady = statistics.median(b - a for a, b in zip(steps0[-20:], steps0[-19:])) if len(steps0) > 2 else 0.0
   t = {"noticed": noticed, "relaunched": float(events[(1, "start")][0][1][0]),
-       "imported": float(events[(1, "start")][0][1][1]), "initialized": events[(1, "init")][0][0], "restored": events[(1, "restored")][0][0],
+       "imported": float(events[(1, "start")][0][1][1]), "initialized": events[(1, "init")][0][0], "restored": events[(1, "restored")][0][0],  # noqa: E501
        "first step": events[(1, "step")][0][0]}
   compile_s = t["first step"] - t["restored"] - steady
   cold = events[(0, "step")][0][0] - float(events[(0, "start")][0][1][0])

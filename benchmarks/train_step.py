@@ -56,7 +56,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from _common import HarnessComm, Row, Timing, WrongResult  # noqa: E402
+from _common import HarnessComm  # noqa: E402
+from _common import Row  # noqa: E402
+from _common import WrongResult  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 
@@ -247,6 +249,7 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
   import jax.numpy as jnp
   import numpy as np
   import optax
+
   from mpijax import train
   hc = HarnessComm()
   params = init_params(args.layers, args.width)
@@ -406,10 +409,10 @@ def phase_gloo(args) -> tuple[list[Row], dict[str, Any]]:
   except Exception as e:
     err = f"mpijax.init(jax_distributed=True) failed: {type(e).__name__}: {e}"
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   hc = HarnessComm()
 
   def build():
@@ -523,7 +526,7 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
                lambda q: q >= 3.0),
               ("step_gloo", "step_fused", "full step faster than JAX-gloo data parallel",
                lambda q: q > 1.0),
-              ("comm_fused", "comm_raw_inplace", "(info) fused gradient communication / one raw in-place Allreduce", None),
+              ("comm_fused", "comm_raw_inplace", "(info) fused gradient communication / one raw in-place Allreduce", None),  # noqa: E501
               ("step_leaf", "step_fused", "(info) mpijax per-leaf step / fused step", None),
               ("step_mpi4jax", "step_bf16", "(info) per-leaf mpi4jax step / mpijax bf16 step", None),
               ("step_fused", "step_local", "(info) fused step / step without communication", None),

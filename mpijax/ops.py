@@ -7,13 +7,13 @@ ranks that exchange. Reductions take mpijax's op names or mpi4py ``MPI.Op``
 objects.
 """
 
-from mpijax._src.ops.dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from mpijax._src.ops.allgather import allgather as allgather
 from mpijax._src.ops.allreduce import allreduce as allreduce
 from mpijax._src.ops.alltoall import alltoall as alltoall
 from mpijax._src.ops.barrier import barrier as barrier
 from mpijax._src.ops.bcast import bcast as bcast
 from mpijax._src.ops.bcast import reduce as reduce
+from mpijax._src.ops.dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from mpijax._src.ops.gather import gather as gather
 from mpijax._src.ops.p2p import recv as recv
 from mpijax._src.ops.p2p import send as send

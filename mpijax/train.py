@@ -32,7 +32,9 @@ from mpijax._src.train.preemption import install_preemption_handler as install_p
 from mpijax._src.train.preemption import preemption_requested as preemption_requested
 from mpijax._src.train.preemption import request_preemption as request_preemption
 from mpijax._src.train.preemption import stop_requested as stop_requested
-from mpijax._src.train.preemption import uninstall_preemption_handler as uninstall_preemption_handler
+from mpijax._src.train.preemption import (
+    uninstall_preemption_handler as uninstall_preemption_handler,
+)
 from mpijax._src.train.resume import checkpoint_path as checkpoint_path
 from mpijax._src.train.resume import latest_checkpoint as latest_checkpoint
 from mpijax._src.train.resume import list_checkpoints as list_checkpoints

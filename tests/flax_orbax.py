@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4 and 8 devices

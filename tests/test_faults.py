@@ -17,7 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from tests._launch import REPO, assert_failed_without_hanging, mpirun_command, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import assert_failed_without_hanging
+from tests._launch import mpirun_command
+from tests._launch import run_mpi
+from tests._launch import tail
 
 SCRIPTS = REPO / "tests" / "scripts"
 STALL_TIMEOUT = 5  # MPIJAX_TIMEOUT for these jobs, seconds

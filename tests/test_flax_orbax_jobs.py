@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests._launch import run_mpi, tail
+from tests._launch import run_mpi
+from tests._launch import tail
 
 pytest.importorskip("flax", reason="flax is in the test extra: pip install -e '.[test]'")
 pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is in the test extra")

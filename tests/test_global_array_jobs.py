@@ -29,8 +29,9 @@ def _expected():
 
 
 def _job_save(path: str) -> None:
-  import mpijax
   from jax.sharding import PartitionSpec as P
+
+  import mpijax
   mpijax.init()
   n = mpijax.process_count() * mpijax.local_device_count()
   x = mpijax.make_mesh((n,), ("x",))
@@ -46,8 +47,9 @@ def _job_save(path: str) -> None:
 
 
 def _job_load(path: str) -> None:
-  import mpijax
   from jax.sharding import PartitionSpec as P
+
+  import mpijax
   mpijax.init()
   Pn, L = mpijax.process_count(), mpijax.local_device_count()
   x = mpijax.make_mesh((Pn * L,), ("x",))
@@ -73,9 +75,10 @@ def _job_to_jax() -> None:
   mpijax.init(jax_distributed=True)
   import jax
   import jax.numpy as jnp
-  import mpijax.lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
+  import mpijax.lax
   Pn, L = mpijax.process_count(), mpijax.local_device_count()
   assert jax.process_count() == Pn and jax.device_count() == Pn * L
   grid = mpijax.make_mesh((Pn, L), ("data", "model"))
@@ -138,8 +141,10 @@ def _job_save_crash(path: str) -> None:
 
 def _job_refuse(path: str) -> None:
   import glob
-  import mpijax
+
   from jax.sharding import PartitionSpec as P
+
+  import mpijax
   from mpijax._src.train.checkpoint import CheckpointError
   mpijax.init()
   mesh = mpijax.make_mesh((mpijax.process_count() * mpijax.local_device_count(),), ("x",))
@@ -167,7 +172,9 @@ if __name__ == "__main__":
 
 # --- the test side (plain pytest, starts the jobs) ---------------------------------------
 
-from tests._launch import assert_failed_without_hanging, run_mpi, tail  # noqa: E402
+from tests._launch import assert_failed_without_hanging  # noqa: E402
+from tests._launch import run_mpi  # noqa: E402
+from tests._launch import tail  # noqa: E402
 
 
 def _run(n, devices, *args, env=None, expect_ok=True):

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from tests._launch import REPO, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import run_mpi
+from tests._launch import tail
 
 SCRIPTS = REPO / "tests" / "scripts"
 GLOO_WARNING = "XLA's cross-process collectives (jit over global jax.Arrays) use gloo, not MPI"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from tests._launch import run_mpi, tail
+from tests._launch import run_mpi
+from tests._launch import tail
 
 
 def _digits(out, *args: str) -> list[str]:

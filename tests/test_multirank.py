@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests._launch import run_mpi, tail
+from tests._launch import run_mpi
+from tests._launch import tail
 
 # (ranks, CPU devices per rank, environment, test files). 4 ranks on 2 cores
 # is slow: the whole suite runs at 4 x 1 and 2 x 2, the other configs run

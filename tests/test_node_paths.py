@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-from tests._launch import REPO, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import run_mpi
+from tests._launch import tail
 
 SCRIPTS = REPO / "tests" / "scripts"
 

@@ -24,7 +24,8 @@ import threading
 import time
 import uuid
 
-from tests._launch import REPO, tail
+from tests._launch import REPO
+from tests._launch import tail
 
 RANKS = 4
 EPOCHS = 12

@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._launch import REPO, mpirun_command, run_mpi, tail
+from tests._launch import REPO
+from tests._launch import mpirun_command
+from tests._launch import run_mpi
+from tests._launch import tail
 
 SCRIPT = str(REPO / "tests" / "scripts" / "train_preempt.py")
 STEPS = 60

@@ -22,9 +22,9 @@ All ranks agree that every rank succeeded before anything is returned.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
-import glob
 import os
 import re
 import shutil
@@ -37,15 +37,16 @@ from jax.sharding import PartitionSpec
 
 from mpijax._src import mpi_util
 from mpijax._src import runtime
-from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import device_indices
-from mpijax._src.global_array import process_index_of
 from mpijax._src import tree_codec as _codec
+
 # The training checkpoint's atomic file write, directory fsync and error type.
 from mpijax._src.fileio import CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
+from mpijax._src.global_array import GlobalArray
+from mpijax._src.global_array import device_indices
+from mpijax._src.global_array import process_index_of
 
 FORMAT = "mpijax-array-checkpoint"
 VERSION = 1

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -21,12 +21,14 @@ import functools
 import hashlib
 import json
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from mpijax._src import config
 from mpijax._src import mpi_util

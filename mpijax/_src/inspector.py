@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mpijax._src import ffi as _ffi
 from mpijax._src import mpi_util

@@ -25,7 +25,8 @@ import re
 import sys
 import threading
 import time
-from typing import IO, Iterable
+from collections.abc import Iterable
+from typing import IO
 
 # One regular expression per tag style; group "rank" is the rank.
 _TAGS = {

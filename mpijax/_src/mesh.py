@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
 
 from mpijax._src import runtime
 from mpijax._src.axes import AxisInfo

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from mpijax._src.ops.allreduce import allreduce
 

@@ -23,8 +23,8 @@ from mpijax._src import cluster
 from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import inspector
-from mpijax._src import log
 from mpijax._src import jax_runtime
+from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.timeline import record as timeline_record
 

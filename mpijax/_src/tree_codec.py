@@ -33,7 +33,7 @@ class LeafSpec:
             "shape": list(self.shape), "impl": self.impl}
 
   @classmethod
-  def from_json(cls, d: dict[str, Any]) -> "LeafSpec":
+  def from_json(cls, d: dict[str, Any]) -> LeafSpec:
     return cls(d["path"], d["kind"], d["dtype"], tuple(int(s) for s in d["shape"]), d.get("impl", ""))
 
   def signature(self) -> str:

@@ -71,6 +71,7 @@ def _draw(cells: list[list[str]]) -> str:
 def _draw_rich(cells: list[list[str]]) -> str | None:
   try:
     import io
+
     from rich import box
     from rich.console import Console
     from rich.table import Table

@@ -139,7 +139,7 @@ def test_all_to_all(tiled):
 
 def test_pmap_in_and_out_axes_pytrees_and_negative():
   """in_axes/out_axes as pytree prefixes with negative and None entries, as jax.pmap/vmap."""
-  n, L = mpijax.process_count() * mpijax.local_device_count(), mpijax.local_device_count()
+  n, L = mpijax.process_count() * mpijax.local_device_count(), mpijax.local_device_count()  # noqa: F841
   g = _global((2, 3), np.float32, 13)
   pm = mpijax.pmap(lambda d, c: (mlax.psum(d["a"] * c, "i"), {"g": mlax.all_gather(d["b"], "i")}),
                    axis_name="i", in_axes=({"a": -1, "b": 0}, None), out_axes=(None, {"g": -1}))

@@ -15,7 +15,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from mpijax._src import mpi_util
 from tests import guides

@@ -19,7 +19,8 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
+from jax.sharding import SingleDeviceSharding
 
 from tests import guides
 

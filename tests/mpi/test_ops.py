@@ -10,7 +10,6 @@ computes the exact expected result locally and holds at any rank count.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 
 import jax
@@ -18,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mpijax
 from mpijax import ops
 
 try:

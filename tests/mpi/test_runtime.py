@@ -92,7 +92,9 @@ def test_jax_knows_the_job(rt):
 def test_partitioner_collectives_cross_ranks(rt):
   if not rt.jax_distributed:
     return
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from mpijax._src import jax_runtime
   before = jax_runtime.bridge_stats().get("allreduce", 0)
   n = jax.device_count()

@@ -23,7 +23,6 @@ import mpijax
 from mpijax import train
 from mpijax._src import mpi_util
 
-
 # --- a tiny model and dataset shared by the tests -----------------------------
 
 N, D, H, C = 48, 6, 8, 3
@@ -295,7 +294,8 @@ def test_equivalence_with_padded_last_batch_via_data_parallel(rt):
 
 def test_equivalence_with_local_devices(rt):
   """P ranks x L local devices (shard_map over the local devices) == one process."""
-  from jax.sharding import Mesh, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
   local = rt.local_devices
   mesh = Mesh(np.array(local), ("local",))
   opt = optax.adam(0.05)
@@ -446,7 +446,7 @@ def test_data_parallel_bad_batch_on_one_rank_raises_everywhere(rt):
       assert f"rank {bad}: ValueError" in str(info.value)
   with pytest.raises(TypeError, match=r"DataParallel.step was called under a JAX transformation.*outside jax.jit"):
     jax.jit(dp.step)(state, (dataset()[0][:4], y[:4]))
-  with pytest.raises(ValueError, match=r"DataParallel\(compression='int8'\) is not supported; use None, 'bf16' or 'fp16'"):
+  with pytest.raises(ValueError, match=r"DataParallel\(compression='int8'\) is not supported; use None, 'bf16' or 'fp16'"):  # noqa: E501
     train.DataParallel(per_example_loss, optax.sgd(0.1), compression="int8")
   scalar_losses = lambda p, b: jnp.mean(per_example_loss(p, b))
   with pytest.raises(ValueError, match=r"per-example losses of shape \[batch\], got shape \(\)"):
@@ -462,6 +462,6 @@ def test_digits_resume_when_ranks_see_different_files_raises_everywhere(rt, shar
     os.makedirs(os.path.join(out, "checkpoints"))
     with open(train.checkpoint_path(os.path.join(out, "checkpoints"), 5), "wb") as f:
       f.write(b"not a checkpoint")
-  with pytest.raises(train.CheckpointError, match=("rank 0: " if rt.size > 1 else "") + ".* is not an mpijax checkpoint"):
+  with pytest.raises(train.CheckpointError, match=("rank 0: " if rt.size > 1 else "") + ".* is not an mpijax checkpoint"):  # noqa: E501
     digits.main(["--out", out, "--epochs", "1", "--no-progress",
                  "--batch-size", str(batch_size(64, rt.size))])

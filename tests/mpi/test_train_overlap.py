@@ -16,10 +16,10 @@ try:
 except ImportError:  # JAX < 0.10 exports it only from its internals
   from jax._src.core import jaxprs_in_params
 
+import flax.linen as nn
+
 from mpijax import train
 from mpijax._src import mpi_util
-
-import flax.linen as nn
 
 D, LAYERS = 24, 6  # 24 x 24 float32 weights: 2304 B each
 
@@ -107,7 +107,8 @@ def test_overlapped_buckets_follow_the_reverse_tree_order(rt):
 
 def test_overlap_under_local_devices_equals_one_call_bit_for_bit(rt):
   """P ranks x L local devices (shard_map over the local devices): the same bits both ways."""
-  from jax.sharding import Mesh, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
   local = rt.local_devices
   mesh = Mesh(np.array(local), ("local",))
   x, y = data(rt.rank, n=4 * len(local))

@@ -9,18 +9,17 @@ from __future__ import annotations
 import hashlib
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import mpijax
 from mpijax import train
 from mpijax._src import mpi_util
-
-import flax.linen as nn
-from flax import nnx
 
 N, D, H, C = 44, 5, 6, 3  # 44 samples: the last global batch is padded at every rank count
 STEPS = 4

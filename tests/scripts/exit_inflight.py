@@ -1,7 +1,11 @@
 """The script ends while jitted collectives are still in flight: no deadlock at exit."""
 
-import jax, jax.numpy as jnp, mpijax
+import jax
+import jax.numpy as jnp
+
+import mpijax
 from mpijax import ops
+
 rt = mpijax.init()
 f = jax.jit(lambda x: ops.allreduce(x @ x))
 x = jnp.ones((300, 300)) * (rt.rank + 1)

@@ -104,7 +104,9 @@ elif mode in ("late", "late_large"):
 
 elif mode == "late_mixed":
   import time
-  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("x",))
   rows = NamedSharding(mesh, P("x"))

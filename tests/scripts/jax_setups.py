@@ -20,10 +20,12 @@ case = sys.argv[1]
 if case == "no-bridge":
   os.environ.pop("MPITRAMPOLINE_LIB", None)  # as if no launcher or hook had named it
 import jax  # noqa: E402
-import mpijax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+
+import mpijax  # noqa: E402
 
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 if case == "backend-first":
@@ -36,7 +38,7 @@ try:
   rt = mpijax.init()
 except RuntimeError as e:
   print(f"rank {rank} refused: {e}", flush=True)
-  raise SystemExit(3)
+  raise SystemExit(3)  # noqa: B904
 
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("x",))

@@ -3,7 +3,6 @@ bcast and allgather move every byte. 2 ranks; ~7 GB of memory per rank."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import mpijax
 from mpijax import ops

@@ -9,7 +9,8 @@ MPI_Allreduce, 1 shared memory, 2 cross-memory attach).
 
 import numpy as np
 
-from mpijax._src import ffi, mpi_util
+from mpijax._src import ffi
+from mpijax._src import mpi_util
 
 MPI = mpi_util.import_mpi()
 ext = ffi.load()

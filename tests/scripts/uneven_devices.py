@@ -9,5 +9,5 @@ try:
   mpijax.init(devices_per_process=2 if rank == 1 else 1)
 except RuntimeError as e:
   print(f"rank {rank} refused: {e}", flush=True)
-  raise SystemExit(3)
+  raise SystemExit(3)  # noqa: B904
 print(f"rank {rank} started: the uneven device counts were not caught", flush=True)

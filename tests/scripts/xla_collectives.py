@@ -10,13 +10,16 @@ import sys
 
 if "--jax-first" in sys.argv:
   import jax
+
   import mpijax
 else:
-  import mpijax
   import jax
+
+  import mpijax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mpijax._src import jax_runtime
 

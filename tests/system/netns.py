@@ -63,7 +63,7 @@ class TwoHosts:
   def subnet(self) -> str:
     return f"10.231.{self.subnet_octet}.0/24"
 
-  def __enter__(self) -> "TwoHosts":
+  def __enter__(self) -> TwoHosts:
     try:
       self._setup()
     except BaseException:

@@ -111,7 +111,7 @@ KillWait=5
 MinJobAge=300
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
 PartitionName=test Nodes={self.host} Default=YES MaxTime=10 State=UP OverSubscribe=YES
-"""
+"""  # noqa: E501
     with open(self.conf, "w") as f:
       f.write(conf)
 

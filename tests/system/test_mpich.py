@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import REPO, tail
+from tests._launch import REPO
+from tests._launch import tail
 
 pytestmark = pytest.mark.mpich
 

@@ -23,11 +23,12 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from conftest import REPO, assert_mpijax_sums, read_reports, run
-
 import netns
+import pytest
+from conftest import REPO
+from conftest import assert_mpijax_sums
+from conftest import read_reports
+from conftest import run
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 

@@ -28,10 +28,10 @@ import tempfile
 import time
 
 import pytest
-
-from conftest import REPO, assert_mpijax_sums, read_reports, run
-
 import slurm_cluster
+from conftest import REPO
+from conftest import assert_mpijax_sums
+from conftest import read_reports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 

@@ -20,7 +20,8 @@ from mpijax._src import config
 from mpijax._src import joblog
 from mpijax._src import launcher
 from mpijax._src import rank_env
-from mpijax._src.launcher import MPIInfo, Situation
+from mpijax._src.launcher import MPIInfo
+from mpijax._src.launcher import Situation
 
 DATA = pathlib.Path(__file__).parent / "data"
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "ORTE_", "SLURM_", "SLURMD_", "PMI_",

@@ -18,7 +18,6 @@ import pytest
 
 from tests.unit.test_cluster import LAUNCHER_PREFIXES
 
-
 _CHILD = r"""
 import json, os, sys
 {before}

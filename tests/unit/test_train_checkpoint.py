@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from mpijax._src.train import checkpoint as ckpt_mod
-from mpijax.train import CheckpointError, checkpoint_metadata, restore_checkpoint, save_checkpoint
+from mpijax.train import CheckpointError
+from mpijax.train import checkpoint_metadata
+from mpijax.train import restore_checkpoint
+from mpijax.train import save_checkpoint
 
 
 def _state(seed=0):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpijax.train import Batch, shard_batches
+from mpijax.train import Batch
+from mpijax.train import shard_batches
 
 
 def _epoch(n, G, P, *, seed=0, epoch=0, drop_remainder=False):
@@ -25,7 +26,7 @@ def test_epoch_covers_every_sample_once_and_equal_steps(n, G, P):
   used = np.concatenate([ids[mask > 0] for batches in per_rank for ids, mask, _ in batches])
   assert sorted(used.tolist()) == list(range(n))
   for batches in per_rank:
-    for ids, mask, weight in batches:
+    for ids, mask, weight in batches:  # noqa: B007
       assert ids.shape == (G // P,) and mask.shape == (G // P,)
 
 
@@ -59,7 +60,7 @@ def test_weights_give_global_mean_on_padded_batch():
   assert real.size == n - G
   np.testing.assert_allclose(got, values[real].mean())
   # full batches have weight 1 exactly
-  for ids, mask, w in per_rank[0][:-1]:
+  for ids, mask, w in per_rank[0][:-1]:  # noqa: B007
     assert (w == 1).all() and (mask == 1).all()
 
 

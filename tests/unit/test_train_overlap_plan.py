@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpijax._src.train.gradients import gradient_ready_order, plan_overlap
+from mpijax._src.train.gradients import gradient_ready_order
+from mpijax._src.train.gradients import plan_overlap
 
 
 def test_buckets_are_runs_of_the_ready_order_up_to_bucket_bytes():

@@ -120,6 +120,7 @@ def _jaxlib_mismatch(error: Exception) -> str:
   reason; a --no-build-isolation build uses the jaxlib installed at the time.
   """
   import jaxlib
+
   from mpijax._src.ffi import _build_info
   built = getattr(_build_info, "JAXLIB_VERSION", "unknown")
   source = _source_dir()

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.interpreters import batching
 
 from mpijax._src.ops import communicators

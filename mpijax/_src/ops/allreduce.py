@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
+from jax.interpreters import batching
 
 from mpijax._src import config
 from mpijax._src.ops import communicators

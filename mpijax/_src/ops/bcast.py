@@ -7,13 +7,12 @@ transpose of ``bcast`` (and bcast is the transpose of reduce-sum).
 from __future__ import annotations
 
 import operator
-
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
+from jax.interpreters import batching
 
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes

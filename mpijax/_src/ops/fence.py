@@ -18,12 +18,14 @@ intermediates), a custom call, into which XLA fuses nothing:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
 from mpijax._src.ops import ordering

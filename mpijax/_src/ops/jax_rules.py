@@ -28,10 +28,10 @@ from __future__ import annotations
 import functools
 import math
 
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
 from mpijax._src import jax_compat
@@ -75,10 +75,14 @@ def keep_calls_with_mpi() -> None:
   never sent, and its receiver waited forever. Such an equation now counts
   all its results as used.
   """
-  from jax._src import ad_checkpoint, core as core_internal, custom_derivatives
-  from jax._src import pjit, shard_map
+  from jax._src import ad_checkpoint
+  from jax._src import core as core_internal
+  from jax._src import custom_derivatives
+  from jax._src import pjit
+  from jax._src import shard_map
   from jax._src.interpreters import partial_eval as pe
-  from jax._src.lax.control_flow import conditionals, loops
+  from jax._src.lax.control_flow import conditionals
+  from jax._src.lax.control_flow import loops
 
   for prim in (pjit.jit_p, core_internal.closed_call_p, core_internal.call_p,
                conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
@@ -127,9 +131,14 @@ def inline_calls() -> None:
     use, which would also cut its ops from the caller's chain. The price is
     that identical loops or branches in one program are lowered once each.
   """
-  from jax._src import ad_checkpoint, core as core_internal, custom_derivatives
-  from jax._src import pjit, sharding_impls, shard_map
-  from jax._src.lax.control_flow import conditionals, loops
+  from jax._src import ad_checkpoint
+  from jax._src import core as core_internal
+  from jax._src import custom_derivatives
+  from jax._src import pjit
+  from jax._src import shard_map
+  from jax._src import sharding_impls
+  from jax._src.lax.control_flow import conditionals
+  from jax._src.lax.control_flow import loops
 
   mlir_internal._uncacheable_primitives.update((
       conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
@@ -183,7 +192,8 @@ def thread_shard_maps() -> None:
   and single-device ones (lowered inline, already in the caller's chain),
   keep JAX's lowering unchanged.
   """
-  from jax._src import core as core_internal, shard_map
+  from jax._src import core as core_internal
+  from jax._src import shard_map
   from jax.sharding import PartitionSpec
 
   default = shard_map._shard_map_lowering

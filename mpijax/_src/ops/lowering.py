@@ -10,13 +10,14 @@ handlers, is a clear error at lowering.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax._src import sharding_impls
 from jax._src.lib.mlir import ir
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
 from mpijax._src.ops import call_sites

@@ -43,10 +43,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax._src.interpreters import mlir as mlir_internal
 from jax._src.lib.mlir import ir
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from mpijax._src.jax_compat import jaxprs_in_params
 from mpijax._src.ops.primitive import PRIMITIVES
@@ -70,7 +70,7 @@ class BlockChain:
   mpi_before: bool = False
 
 
-_chains: "collections.OrderedDict[int, tuple[Any, dict[Any, BlockChain]]]" = (
+_chains: collections.OrderedDict[int, tuple[Any, dict[Any, BlockChain]]] = (
     collections.OrderedDict())
 
 
@@ -186,8 +186,8 @@ def _binds(prims: set[Primitive], cache, jaxpr) -> bool:
   return hit
 
 
-_calls_mpi_cache: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-_collective_cache: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_calls_mpi_cache: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_collective_cache: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def calls_mpi(jaxpr) -> bool:
@@ -207,7 +207,7 @@ def needs_chain(jaxpr) -> bool:
 
 # Whether the program being lowered makes an mpijax call (None: unknown, when
 # JAX's module lowering could not be wrapped; treated as yes).
-_lowering_mpi: "contextvars.ContextVar[bool | None]" = contextvars.ContextVar(
+_lowering_mpi: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "mpijax_lowering_mpi", default=None)
 
 

@@ -9,13 +9,14 @@ inverse permutation.
 from __future__ import annotations
 
 import operator
-
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
+from jax.interpreters import batching
 
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes

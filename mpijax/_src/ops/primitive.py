@@ -12,7 +12,8 @@ and autodiff rules; the helpers for the last two are here too.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

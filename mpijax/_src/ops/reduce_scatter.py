@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
+from jax.interpreters import batching
 
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes

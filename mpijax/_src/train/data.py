@@ -9,8 +9,8 @@ shorter.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np

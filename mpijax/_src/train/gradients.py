@@ -24,7 +24,8 @@ import optax
 from mpijax._src import config
 from mpijax._src.axes import axis_env
 from mpijax._src.ops.allreduce import allreduce_many
-from mpijax._src.ops.fence import after_calls, unfused
+from mpijax._src.ops.fence import after_calls
+from mpijax._src.ops.fence import unfused
 from mpijax._src.train import _host
 
 _COMPRESSION = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

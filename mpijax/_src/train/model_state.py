@@ -19,7 +19,8 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable
-
-import numpy as np
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass

@@ -11,13 +11,18 @@ run.py takes an optional filter: substrings joined by '|', or '>N' for cases fro
 Where jax.shard_map itself fails on a case (bugs of JAX 0.10: zero-size outputs, the
 untiled all_to_all transpose, complex pmax), ref.py falls back to nested named vmaps.
 """
-import os, pickle, sys, traceback
+import os
+import pickle
+import sys
+
 n = int(sys.argv[1])
 import jax
+
 jax.config.update("jax_num_cpu_devices", n)
 jax.config.update("jax_platforms", "cpu")
 import numpy as np
 from jax.sharding import Mesh
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases as C
 
@@ -49,7 +54,7 @@ for case in C.build(n):
   key = (case.mesh_shape, case.mesh_names)
   if key not in meshes:
     meshes[key] = Mesh(np.array(jax.devices()[:n]).reshape(case.mesh_shape), case.mesh_names)
-  if os.environ.get("VERBOSE"): print(case.name, flush=True)
+  if os.environ.get("VERBOSE"): print(case.name, flush=True)  # noqa: E701
   smap = jax.shard_map
   try:
     fn = C.make_runner(case, jax.lax, smap, meshes[key], case.mesh_names, 0, pmap_fn=jax.pmap)

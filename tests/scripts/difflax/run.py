@@ -1,9 +1,15 @@
 """mpijax side: run each case under mpijax maps and compare with the reference."""
-import os, pickle, sys, time, traceback
-import numpy as np
+import os
+import pickle
+import sys
+import time
+
 import jax
+import numpy as np
+
 import mpijax
 from mpijax import lax as mlax
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases as C
 
@@ -44,7 +50,7 @@ for case in C.build(n):
     nerr_ok += 1  # documented extension: mpijax differentiates pmax/pmin
   elif kind == "err" or got[0] == "err":
     if kind != got[0]:
-      ok, why = False, f"ref {kind}: {want if kind == 'err' else ''} | mpijax {got[0]}: {got[1] if got[0] == 'err' else ''}"
+      ok, why = False, f"ref {kind}: {want if kind == 'err' else ''} | mpijax {got[0]}: {got[1] if got[0] == 'err' else ''}"  # noqa: E501
     else:
       nerr_ok += 1
   else:
@@ -66,7 +72,7 @@ for case in C.build(n):
         else:
           wf, gf = w.astype(np.float64), g.astype(np.float64)
           if not np.allclose(gf, wf, rtol=case.tol, atol=case.tol * max(1, np.abs(wf).max(initial=0))):
-            ok, why = False, f"values differ (max abs {np.abs(wf - gf).max()})\nref={w.ravel()[:12]}\ngot={g.ravel()[:12]}"
+            ok, why = False, f"values differ (max abs {np.abs(wf - gf).max()})\nref={w.ravel()[:12]}\ngot={g.ravel()[:12]}"  # noqa: E501
             break
   if ok:
     npass += 1
