@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -78,3 +80,9 @@ def _shm_files() -> set[str]:
 
 def tail(text: str, lines: int = 80) -> str:
   return "\n".join(text.splitlines()[-lines:])
+
+
+# Long or redundant runs kept out of CI's 15 minutes; MPIJAX_TEST_SLOW=1 runs them.
+SLOW = [pytest.mark.slow,
+        pytest.mark.skipif(os.environ.get("MPIJAX_TEST_SLOW") != "1",
+                           reason="long or covered by a faster test: set MPIJAX_TEST_SLOW=1")]

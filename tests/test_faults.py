@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests._launch import REPO
+from tests._launch import SLOW
 from tests._launch import assert_failed_without_hanging
 from tests._launch import mpirun_command
 from tests._launch import run_mpi
@@ -114,13 +115,15 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
 @pytest.mark.parametrize("mode,shape,transport", [
     # 12 B messages: node-local shared memory (the default), a blocking
     # MPI_Allreduce, which the watchdog thread reports, or a polled one.
-    ("late", "3", {}),
-    ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}),
+    # (CI runs one node-local and one MPI wait; the others share their code.)
+    pytest.param("late", "3", {}, marks=SLOW),
+    pytest.param("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}, marks=SLOW),
     ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
     # 512 KiB messages: cross-memory attach (the default), or mpijax's ring,
     # whose exchanges are polled.
     ("late_large", "65536", {}),
-    ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1", "MPIJAX_CMA_MIN_BYTES": "0"}),
+    pytest.param("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1", "MPIJAX_CMA_MIN_BYTES": "0"},
+                 marks=SLOW),
 ], ids=["shm", "blocking", "polled", "cma", "ring"])
 def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,
@@ -154,6 +157,11 @@ def _train(tmp, name, fault=""):
   return rc, out, seconds, ckpt_dir / "state.ckpt", out_file
 
 
+# tests/test_restart.py kills a rank of the digits job and restarts it under
+# mpijax-run --max-restarts, bit for bit: this by-hand restart is the slow twin.
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MPIJAX_TEST_SLOW") != "1",
+                    reason="covered by tests/test_restart.py: set MPIJAX_TEST_SLOW=1")
 def test_sigkill_mid_training_ends_the_job_and_a_restart_resumes(tmp_path):
   from mpijax._src.train.checkpoint import read_checkpoint
 
