@@ -103,6 +103,17 @@ if n % 2 == 0 and n >= 4:
     check(jax.jit(lambda x: x.sum((0, 1)), out_shardings=NamedSharding(mesh2, P()))(x2),
           d.sum((0, 1)))
 
+# From 256 KiB per rank, the bridge hands XLA's all-reduces to mpijax's
+# node-local path (shared memory, cross-memory attach): 2 MiB per rank here,
+# integer-valued, so every summation order gives these bits.
+big = (np.arange(n * 2 * 262144).reshape(n, 2 * 262144) % 13).astype(np.float32)
+xb = put(big, P("x", None))
+for _ in range(3):
+  np.testing.assert_array_equal(mine(jax.jit(lambda x: x.sum(0), out_shardings=rep)(xb)),
+                                big.sum(0))
+  np.testing.assert_array_equal(mine(jax.jit(lambda x: x.max(0), out_shardings=rep)(xb)),
+                                big.max(0))
+
 stats = jax_runtime.bridge_stats()
 if rt.xla_collectives == "mpi":
   for kind in ("init", "split", "allreduce", "allgather", "reduce_scatter"):

@@ -18,11 +18,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
 #include "bridge_table.h"
+#include "node_local.h"
+#include "settings.h"
 
 namespace mpijax {
 namespace bridge {
@@ -33,6 +36,11 @@ static_assert(sizeof(MPI_Request) <= sizeof(uint64_t),
 
 struct Comm {
   MPI_Comm comm;
+  // mpijax's node-local all-reduce (shared memory, cross-memory attach) for
+  // XLA's all-reduces on this communicator: set up by the first one that
+  // could use it, MPI_Allreduce where none applies.
+  std::unique_ptr<node_local::Comm> node;
+  std::mutex node_mu;  // node_local::Comm is used by one thread at a time
 };
 
 MpijaxBridgeTable g_table;
@@ -155,13 +163,36 @@ int CommFree(void* comm) {
   int finalized = 0;
   MPI_Finalized(&finalized);
   int rc = MPI_SUCCESS;
+  c->node.reset();  // unmaps its segments before the communicator goes
   if (!finalized) rc = MPI_Comm_free(&c->comm);
   delete c;
   return rc;
 }
 
+// Below this, XLA's all-reduces go to MPI_Allreduce: through the bridge the
+// node-local path cost about 90 us more per call than MPI at 4-64 KiB, and
+// from 256 KiB it is the faster one (2 ranks, 4 MiB: 0.73 vs 2.2 ms).
+constexpr int64_t kNodeLocalMinBytes = int64_t{256} << 10;
+
 int Allreduce(const void* send, void* recv, int count, int type, int op, void* comm) {
-  return MPI_Allreduce(Send(send), recv, count, Type(type), Op(op), Of(comm));
+  Comm* c = static_cast<Comm*>(comm);
+  int type_bytes = 0;
+  MPI_Type_size(Type(type), &type_bytes);
+  if (int64_t{count} * type_bytes < kNodeLocalMinBytes) {
+    return MPI_Allreduce(Send(send), recv, count, Type(type), Op(op), c->comm);
+  }
+  std::lock_guard<std::mutex> lock(c->node_mu);
+  if (!c->node) {
+    // mpijax's settings, the same on every rank.
+    const auto& s = detail::g_settings;
+    node_local::Limits limits;
+    limits.shm_max_bytes = s.shm_max_bytes.load();
+    limits.cma_min_bytes = s.cma_min_bytes.load();
+    limits.timeout_s = s.timeout_s.load();
+    limits.wait_spin_s = s.wait_spin_s.load();
+    c->node = std::make_unique<node_local::Comm>(c->comm, limits);
+  }
+  return node_local::Allreduce(*c->node, Send(send), recv, count, Type(type), Op(op));
 }
 
 int Allgather(const void* send, int send_count, int send_type, void* recv,
