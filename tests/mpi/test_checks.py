@@ -25,7 +25,12 @@ def rt():
 
 
 def test_shapes_differing_across_ranks_raise_on_every_rank(rt):
-  f = jax.jit(lambda x: mpijax.ops.allreduce(x))
+  # A communicator of its own: a signature is compared once per communicator,
+  # so an allreduce(float32[3]) of an earlier test on the world would let the
+  # even ranks skip the check (a divergence then is a stall report, tested in
+  # tests/test_faults.py).
+  comm = rt.comm.Dup()
+  f = jax.jit(lambda x: mpijax.ops.allreduce(x, comm=comm))
   x = jnp.ones(3 + (rt.rank % 2))  # odd ranks send 4 elements, even ranks 3
   if rt.size == 1:
     assert f(x).shape == (3,)
