@@ -18,11 +18,14 @@ from tests._launch import tail
 # device per rank, gloo with two) except one, mpijax alone.
 ALL = ["tests/mpi"]
 # At 2 x 2: what several devices per rank change (mapping, device paths,
-# global arrays, checks); rank-level ops and JAX's own arrays run at 4 x 1.
+# global arrays and JAX's own arrays, the guides, checks); rank-level ops run
+# at 4 x 1.
 DEVICES = ["tests/mpi/test_collectives.py", "tests/mpi/test_ops_multidevice.py",
            "tests/mpi/test_device_allreduce.py", "tests/mpi/test_global_array.py",
-           "tests/mpi/test_runtime.py", "tests/mpi/test_checks.py",
-           "tests/mpi/test_train_overlap.py", "tests/mpi/test_timeline.py", "tests/mpi/test_readme.py"]
+           "tests/mpi/test_jax_arrays.py", "tests/mpi/test_guide_sharded.py",
+           "tests/mpi/test_guide_multiprocess.py", "tests/mpi/test_docs_global_arrays.py",
+           "tests/mpi/test_readme.py", "tests/mpi/test_runtime.py", "tests/mpi/test_checks.py",
+           "tests/mpi/test_train_overlap.py", "tests/mpi/test_timeline.py"]
 CONFIGS = [
     pytest.param(4, 1, {}, ALL, id="4ranks-x-1dev"),
     pytest.param(2, 2, {}, DEVICES, id="2ranks-x-2dev"),
