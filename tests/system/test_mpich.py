@@ -134,6 +134,17 @@ big = jnp.arange(1 << 18, dtype=jnp.float32) % 977 + r  # 1 MiB: mpijax's node-l
 want = n * (np.arange(1 << 18, dtype=np.float32) % 977) + n * (n - 1) / 2
 got = np.asarray(jax.jit(lambda v: mpijax.ops.allreduce(v))(big))
 out["large_equal"] = bool(np.array_equal(got, want))
+# Plain JAX over the ranks: XLA's partitioner all-reduce, 4 B and 1 MiB per rank.
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((jax.device_count(),), ("x",))
+out["process_count"] = jax.process_count()
+out["xla_collectives"] = rt.xla_collectives
+for key, cols in (("xla_small", 1), ("xla_large", 1 << 18)):
+  rows = (np.arange(cols, dtype=np.float32) % 977 + r)[None]
+  g = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), rows)
+  s = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(g)
+  want_s = n * (np.arange(cols, dtype=np.float32) % 977) + n * (n - 1) / 2
+  out[key] = bool(np.array_equal(np.asarray(s.addressable_data(0)), want_s))
 from mpijax._src.ffi import _build_info  # what the extension that ran was built against
 out["extension_mpi"] = _build_info.MPI_FAMILY
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
@@ -154,6 +165,10 @@ def test_collectives_under_mpich_mpiexec(mpich_venv, tmp_path):
     assert got["jit_allreduce"] == [2 * v for v in base], got
     assert got["jit_psum"] == base, got
     assert got["large_equal"] is True, got
+    # JAX spans the ranks; its collectives over MPICH through mpijax's bridge.
+    assert got["process_count"] == RANKS, got
+    assert got["xla_collectives"] == "mpi", got
+    assert got["xla_small"] is True and got["xla_large"] is True, got
 KILLED_ONCE = """
 import os, signal
 import mpijax
