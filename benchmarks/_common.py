@@ -137,6 +137,7 @@ class Timing:
   trials: int
   per_op_divisor: int = 1    # steps count this many operations each
   best_us: float | None = None  # max over ranks of each rank's fastest trial (noise floor)
+  cpu_us: float | None = None   # max over ranks of the median process CPU time (every thread) per op
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -167,21 +168,24 @@ def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: Harnes
     est = max(min(probe), 1e-7)
     iters[key] = int(hc.max(int(min(max_iters, max(1, math.ceil(trial_seconds / est))))))
   per_step: dict[str, list[float]] = {key: [] for key in steps}
+  cpu_step: dict[str, list[float]] = {key: [] for key in steps}
   for _ in range(trials):
     for key, (step, _) in steps.items():
       n = iters[key]
       hc.barrier()
-      t0 = time.perf_counter()
+      c0, t0 = time.process_time(), time.perf_counter()
       for _ in range(n):
         step()
       per_step[key].append((time.perf_counter() - t0) / n)
+      cpu_step[key].append((time.process_time() - c0) / n)
   out: dict[str, Timing] = {}
   for key, (_, per) in steps.items():
     mine = statistics.median(per_step[key]) * 1e6 / per
     gathered = hc.comm.allgather(mine)
     best = hc.max(min(per_step[key]) * 1e6 / per)
+    cpu = hc.max(statistics.median(cpu_step[key]) * 1e6 / per)
     out[key] = Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters[key],
-                      trials=trials, per_op_divisor=per, best_us=best)
+                      trials=trials, per_op_divisor=per, best_us=best, cpu_us=cpu)
   return out
 
 
@@ -235,11 +239,12 @@ class Row:
   note: str = ""
 
   def us(self, nbytes: int, stat: str = "median") -> float | None:
-    """The cell's figure: "median" (the reported one) or "best" (fastest trial)."""
+    """The cell's figure: "median" (the reported one), "best" (fastest trial)
+    or "cpu" (the median trial's process CPU time per op)."""
     c = self.cells.get(nbytes)
     if not isinstance(c, Timing):
       return None
-    return c.best_us if stat == "best" else c.median_us
+    return {"best": c.best_us, "cpu": c.cpu_us}.get(stat, c.median_us)
 
   def to_json(self) -> dict[str, Any]:
     return {"key": self.key, "label": self.label, "phase": self.phase, "note": self.note,

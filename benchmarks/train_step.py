@@ -16,8 +16,10 @@ A model with ~100 parameter leaves and ~10 M float32 parameters (an MLP of
 * full step, JAX's own data parallelism: ``jax.jit`` over a global mesh with
   ``jax.distributed`` (XLA inserts the gradient all-reduce; gloo on CPU)
 * full step without any communication (the compute floor), and the same with
-  the gradients through an optimization barrier where the all-reduce sits
-  (the program's shape without the communication)
+  every update made to wait for every gradient, as behind an all-reduce, with
+  no data moved (the all-reduce's data dependency: XLA can no longer fuse each
+  gradient into its update and holds every gradient in memory; the bytes XLA
+  keeps for intermediates in each program are reported)
 * A/B, same run: the fused and overlapped steps and the fused all-reduce
   alone with spinning waits (``MPIJAX_WAIT_SPIN_US=-1``) against the default
   (a waiting rank sleeps after 50 us)
@@ -71,7 +73,7 @@ LABELS = {
     "step_mpi4jax": "step: mpi4jax one all-reduce per leaf",
     "step_gloo": "step: JAX data-parallel jit (jax.distributed, gloo)",
     "step_local": "step: no communication (compute floor)",
-    "step_barrier": "step: no communication, gradients through an optimization barrier",
+    "step_dep": "step: no communication, every update after every gradient (the all-reduce's dependency)",
     "step_fused_spin": "step: mpijax allreduce_gradients, one call, spinning waits (MPIJAX_WAIT_SPIN_US=-1)",
     "step_overlap_spin": "step: mpijax allreduce_gradients(overlap=True), spinning waits",
     "comm_fused": "comm only: mpijax fused_allreduce (default buckets, in place)",
@@ -333,12 +335,17 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
                      "mpi4jax per-leaf step")()
   specs.append(("step_mpi4jax", mpi4jax_build))
   specs.append(("step_local", step_with(None, "step without communication", communicates=False)))
-  # The all-reduce's place in the program without the all-reduce: XLA must
-  # finish every gradient before it and cannot fuse across it.
-  barrier = optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda g, s, p=None: (jax.lax.optimization_barrier(g), s))
-  specs.append(("step_barrier", step_with(barrier, "step with a barrier, without communication",
-                                          communicates=False)))
+  # The all-reduce's data dependency without the all-reduce: one scalar from
+  # every gradient, added back times zero (XLA keeps x * 0, which is NaN for
+  # inf), so every update waits for every gradient. An optimization barrier
+  # on the gradients does not do it: XLA still fuses each gradient into its
+  # update through the barrier.
+  def after_every_gradient(g, s, p=None):
+    t = sum(leaf.reshape(-1)[0] for leaf in jax.tree_util.tree_leaves(g))
+    return jax.tree_util.tree_map(lambda leaf: leaf + 0 * t, g), s
+  dependency = optax.GradientTransformation(lambda p: optax.EmptyState(), after_every_gradient)
+  specs.append(("step_dep", step_with(dependency, "step with the all-reduce's dependency",
+                                      communicates=False)))
   spin = {"wait_spin_us": -1.0}
   specs.append(("step_fused_spin", _with_settings(
       step_with(train.allreduce_gradients(overlap=False), "mpijax fused step, spinning"), **spin)))
@@ -392,7 +399,16 @@ def phase_mpi(args) -> tuple[list[Row], dict[str, Any]]:
     return lambda: comm.Allreduce(hc.MPI.IN_PLACE, buf, op=hc.MPI.SUM)
   specs.append(("comm_raw_inplace", raw_inplace_build))
   rows = _measure(hc, specs, args)
-  meta = {"parameters": int(n_params), "leaves": len(leaves),
+
+  def temp_bytes(tx):
+    # What XLA keeps for the step's intermediates (memory_analysis of the compiled step).
+    c = jax.jit(make_step(tx), donate_argnums=(0, 1)).lower(
+        params, tx.init(params), x, y, jnp.float32(LEARNING_RATE)).compile()
+    return int(c.memory_analysis().temp_size_in_bytes)
+  meta_temp = {"step_local": temp_bytes(optax.identity()), "step_dep": temp_bytes(dependency),
+               "step_fused": temp_bytes(train.allreduce_gradients(overlap=False))}
+  meta = {"temp_bytes": meta_temp, "cores": os.cpu_count(),
+          "parameters": int(n_params), "leaves": len(leaves),
           "gradient_bytes": int(n_params * 4), "batch_per_rank": args.batch,
           "bucket_bytes_default": int(mpijax.config.get("bucket_bytes"))}
   return rows, meta
@@ -504,10 +520,31 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
                      f"(adds {(b - local) / comm:.2f}x the all-reduce), spinning {_fmt_ms(a)} ms "
                      f"(adds {(a - local) / spin_comm:.2f}x its all-reduce alone, "
                      f"{_fmt_ms(spin_comm)} ms); sleeping / spinning {b / a:.3f}x")
-    barrier = get["step_barrier"].us(n) if "step_barrier" in get else None
-    if barrier is not None:
-      lines.append(f"- {n} ranks: (info) step with the all-reduce's barrier, no communication / "
-                   f"step without communication: {barrier / local:.3f}x")
+    dep = get["step_dep"].us(n) if "step_dep" in get else None
+    if dep is not None:
+      temp = meta.get("phases", {}).get(f"mpi@{n}", {}).get("temp_bytes")
+      held = (f"; XLA holds {temp['step_dep'] / 2**20:.1f} MiB of intermediates in it, "
+              f"{temp['step_local'] / 2**20:.1f} MiB without the dependency, "
+              f"{temp['step_fused'] / 2**20:.1f} MiB in the fused step" if temp else "")
+      lines.append(f"- {n} ranks: (bound) step with the all-reduce's dependency, no data moved: "
+                   f"{_fmt_ms(dep)} ms = step without communication + "
+                   f"{(dep - local) / comm:.2f}x the all-reduce alone{held}")
+      for key, limit, only in (("step_fused", 1.2, None), ("step_overlap", 1.2, None),
+                               ("step_overlap", 0.6, 2)):
+        step = get[key].us(n) if key in get else None
+        if step is None or (only is not None and n != only):
+          continue
+        target = dep + limit * comm
+        lines.append(f"- {n} ranks: (against the dependency) {get[key].label} {_fmt_ms(step)} ms "
+                     f"<= {_fmt_ms(dep)} + {limit} x {_fmt_ms(comm)} = {_fmt_ms(target)} ms "
+                     f"(adds {(step - dep) / comm:.2f}x the all-reduce) -> "
+                     f"{'PASS' if step <= target else 'FAIL'}")
+    cores = meta.get("cores")
+    for key in ("step_local", "step_dep", "step_fused", "comm_fused"):
+      wall, cpu = (get[key].us(n, s) if key in get else None for s in ("median", "cpu"))
+      if wall and cpu is not None and cores:
+        lines.append(f"- {n} ranks: (CPU) {get[key].label}: {_fmt_ms(cpu)} ms of CPU per rank "
+                     f"per step, {n * cpu / wall / cores:.0%} of the machine's {cores} cores busy")
     one_call = get["step_fused"].us(n) if "step_fused" in get else None
     for r in rows:
       if r.key.startswith("step_overlap") and r.us(n) is not None and one_call:
