@@ -343,9 +343,32 @@ def run_phase(script: str, nprocs: int, phase: str, args: Sequence[str], *,
   return [Row.from_json(r) for r in data["rows"]], data.get("meta", {})
 
 
+class Targets:
+  """A script's targets over its rows, as PASS / FAIL / N/A lines."""
+
+  def __init__(self, rows: Sequence[Row]):
+    self.by = {r.key: r for r in rows}
+    self.lines: list[str] = []
+
+  def get(self, key: str, size: int) -> float | None:
+    r = self.by.get(key)
+    return r.us(size) if r else None
+
+  def line(self, ok: bool | None, text: str) -> None:
+    self.lines.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")
+
+
 def write_phase_output(path: str, rows: Sequence[Row], meta: dict[str, Any]) -> None:
   with open(path, "w") as f:
     json.dump({"rows": [r.to_json() for r in rows], "meta": meta}, f, indent=1)
+
+
+def finish_phase(path: str | None, rows: Sequence[Row], meta: dict[str, Any] | None = None) -> int:
+  """Ends a sub-job (``--phase``): rank 0 writes its rows for the orchestrating run."""
+  from mpi4py import MPI
+  if MPI.COMM_WORLD.Get_rank() == 0 and path:
+    write_phase_output(path, rows, environment_info() if meta is None else meta)
+  return 0
 
 
 # --- reporting ---------------------------------------------------------------------
@@ -396,6 +419,19 @@ def skip_notes(rows: Sequence[Row]) -> list[str]:
     for reason in reasons:
       notes.append(f"- {r.label}: {reason}")
   return notes
+
+
+def write_report(out_dir: str, name: str, text: str, record: dict[str, Any], rows: Sequence[Row],
+                 sizes: Sequence[int], title: str, **plot_kw: Any) -> None:
+  """Writes ``name``.md (``text``), .json (``record``) and .png (``plot``) to ``out_dir``."""
+  os.makedirs(out_dir, exist_ok=True)
+  base = os.path.join(out_dir, name)
+  with open(base + ".md", "w") as f:
+    f.write(text + "\n")
+  with open(base + ".json", "w") as f:
+    json.dump(record, f, indent=1)
+  why = plot(rows, sizes, base + ".png", title, **plot_kw)
+  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
 
 
 def plot(rows: Sequence[Row], sizes: Sequence[int], path: str, title: str, *,

@@ -24,7 +24,7 @@ Rows (median µs per operation, max over ranks):
   a job with that environment variable set, e.g. stall inspector off.
 
 Writes ``allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
-(default ``benchmarks/results/``) and prints the table and the issue-3 targets.
+(default ``benchmarks/results/``) and prints the table and its targets.
 Every row's result is checked against NumPy before it is timed; the script
 exits 1 if any result is wrong.
 """
@@ -32,7 +32,6 @@ exits 1 if any result is wrong.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -436,16 +435,9 @@ def _failed_rows(phase: str, reason: str, sizes) -> list[Row]:
 
 
 def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
-  """The issue-3 targets as PASS / FAIL / N/A lines."""
-  by = {r.key: r for r in rows}
-  out = []
-
-  def get(key, s):
-    r = by.get(key)
-    return r.us(s) if r else None
-
-  def line(ok, text):
-    out.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")
+  """The targets as PASS / FAIL / N/A lines."""
+  t = _common.Targets(rows)
+  get, line, out = t.get, t.line, t.lines
 
   if 4 in sizes:
     m1, m4j, m10 = get("mpijax_1", 4), get("mpi4jax_1", 4), get("mpijax_10", 4)
@@ -525,15 +517,9 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   text = "\n".join(parts)
   print("\n" + text, flush=True)
 
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, f"allreduce_np{nprocs}")
-  with open(base + ".md", "w") as f:
-    f.write(text + "\n")
-  with open(base + ".json", "w") as f:
-    json.dump({"benchmark": "allreduce", "nprocs": nprocs, "sizes": sizes, "meta": meta,
-               "targets": targets, "rows": [r.to_json() for r in rows]}, f, indent=1)
-  why = _common.plot(rows, sizes, base + ".png", title)
-  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
+  _common.write_report(args.out, f"allreduce_np{nprocs}", text,
+                       {"benchmark": "allreduce", "nprocs": nprocs, "sizes": sizes, "meta": meta,
+                        "targets": targets, "rows": [r.to_json() for r in rows]}, rows, sizes, title)
 
 
 def parse_args(argv=None):
@@ -578,10 +564,7 @@ def main(argv=None) -> int:
       rows = phase_main(args, sizes, only_mpijax=True, suffix=args.phase.split(":", 1)[1])
     else:
       raise SystemExit(f"unknown --phase {args.phase!r}")
-    hc = HarnessComm()
-    if hc.rank == 0 and args.phase_out:
-      _common.write_phase_output(args.phase_out, rows, _common.environment_info())
-    return 0
+    return _common.finish_phase(args.phase_out, rows)
 
   if _common.under_mpi_launcher():
     # The user's mpirun job measures the main rows itself; rank 0 then runs each

@@ -35,7 +35,6 @@ it is timed; the script exits 1 if any result is wrong.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -235,16 +234,10 @@ def report(rows: list[Row], sizes: list[int], args, meta: dict[str, Any]) -> Non
   text = "\n".join(parts)
   print("\n" + text, flush=True)
   print(f"\ntargets: {'all PASS' if ok else 'not all PASS'}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, "hierarchical")
-  with open(base + ".md", "w") as f:
-    f.write(text + "\n")
-  with open(base + ".json", "w") as f:
-    json.dump({"benchmark": "hierarchical", "sizes": sizes, "meta": meta,
-               "rows": [r.to_json() for r in rows]}, f, indent=1)
-  why = _common.plot(rows, sizes, base + ".png", "psum over 4 CPU devices (2 ranks x 2)",
-                     xlabel="buffer size per device (float32)")
-  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
+  _common.write_report(args.out, "hierarchical", text,
+                       {"benchmark": "hierarchical", "sizes": sizes, "meta": meta,
+                        "rows": [r.to_json() for r in rows]},
+                       rows, sizes, "psum over 4 CPU devices (2 ranks x 2)", xlabel="buffer size per device (float32)")
 
 
 def parse_args(argv=None):
@@ -270,10 +263,7 @@ def main(argv=None) -> int:
            else list(QUICK_SIZES if args.quick else DEFAULT_SIZES))
   if args.phase is not None:
     rows = phase_rows(args.phase, args, sizes)
-    hc = HarnessComm()
-    if hc.rank == 0 and args.phase_out:
-      _common.write_phase_output(args.phase_out, rows, _common.environment_info())
-    return 0
+    return _common.finish_phase(args.phase_out, rows)
   if _common.under_mpi_launcher():
     # Run as the 2 x 2 job itself: the hier phase here, the report on rank 0.
     rows = phase_rows("hier", args, sizes)

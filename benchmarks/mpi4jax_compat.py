@@ -26,7 +26,6 @@ as WRONG RESULT in the table, and the run exits with status 1. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -143,16 +142,9 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args) -> None:
             _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, f"mpi4jax_compat_np{nprocs}")
-  with open(base + ".md", "w") as f:
-    f.write(text + "\n")
-  with open(base + ".json", "w") as f:
-    json.dump({"benchmark": "mpi4jax_compat", "nprocs": nprocs, "sizes": sizes,
-               "meta": _common.environment_info(), "rows": [r.to_json() for r in rows]}, f,
-              indent=1)
-  why = _common.plot(rows, sizes, base + ".png", title)
-  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
+  _common.write_report(args.out, f"mpi4jax_compat_np{nprocs}", text,
+                       {"benchmark": "mpi4jax_compat", "nprocs": nprocs, "sizes": sizes,
+                        "meta": _common.environment_info(), "rows": [r.to_json() for r in rows]}, rows, sizes, title)
 
 
 def parse_args(argv=None):

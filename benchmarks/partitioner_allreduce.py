@@ -33,7 +33,6 @@ Writes ``partitioner_allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -147,16 +146,9 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
 
 
 def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
-  """The issue's targets as PASS / FAIL / N/A lines."""
-  by = {r.key: r for r in rows}
-  out = []
-
-  def get(key, s):
-    r = by.get(key)
-    return r.us(s) if r else None
-
-  def line(ok, text):
-    out.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")
+  """The targets as PASS / FAIL / N/A lines."""
+  t = _common.Targets(rows)
+  get, line, out = t.get, t.line, t.lines
 
   for s in sizes:
     mpi, gloo = get("xla_mpi", s), get("xla_gloo", s)
@@ -210,16 +202,9 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   parts += ["", "Targets:", "", "```"] + targets + ["```", "", _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, f"partitioner_allreduce_np{nprocs}")
-  with open(base + ".md", "w") as f:
-    f.write(text + "\n")
-  with open(base + ".json", "w") as f:
-    json.dump({"benchmark": "partitioner_allreduce", "nprocs": nprocs, "sizes": sizes,
-               "meta": meta, "targets": targets, "rows": [r.to_json() for r in rows]}, f,
-              indent=1)
-  why = _common.plot(rows, sizes, base + ".png", title)
-  print(f"\nwrote {base}.md, {base}.json" + (f"; {why}" if why else f", {base}.png"), flush=True)
+  _common.write_report(args.out, f"partitioner_allreduce_np{nprocs}", text,
+                       {"benchmark": "partitioner_allreduce", "nprocs": nprocs, "sizes": sizes,
+                        "meta": meta, "targets": targets, "rows": [r.to_json() for r in rows]}, rows, sizes, title)
   return _common.exit_status(rows)
 
 
@@ -280,10 +265,7 @@ def main(argv=None) -> int:
     if args.phase not in PHASES:
       raise SystemExit(f"unknown --phase {args.phase!r}")
     rows = phase_rows(args.phase, args, sizes)
-    hc = HarnessComm()
-    if hc.rank == 0 and args.phase_out:
-      _common.write_phase_output(args.phase_out, rows, _common.environment_info())
-    return 0
+    return _common.finish_phase(args.phase_out, rows)
 
   if _common.under_mpi_launcher():
     # This job measures the MPI phase; rank 0 then runs the gloo phase as a

@@ -43,7 +43,7 @@ Run from a plain shell (it starts one ``mpirun`` per rank count and phase)::
     python benchmarks/train_step.py --ranks 2 --quick
 
 Writes ``train_step.md``, ``train_step.json`` and ``train_step.png`` to
-``--out`` (default ``benchmarks/results``) and checks the issue's targets;
+``--out`` (default ``benchmarks/results``) and checks the targets;
 exits 1 if any row's result was wrong.
 """
 
@@ -640,9 +640,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.phase:
     rows, meta = (phase_mpi if args.phase == "mpi" else phase_gloo)(args)
-    if HarnessComm_rank() == 0:
-      _common.write_phase_output(args.phase_out, rows, meta)
-    return 0
+    return _common.finish_phase(args.phase_out, rows, meta)
   ranks = [int(n) for n in args.ranks.split(",")]
   rows: dict[str, Row] = {}
   meta: dict[str, Any] = {"env": _common.environment_info(), "phases": {}}
@@ -679,11 +677,6 @@ def main(argv=None) -> int:
     print(why)
   print(f"wrote {args.out}/train_step.md, .json, .png")
   return _common.exit_status(ordered)
-
-
-def HarnessComm_rank() -> int:
-  from mpi4py import MPI
-  return MPI.COMM_WORLD.Get_rank()
 
 
 if __name__ == "__main__":
