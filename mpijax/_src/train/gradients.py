@@ -60,23 +60,36 @@ def plan_buckets(shapes_dtypes: list[tuple[tuple[int, ...], Any]], bucket_bytes:
     by_dtype.setdefault(jnp.dtype(dtype).name, []).append(i)
   buckets: list[list[int]] = []
   for name in sorted(by_dtype):
-    current: list[int] = []
-    size = 0
-    for i in by_dtype[name]:
-      shape, dtype = shapes_dtypes[i]
-      nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
-      if nbytes == 0:
-        continue
-      if nbytes >= fuse_leaf_bytes:
-        buckets.append([i])
-        continue
-      if current and size + nbytes > bucket_bytes:
-        buckets.append(current)
-        current, size = [], 0
-      current.append(i)
-      size += nbytes
-    if current:
+    buckets += _runs(by_dtype[name], shapes_dtypes, bucket_bytes, fuse_leaf_bytes)
+  return buckets
+
+
+def _runs(order: list[int], shapes_dtypes: list[tuple[tuple[int, ...], Any]], bucket_bytes: int,
+          alone_bytes: int | None = None) -> list[list[int]]:
+  """Cuts ``order`` into runs of consecutive leaves of at most ``bucket_bytes`` each.
+
+  Empty leaves are skipped; a leaf bigger than ``bucket_bytes`` is a run of
+  its own. A leaf of at least ``alone_bytes`` is one too, appended at once
+  (ahead of the run being filled, which goes on after it).
+  """
+  buckets: list[list[int]] = []
+  current: list[int] = []
+  size = 0
+  for i in order:
+    shape, dtype = shapes_dtypes[i]
+    nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    if nbytes == 0:
+      continue
+    if alone_bytes is not None and nbytes >= alone_bytes:
+      buckets.append([i])
+      continue
+    if current and size + nbytes > bucket_bytes:
       buckets.append(current)
+      current, size = [], 0
+    current.append(i)
+    size += nbytes
+  if current:
+    buckets.append(current)
   return buckets
 
 
@@ -113,22 +126,7 @@ def plan_overlap(shapes_dtypes: list[tuple[tuple[int, ...], Any]], order: list[i
   ready as soon as its last leaf is, so its all-reduce can start while the
   rest is still being computed. Empty leaves are skipped.
   """
-  buckets: list[list[int]] = []
-  current: list[int] = []
-  size = 0
-  for i in order:
-    shape, dtype = shapes_dtypes[i]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
-    if nbytes == 0:
-      continue
-    if current and size + nbytes > bucket_bytes:
-      buckets.append(current)
-      current, size = [], 0
-    current.append(i)
-    size += nbytes
-  if current:
-    buckets.append(current)
-  return buckets
+  return _runs(order, shapes_dtypes, bucket_bytes)
 
 
 def _first_uses(jaxpr: Any, invars: list[Any]) -> list[tuple[int, ...] | None]:
@@ -332,11 +330,22 @@ def _fused_allreduce(tree: Any, *, average: bool, bucket_bytes: int | None,
     # there, while the rest of the backward pass runs (see docs/training.md).
     if ready_order is None:
       ready_order = list(range(len(leaves)))[::-1]
-    carried, sums = [], []
-    for bucket in plan_overlap(shapes, list(ready_order), bucket_bytes):
-      ops = _operands(bucket, leaves, fuse_leaf_bytes)
-      carried += ops
-      sums += allreduce_many([send(idx) for idx in ops], "sum", comm=comm)
+    calls = [_operands(bucket, leaves, fuse_leaf_bytes)
+             for bucket in plan_overlap(shapes, list(ready_order), bucket_bytes)]
+  else:
+    # Three phases: pack every bucket, all-reduce them all in ONE custom call,
+    # then unpack and average. One call keeps the phases apart: XLA:CPU would
+    # otherwise run bucket k's packing or averaging on another thread while
+    # bucket k+1 is inside MPI, stealing the CPU MPI needs to progress (2-3x
+    # slower communication measured with 2 ranks on 2 cores).
+    plan = plan_buckets(shapes, bucket_bytes, fuse_leaf_bytes)
+    calls = [plan] if plan else []
+  # Each call: the leaf groups it carries, packed and sent in that order.
+  carried, sums = [], []
+  for call in calls:
+    carried += call
+    sums += allreduce_many([send(idx) for idx in call], "sum", comm=comm)
+  if overlap:
     # Nothing reads a sum before the last call has run. The optimizer's
     # in-place update of a parameter must come after the backward pass's last
     # read of it; were a bucket's sums readable at once, XLA would copy each
@@ -345,20 +354,7 @@ def _fused_allreduce(tree: Any, *, average: bool, bucket_bytes: int | None,
     # which would then wait for that update, i.e. for the bucket's
     # all-reduce (measured: the backward pass stalled during every call).
     sums = after_calls(sums)
-    for idx, summed in zip(carried, sums):
-      receive(idx, summed)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-  plan = plan_buckets(shapes, bucket_bytes, fuse_leaf_bytes)
-  if not plan:
-    return jax.tree_util.tree_unflatten(treedef, out)
-  # Three phases: pack every bucket, all-reduce them all in ONE custom call,
-  # then unpack and average. One call keeps the phases apart: XLA:CPU would
-  # otherwise run bucket k's packing or averaging on another thread while
-  # bucket k+1 is inside MPI, stealing the CPU MPI needs to progress (2-3x
-  # slower communication measured with 2 ranks on 2 cores).
-  summed_all = allreduce_many([send(idx) for idx in plan], "sum", comm=comm)
-  for idx, summed in zip(plan, summed_all):
+  for idx, summed in zip(carried, sums):
     receive(idx, summed)
   return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <sstream>
+#include <string>
 
 #include "reduce_ops.h"
 
@@ -14,6 +15,14 @@ std::string CallInfo::Describe() const {
   s << "] (communicator " << comm_id << ", size " << comm_size
     << ", local device " << device << ")";
   return s.str();
+}
+
+ffi::Error CheckRoot(const CallInfo& info, int64_t root) {
+  if (root < 0 || root >= info.comm_size) {
+    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
+                                       std::to_string(root) + " out of range");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error MpiError(int rc, const char* call, const CallInfo& info) {

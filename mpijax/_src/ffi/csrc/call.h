@@ -35,6 +35,10 @@ struct CallInfo {
   std::string Describe() const;
 };
 
+// A root rank attribute checked against the call's communicator (every rank
+// sees the same root and size, so every rank returns the same error).
+ffi::Error CheckRoot(const CallInfo& info, int64_t root);
+
 // An MPI error inside a handler leaves the communicator, and with requests
 // still pending into XLA's buffers the process's memory, in an undefined
 // state: returning an error would let XLA free buffers that MPI may still

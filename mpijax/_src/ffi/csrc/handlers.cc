@@ -14,6 +14,7 @@
 
 #include "allreduce.h"
 #include "call.h"
+#include "chunks.h"
 #include "reduce_ops.h"
 #include "registry.h"
 #include "ring.h"
@@ -31,20 +32,6 @@ namespace {
 // above the ring's and within the 32767 every MPI allows.
 constexpr int kPpermuteTagBase = kRingTag + 1;
 constexpr int kPpermuteTags = 16384;
-
-// A byte block of `len` bytes whose extent is `stride`: lets one collective
-// move chunk c of every rank's block without a staging copy.
-struct StridedBytes {
-  MPI_Datatype type = MPI_DATATYPE_NULL;
-  StridedBytes(size_t len, size_t stride) {
-    MPI_Datatype block;
-    MPI_Type_contiguous(static_cast<int>(len), MPI_BYTE, &block);
-    MPI_Type_create_resized(block, 0, static_cast<MPI_Aint>(stride), &type);
-    MPI_Type_commit(&type);
-    MPI_Type_free(&block);
-  }
-  ~StridedBytes() { MPI_Type_free(&type); }
-};
 
 // `device` (XLA's ordinal) becomes the local device index from here on.
 #define MPIJAX_GET_COMM(var, comm_id, device)          \
@@ -184,26 +171,22 @@ ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
   size_t nb = x.size_bytes();
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  size_t chunk = ChunkElems(1);
-  if (nb == 0) return ffi::Error::Success();
-  if (nb <= chunk) {
-    int len = static_cast<int>(nb);
-    MPIJAX_COLLECTIVE(
-        info, comm, nb * CommSize(comm),
-        MPI_Allgather(src, len, MPI_BYTE, dst, len, MPI_BYTE, comm),
-        MPI_Iallgather(src, len, MPI_BYTE, dst, len, MPI_BYTE, comm, &req_));
-    return ffi::Error::Success();
-  }
-  for (size_t off = 0; off < nb; off += chunk) {
-    size_t len = std::min(chunk, nb - off);
-    StridedBytes recv_type(len, nb);
-    MPI_Request req;
-    MPIJAX_CHECK_MPI(MPI_Iallgather(src + off, static_cast<int>(len), MPI_BYTE,
-                                    dst + off, 1, recv_type.type, comm, &req),
-                     info);
-    if (auto e = Wait(&req, info); e.failure()) return e;
-  }
-  return ffi::Error::Success();
+  return BlockCollective(
+      info, nb,
+      [&](int len) -> ffi::Error {
+        MPIJAX_COLLECTIVE(
+            info, comm, nb * CommSize(comm),
+            MPI_Allgather(src, len, MPI_BYTE, dst, len, MPI_BYTE, comm),
+            MPI_Iallgather(src, len, MPI_BYTE, dst, len, MPI_BYTE, comm, &req_));
+        return ffi::Error::Success();
+      },
+      [&](size_t off, size_t len, const StridedBytes& recv_type,
+          MPI_Request& req) -> ffi::Error {
+        MPIJAX_CHECK_MPI(MPI_Iallgather(src + off, static_cast<int>(len), MPI_BYTE,
+                                        dst + off, 1, recv_type.type, comm, &req),
+                         info);
+        return ffi::Error::Success();
+      });
 }
 
 ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
@@ -238,15 +221,15 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
   // Huge blocks: one contiguous reduce per (destination, chunk); reductions
   // over strided derived types are not portable for user-defined ops.
   for (int r = 0; r < size; ++r) {
-    for (size_t off = 0; off < n; off += chunk) {
-      int count = static_cast<int>(std::min(chunk, n - off));
+    auto e = ForEachChunk(n, es, [&](size_t off, int count) -> ffi::Error {
       MPI_Request req;
       MPIJAX_CHECK_MPI(MPI_Ireduce(src + (r * n + off) * es,
                                    rank == r ? dst + off * es : nullptr, count,
                                    dt, mop, r, comm, &req),
                        info);
-      if (auto e = Wait(&req, info); e.failure()) return e;
-    }
+      return Wait(&req, info);
+    });
+    if (e.failure()) return e;
   }
   return ffi::Error::Success();
 }
@@ -264,32 +247,29 @@ ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
   size_t nb = x.size_bytes() / std::max(size, 1);  // bytes per block
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  size_t chunk = ChunkElems(1);
-  if (nb == 0) return ffi::Error::Success();
-  if (nb <= chunk) {
-    const void* send = src == dst ? MPI_IN_PLACE : src;
-    int len = static_cast<int>(nb);
-    MPIJAX_COLLECTIVE(
-        info, comm, x.size_bytes(),
-        MPI_Alltoall(send, len, MPI_BYTE, dst, len, MPI_BYTE, comm),
-        MPI_Ialltoall(send, len, MPI_BYTE, dst, len, MPI_BYTE, comm, &req_));
-    return ffi::Error::Success();
-  }
-  if (src == dst) {
-    return ffi::Error::InvalidArgument(
-        info.Describe() + ": in-place alltoall of blocks larger than "
-        "max_chunk_bytes is not supported; do not alias this output.");
-  }
-  for (size_t off = 0; off < nb; off += chunk) {
-    size_t len = std::min(chunk, nb - off);
-    StridedBytes block(len, nb);
-    MPI_Request req;
-    MPIJAX_CHECK_MPI(MPI_Ialltoall(src + off, 1, block.type, dst + off, 1,
-                                   block.type, comm, &req),
-                     info);
-    if (auto e = Wait(&req, info); e.failure()) return e;
-  }
-  return ffi::Error::Success();
+  return BlockCollective(
+      info, nb,
+      [&](int len) -> ffi::Error {
+        const void* send = src == dst ? MPI_IN_PLACE : src;
+        MPIJAX_COLLECTIVE(
+            info, comm, x.size_bytes(),
+            MPI_Alltoall(send, len, MPI_BYTE, dst, len, MPI_BYTE, comm),
+            MPI_Ialltoall(send, len, MPI_BYTE, dst, len, MPI_BYTE, comm, &req_));
+        return ffi::Error::Success();
+      },
+      [&](size_t off, size_t /*len*/, const StridedBytes& block,
+          MPI_Request& req) -> ffi::Error {
+        // Before the first piece is posted.
+        if (src == dst) {
+          return ffi::Error::InvalidArgument(
+              info.Describe() + ": in-place alltoall of blocks larger than "
+              "max_chunk_bytes is not supported; do not alias this output.");
+        }
+        MPIJAX_CHECK_MPI(MPI_Ialltoall(src + off, 1, block.type, dst + off, 1,
+                                       block.type, comm, &req),
+                         info);
+        return ffi::Error::Success();
+      });
 }
 
 ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
@@ -303,23 +283,18 @@ ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
   CallInfo info{"bcast", x.element_type(), x.dimensions(), size, comm_id,
                 device};
   MPIJAX_ENTER(info, comm, site, sig);
-  if (root < 0 || root >= size) {
-    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
-                                       std::to_string(root) + " out of range");
-  }
+  if (auto e = CheckRoot(info, root); e.failure()) return e;
   size_t nb = x.size_bytes();
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
   if (CommRank(comm) == root && src != dst) std::memcpy(dst, src, nb);
-  size_t chunk = ChunkElems(1);
-  for (size_t off = 0; off < nb; off += chunk) {
-    int len = static_cast<int>(std::min(chunk, nb - off));
-    int r = static_cast<int>(root);
+  int r = static_cast<int>(root);
+  return ForEachChunk(nb, 1, [&](size_t off, int len) -> ffi::Error {
     MPIJAX_COLLECTIVE(info, comm, len,
                       MPI_Bcast(dst + off, len, MPI_BYTE, r, comm),
                       MPI_Ibcast(dst + off, len, MPI_BYTE, r, comm, &req_));
-  }
-  return ffi::Error::Success();
+    return ffi::Error::Success();
+  });
 }
 
 // Sum (or op) to root; zeros on the other ranks. The transpose of bcast.
@@ -335,10 +310,7 @@ ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
   CallInfo info{"reduce", x.element_type(), x.dimensions(), size, comm_id,
                 device};
   MPIJAX_ENTER(info, comm, site, sig);
-  if (root < 0 || root >= size) {
-    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
-                                       std::to_string(root) + " out of range");
-  }
+  if (auto e = CheckRoot(info, root); e.failure()) return e;
   MPI_Datatype dt;
   MPI_Op mop;
   if (auto e = ReductionTypes(x.element_type(), op, &dt, &mop); e.failure())
@@ -346,16 +318,15 @@ ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
   size_t n = x.element_count(), es = ffi::ByteWidth(x.element_type());
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  size_t chunk = ChunkElems(es);
-  for (size_t off = 0; off < n; off += chunk) {
-    int count = static_cast<int>(std::min(chunk, n - off));
+  auto e = ForEachChunk(n, es, [&](size_t off, int count) -> ffi::Error {
     const void* send = (is_root && src == dst) ? MPI_IN_PLACE : src + off * es;
     MPI_Request req;
     MPIJAX_CHECK_MPI(MPI_Ireduce(send, dst + off * es, count, dt, mop,
                                  static_cast<int>(root), comm, &req),
                      info);
-    if (auto e = Wait(&req, info); e.failure()) return e;
-  }
+    return Wait(&req, info);
+  });
+  if (e.failure()) return e;
   if (!is_root) std::memset(dst, 0, n * es);
   return ffi::Error::Success();
 }
@@ -399,9 +370,7 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
     if (src != dst) std::memcpy(dst, src, nb);
     return ffi::Error::Success();
   }
-  size_t chunk = ChunkElems(1);
-  for (size_t off = 0; off < nb; off += chunk) {
-    int len = static_cast<int>(std::min(chunk, nb - off));
+  auto e = ForEachChunk(nb, 1, [&](size_t off, int len) -> ffi::Error {
     MPI_Request reqs[2];
     int nreq = 0;
     if (recv_from >= 0) {
@@ -414,8 +383,9 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
                                  &reqs[nreq++]),
                        info);
     }
-    if (auto e = WaitAll(nreq, reqs, info); e.failure()) return e;
-  }
+    return WaitAll(nreq, reqs, info);
+  });
+  if (e.failure()) return e;
   if (recv_from < 0) std::memset(dst, 0, nb);
   return ffi::Error::Success();
 }
@@ -493,10 +463,7 @@ ffi::Error GatherImpl(int64_t device, ffi::AnyBuffer x,
   CallInfo info{"gather", x.element_type(), x.dimensions(), size, comm_id,
                 device};
   MPIJAX_ENTER(info, comm, site, sig);
-  if (root < 0 || root >= size) {
-    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
-                                       std::to_string(root) + " out of range");
-  }
+  if (auto e = CheckRoot(info, root); e.failure()) return e;
   bool is_root = CommRank(comm) == root;
   size_t nb = x.size_bytes();
   if (is_root && out->size_bytes() != nb * size) {
@@ -506,28 +473,23 @@ ffi::Error GatherImpl(int64_t device, ffi::AnyBuffer x,
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = is_root ? static_cast<char*>(out->untyped_data()) : nullptr;
   int r = static_cast<int>(root);
-  size_t chunk = ChunkElems(1);
-  if (nb == 0) return ffi::Error::Success();
-  if (nb <= chunk) {
-    int len = static_cast<int>(nb);
-    // The same byte count on every rank: all ranks choose the same call.
-    MPIJAX_COLLECTIVE(
-        info, comm, nb * size,
-        MPI_Gather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
-        MPI_Igather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
-    return ffi::Error::Success();
-  }
-  for (size_t off = 0; off < nb; off += chunk) {
-    size_t len = std::min(chunk, nb - off);
-    StridedBytes recv_type(len, nb);
-    MPI_Request req;
-    MPIJAX_CHECK_MPI(MPI_Igather(src + off, static_cast<int>(len), MPI_BYTE,
-                                 dst == nullptr ? nullptr : dst + off, 1,
-                                 recv_type.type, r, comm, &req),
-                     info);
-    if (auto e = Wait(&req, info); e.failure()) return e;
-  }
-  return ffi::Error::Success();
+  return BlockCollective(
+      info, nb,
+      [&](int len) -> ffi::Error {
+        MPIJAX_COLLECTIVE(
+            info, comm, nb * size,
+            MPI_Gather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
+            MPI_Igather(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
+        return ffi::Error::Success();
+      },
+      [&](size_t off, size_t len, const StridedBytes& recv_type,
+          MPI_Request& req) -> ffi::Error {
+        MPIJAX_CHECK_MPI(MPI_Igather(src + off, static_cast<int>(len), MPI_BYTE,
+                                     dst == nullptr ? nullptr : dst + off, 1,
+                                     recv_type.type, r, comm, &req),
+                         info);
+        return ffi::Error::Success();
+      });
 }
 
 // Block r of root's x, of shape (size, *out.shape), lands on rank r. The
@@ -544,10 +506,7 @@ ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
   CallInfo info{"scatter", out->element_type(), out->dimensions(), size,
                 comm_id, device};
   MPIJAX_ENTER(info, comm, site, sig);
-  if (root < 0 || root >= size) {
-    return ffi::Error::InvalidArgument(info.Describe() + ": root " +
-                                       std::to_string(root) + " out of range");
-  }
+  if (auto e = CheckRoot(info, root); e.failure()) return e;
   bool is_root = CommRank(comm) == root;
   size_t nb = out->size_bytes();
   if (is_root && x.size_bytes() != nb * size) {
@@ -557,28 +516,24 @@ ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
   char* src = is_root ? static_cast<char*>(x.untyped_data()) : nullptr;
   char* dst = static_cast<char*>(out->untyped_data());
   int r = static_cast<int>(root);
-  size_t chunk = ChunkElems(1);
-  if (nb == 0) return ffi::Error::Success();
-  if (nb <= chunk) {
-    int len = static_cast<int>(nb);
-    MPIJAX_COLLECTIVE(
-        info, comm, nb * size,
-        MPI_Scatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
-        MPI_Iscatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
-    return ffi::Error::Success();
-  }
-  for (size_t off = 0; off < nb; off += chunk) {
-    size_t len = std::min(chunk, nb - off);
-    StridedBytes send_type(len, nb);
-    MPI_Request req;
-    MPIJAX_CHECK_MPI(MPI_Iscatter(src == nullptr ? nullptr : src + off, 1,
-                                  send_type.type, dst + off,
-                                  static_cast<int>(len), MPI_BYTE, r, comm,
-                                  &req),
-                     info);
-    if (auto e = Wait(&req, info); e.failure()) return e;
-  }
-  return ffi::Error::Success();
+  return BlockCollective(
+      info, nb,
+      [&](int len) -> ffi::Error {
+        MPIJAX_COLLECTIVE(
+            info, comm, nb * size,
+            MPI_Scatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm),
+            MPI_Iscatter(src, len, MPI_BYTE, dst, len, MPI_BYTE, r, comm, &req_));
+        return ffi::Error::Success();
+      },
+      [&](size_t off, size_t len, const StridedBytes& send_type,
+          MPI_Request& req) -> ffi::Error {
+        MPIJAX_CHECK_MPI(MPI_Iscatter(src == nullptr ? nullptr : src + off, 1,
+                                      send_type.type, dst + off,
+                                      static_cast<int>(len), MPI_BYTE, r, comm,
+                                      &req),
+                         info);
+        return ffi::Error::Success();
+      });
 }
 
 // Inclusive prefix reduction: rank r gets the reduction of ranks 0..r's x.
@@ -599,16 +554,14 @@ ffi::Error ScanImpl(int64_t device, ffi::AnyBuffer x,
   size_t n = x.element_count(), es = ffi::ByteWidth(x.element_type());
   char* src = static_cast<char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
-  size_t chunk = ChunkElems(es);
-  for (size_t off = 0; off < n; off += chunk) {
-    int count = static_cast<int>(std::min(chunk, n - off));
+  return ForEachChunk(n, es, [&](size_t off, int count) -> ffi::Error {
     const void* send = src == dst ? MPI_IN_PLACE : src + off * es;
     char* recv = dst + off * es;
     MPIJAX_COLLECTIVE(info, comm, count * es,
                       MPI_Scan(send, recv, count, dt, mop, comm),
                       MPI_Iscan(send, recv, count, dt, mop, comm, &req_));
-  }
-  return ffi::Error::Success();
+    return ffi::Error::Success();
+  });
 }
 
 // Point-to-point peers and tags as Python encodes them (mpi4py's constants
