@@ -18,9 +18,8 @@ def _digits(out, *args: str) -> list[str]:
           "--min-accuracy", "0.97", *args]
 
 
-def test_main_job_then_resume_at_another_rank_count(tmp_path):
-  out = tmp_path / "digits"
-  result, seconds = run_mpi(4, _digits(out), timeout=300)
+def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
+  out, result = digits_4_ranks  # run_mpi(4, _digits(out)), shared with tests/test_restart.py
   assert result.returncode == 0, tail(result.stdout)
   summary = json.loads((out / "metrics.json").read_text())["summary"]
   assert summary["ranks"] == 4 and summary["test_accuracy"] >= 0.97, summary

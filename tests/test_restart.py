@@ -108,26 +108,27 @@ def _rank_pid(marker: str, rank: int) -> int | None:
   return None
 
 
-def _result(job: _Job) -> tuple[float, str]:
-  accuracy = _ACCURACY.findall(job.text)
-  digest = _DIGEST.findall(job.text)
-  assert accuracy, "the digits example printed no final accuracy:\n" + tail(job.text)
+def _result(text: str) -> tuple[float, str]:
+  accuracy = _ACCURACY.findall(text)
+  digest = _DIGEST.findall(text)
+  assert accuracy, "the digits example printed no final accuracy:\n" + tail(text)
   assert digest, ("the digits example printed no parameter digest ('params sha256 <hex>') at the "
-                  "end:\n" + tail(job.text))
+                  "end:\n" + tail(text))
   return float(accuracy[-1]), digest[-1]
 
 
-def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path):
+def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path, digits_4_ranks):
   seed = int(os.environ.get("MPIJAX_TEST_KILL_SEED", str(random.randrange(1 << 30))))
   rng = random.Random(seed)
   epoch, delay, victim = rng.randint(1, EPOCHS - 3), rng.uniform(0.0, 0.6), rng.randrange(RANKS)
   print(f"MPIJAX_TEST_KILL_SEED={seed}: SIGKILL rank {victim} {delay:.2f} s after epoch {epoch}")
 
-  # The uninterrupted run.
-  marker = uuid.uuid4().hex
-  reference = _Job(*_digits(tmp_path / "reference", marker, max_restarts=0))
-  assert reference.finish(TIMEOUT + 30) == 0, tail(reference.text)
-  ref_accuracy, ref_digest = _result(reference)
+  # The uninterrupted run: the README's main job (tests/conftest.py), the same
+  # digits training at the same rank count and epochs.
+  _, reference = digits_4_ranks
+  assert reference.returncode == 0, tail(reference.stdout)
+  assert f"epoch {EPOCHS:3d}/{EPOCHS}" in reference.stdout, tail(reference.stdout)
+  ref_accuracy, ref_digest = _result(reference.stdout)
 
   # The same run, one rank killed in the middle; mpijax-run restarts it once.
   marker = uuid.uuid4().hex
@@ -155,7 +156,7 @@ def test_digits_rank_killed_at_a_random_step_resumes_bit_for_bit(tmp_path):
   steps = [int(s) for s in _RESUMED.findall(after_kill)]
   assert steps and steps[0] > 0, "the restarted job did not resume from its checkpoint:\n" + tail(text)
 
-  accuracy, digest = _result(job)
+  accuracy, digest = _result(text)
   assert accuracy >= 0.97, tail(text)
   assert digest == ref_digest, (f"parameters differ from the uninterrupted run's: {digest} vs "
                                 f"{ref_digest}\n" + tail(text))

@@ -25,7 +25,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
 # One regular expression per tag style; group "rank" is the rank.
@@ -101,35 +101,42 @@ _STALL = re.compile(r"mpijax: stall: (rank \d+.*)")
 _MPI_ERROR = re.compile(r"mpijax: rank (\d+): (\S+ failed in .*)")
 _MISMATCH = re.compile(r"(mpijax: collective mismatch.*)")
 
-# The launchers' messages (whitespace-normalized, since they wrap lines).
-_LAUNCHER_REASONS = [
+# Open MPI's "process rank R with PID P on node H <what happened>".
+_OMPI_RANK = r"process rank (\d+) with PID \d+ on node (\S+) "
+
+
+def _says(template: str) -> Callable[[re.Match], str]:
+  """A reason that is `template` with the match's groups as {1}, {2}, ..."""
+  return lambda m: template.format(m[0], *m.groups())
+
+
+# The launchers' messages (whitespace-normalized, since they wrap lines), each
+# with the reason it gives.
+_LAUNCHER_REASONS = [(re.compile(pattern), reason) for pattern, reason in [
     # Open MPI 4 and 5
-    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+) \(([^)]*)\)"),
-     lambda m: f"rank {m[1]} on node {m[2]} was killed by signal {m[3]} ({m[4]})"),
-    (re.compile(r"Process name: \[[^\]]*?,(\d+)\] Exit code: (\d+)"),
-     lambda m: f"rank {m[1]} exited with status {m[2]}"),
-    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) calling \"abort\""),
-     lambda m: f"rank {m[1]} on node {m[2]} called MPI_Abort"),
-    (re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+ with errorcode (\d+)"),
-     lambda m: f"rank {m[1]} called MPI_Abort (error code {m[2]})"),
-    (re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exiting improperly"),
-     lambda m: f"rank {m[1]} on node {m[2]} exited without MPI_Finalize"),
-    (re.compile(r"A daemon failed to report back.*?Remote host: (\S+)"),
-     lambda m: f"the launcher lost its daemon on host {m[1]} (or could not start it)"),
-    (re.compile(r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (\S+)"),
-     lambda m: f"the launcher lost communication with its daemon on host {m[1]}"),
-    (re.compile(r"(?:ORTE|PRTE) (?:was|is) unable to reliably start one or more daemons"),
-     lambda m: "the launcher could not start its daemons on every host"),
+    (_OMPI_RANK + r"exited on signal (\d+) \(([^)]*)\)",
+     _says("rank {1} on node {2} was killed by signal {3} ({4})")),
+    (r"Process name: \[[^\]]*?,(\d+)\] Exit code: (\d+)", _says("rank {1} exited with status {2}")),
+    (_OMPI_RANK + r"calling \"abort\"", _says("rank {1} on node {2} called MPI_Abort")),
+    (r"MPI_ABORT was invoked on rank (\d+) in communicator \S+ with errorcode (\d+)",
+     _says("rank {1} called MPI_Abort (error code {2})")),
+    (_OMPI_RANK + r"exiting improperly", _says("rank {1} on node {2} exited without MPI_Finalize")),
+    (r"A daemon failed to report back.*?Remote host: (\S+)",
+     _says("the launcher lost its daemon on host {1} (or could not start it)")),
+    (r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (\S+)",
+     _says("the launcher lost communication with its daemon on host {1}")),
+    (r"(?:ORTE|PRTE) (?:was|is) unable to reliably start one or more daemons",
+     _says("the launcher could not start its daemons on every host")),
     # Slurm
-    (re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
-                r"[A-Z][a-z]+(?: [a-z]+)*)"),
+    (r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
+     r"[A-Z][a-z]+(?: [a-z]+)*)",
      lambda m: f"task {m[2]} on node {m[1]}: {m[3].lower()}"),
     # MPICH / Hydra (older versions name the rank, 4.x and 5.x only the PID)
-    (re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
-                r"|EXIT STATUS: \d+|EXIT CODE: \d+)(?:.*?EXIT STRING: (.*?\(signal \d+\)))?"),
+    (r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
+     r"|EXIT STATUS: \d+|EXIT CODE: \d+)(?:.*?EXIT STRING: (.*?\(signal \d+\)))?",
      lambda m: (f"{'rank ' + m[1] if m[1] else 'a rank'} on node {m[2]}: {m[3].lower()}"
                 + (f" ({m[4].lower()})" if m[4] else ""))),
-]
+]]
 
 # Messages that mean the job failed even when the launcher's exit status is 0
 # (Open MPI 5's prterun exits 0 when a remote daemon and its ranks are killed).

@@ -186,7 +186,7 @@ def test_chain_of_calls_runs_in_program_order():
         outs.append(mpi4jax.alltoall(jnp.broadcast_to(x, (N, *x.shape)))[i % N])
     return outs
 
-  xs = [jnp.full((1 + (i * 37) % 300,), float(R + i), jnp.float32) for i in range(24)]
+  xs = [jax.device_put(np.full(1 + (i * 37) % 300, R + i, np.float32)) for i in range(24)]
   f = jax.jit(prog)
   for _ in range(5):
     outs = f(xs)

@@ -669,7 +669,8 @@ def test_fused_all_reduce_of_many_buffers(count):
   # more run the ring. Out of place and in place (intermediates).
   from mpijax._src.ops.allreduce import allreduce_many
   sizes = [(i * 7919) % 30000 + 1 for i in range(count)]
-  xs = [jnp.full(n, float(R + i % 5), jnp.float32) for i, n in enumerate(sizes)]
+  # Made with NumPy and device_put: jnp.full (or jnp.asarray) compiles once per shape.
+  xs = [jax.device_put(np.full(n, R + i % 5, np.float32)) for i, n in enumerate(sizes)]
   for got in (allreduce_many(xs), jax.jit(lambda vs: allreduce_many([v * 1 for v in vs]))(xs)):
     assert len(got) == count
     for i, (g, n) in enumerate(zip(got, sizes)):
@@ -714,7 +715,7 @@ def test_many_independent_collectives_in_one_program():
         outs.append(ops.ppermute(x, [(j, (j + 1 + i) % N) for j in range(N)]))
     return outs
 
-  xs = [jnp.full((1 + (i * 37) % 500,), float(R + i), jnp.float32) for i in range(K)]
+  xs = [jax.device_put(np.full(1 + (i * 37) % 500, R + i, np.float32)) for i in range(K)]
   f = jax.jit(prog)
   outs = [f(xs) for _ in range(50)][-1]
   for i, o in enumerate(outs):

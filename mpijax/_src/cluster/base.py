@@ -15,30 +15,41 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import ClassVar
 
 _REGISTRY: list[type[ClusterEnv]] = []
 
 # The keyword arguments of detect() that may override the environment.
-_EXPLICIT_FIELDS = ("rank", "size", "local_rank", "local_size", "node_index",
-                    "node_count", "hostnames")
+_INT_FIELDS = ("rank", "size", "local_rank", "local_size", "node_index", "node_count")
+_EXPLICIT_FIELDS = (*_INT_FIELDS, "hostnames")
 
 
 class ClusterEnv:
   """Reads one launcher's environment. Subclasses register on definition.
 
-  A subclass sets `name` and `env_hint` and overrides the classmethods it can
-  answer; the defaults answer None ("this launcher does not say").
+  A subclass sets `name` and `env_hint`, names in `env_vars` the variables
+  that hold its integer fields, and overrides the classmethods it answers some
+  other way; a field it says nothing about is None ("this launcher does not
+  say").
   """
 
   name: ClassVar[str]
   # What is_env_present() looks for, for error messages.
   env_hint: ClassVar[str] = ""
+  # Integer field (rank, size, local_rank, local_size, node_index, node_count)
+  # -> the variable holding it, or a tuple of variables of which the first one
+  # set is read. The default getters read these with `env_int`.
+  env_vars: ClassVar[Mapping[str, str | tuple[str, ...]]] = {}
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     if not isinstance(cls.__dict__.get("name"), str):
       raise TypeError(f"{cls.__qualname__} must set a class attribute `name` (a str)")
+    unknown = sorted(set(cls.env_vars) - set(_INT_FIELDS))
+    if unknown:
+      raise TypeError(f"{cls.__qualname__}.env_vars names unknown field(s) {unknown}; "
+                      f"the integer fields are {list(_INT_FIELDS)}")
     taken = [c for c in _REGISTRY if c.name == cls.name]
     if taken:
       raise ValueError(f"launcher name {cls.name!r} of {cls.__qualname__} is already "
@@ -51,28 +62,41 @@ class ClusterEnv:
     raise NotImplementedError
 
   @classmethod
+  def env_field(cls, field: str) -> int | None:
+    """The integer `field` read from the variable(s) `env_vars` names for it.
+
+    None when `env_vars` names none, or none of them is set.
+
+    Raises:
+      ValueError: from `env_int`, when the variable read is malformed.
+    """
+    names = cls.env_vars.get(field)
+    var = env_first(*names) if isinstance(names, tuple) else names
+    return None if var is None else env_int(var)
+
+  @classmethod
   def get_process_id(cls) -> int | None:
-    return None
+    return cls.env_field("rank")
 
   @classmethod
   def get_process_count(cls) -> int | None:
-    return None
+    return cls.env_field("size")
 
   @classmethod
   def get_local_process_id(cls) -> int | None:
-    return None
+    return cls.env_field("local_rank")
 
   @classmethod
   def get_local_process_count(cls) -> int | None:
-    return None
+    return cls.env_field("local_size")
 
   @classmethod
   def get_node_index(cls) -> int | None:
-    return None
+    return cls.env_field("node_index")
 
   @classmethod
   def get_node_count(cls) -> int | None:
-    return None
+    return cls.env_field("node_count")
 
   @classmethod
   def get_hostnames(cls) -> tuple[str, ...] | None:

@@ -22,23 +22,9 @@ class MpichEnv(base.ClusterEnv):
 
   name = "mpich"
   env_hint = f"{_RANK} and {_SIZE} set"
+  env_vars = {"rank": _RANK, "size": _SIZE, "local_rank": _LOCAL_RANK,
+              "local_size": _LOCAL_SIZE}
 
   @classmethod
   def is_env_present(cls) -> bool:
     return base.env_present(_RANK, _SIZE)
-
-  @classmethod
-  def get_process_id(cls) -> int | None:
-    return base.env_int(_RANK)
-
-  @classmethod
-  def get_process_count(cls) -> int | None:
-    return base.env_int(_SIZE)
-
-  @classmethod
-  def get_local_process_id(cls) -> int | None:
-    return base.env_int(_LOCAL_RANK)
-
-  @classmethod
-  def get_local_process_count(cls) -> int | None:
-    return base.env_int(_LOCAL_SIZE)

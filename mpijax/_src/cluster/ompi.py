@@ -14,10 +14,11 @@ import os
 
 from mpijax._src.cluster import base
 
-_RANK = "OMPI_COMM_WORLD_RANK"
-_SIZE = "OMPI_COMM_WORLD_SIZE"
-_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
-_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+# Open MPI's own variables, set under Open MPI 5 too (prrte reads them).
+RANK = "OMPI_COMM_WORLD_RANK"
+SIZE = "OMPI_COMM_WORLD_SIZE"
+LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
+LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 # Set by ORTE's launch (odls) for every process; absent under Open MPI 5.
 _ORTE_LAUNCH = "OMPI_MCA_orte_launch"
 _ORTE_NUM_PROCS = "OMPI_MCA_orte_ess_num_procs"
@@ -32,33 +33,15 @@ class OpenMPI4Env(base.ClusterEnv):
   """Open MPI 4 ``mpirun`` (ORTE)."""
 
   name = "openmpi4"
-  env_hint = f"{_SIZE} and {_ORTE_LAUNCH} or {_ORTE_NUM_PROCS} set"
+  env_hint = f"{SIZE} and {_ORTE_LAUNCH} or {_ORTE_NUM_PROCS} set"
+  env_vars = {"rank": RANK, "size": SIZE, "local_rank": LOCAL_RANK,
+              "local_size": LOCAL_SIZE, "node_count": _NUM_NODES}
 
   @classmethod
   def is_env_present(cls) -> bool:
-    if _SIZE not in os.environ:
+    if SIZE not in os.environ:
       return False
     # Claim only an ORTE launch: an Open MPI 5 launch (PRTE_LAUNCHED) belongs
     # to the prrte detector, registered after this one.
     orte = base.env_first(_ORTE_LAUNCH, _ORTE_NUM_PROCS) is not None
     return orte and "PRTE_LAUNCHED" not in os.environ
-
-  @classmethod
-  def get_process_id(cls) -> int | None:
-    return base.env_int(_RANK)
-
-  @classmethod
-  def get_process_count(cls) -> int | None:
-    return base.env_int(_SIZE)
-
-  @classmethod
-  def get_local_process_id(cls) -> int | None:
-    return base.env_int(_LOCAL_RANK)
-
-  @classmethod
-  def get_local_process_count(cls) -> int | None:
-    return base.env_int(_LOCAL_SIZE)
-
-  @classmethod
-  def get_node_count(cls) -> int | None:
-    return base.env_int(_NUM_NODES)

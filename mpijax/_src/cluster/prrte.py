@@ -12,12 +12,9 @@ from __future__ import annotations
 import os
 
 from mpijax._src.cluster import base
+from mpijax._src.cluster import ompi
 
 _LAUNCHED = "PRTE_LAUNCHED"
-_RANK = "OMPI_COMM_WORLD_RANK"
-_SIZE = "OMPI_COMM_WORLD_SIZE"
-_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
-_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 _PMIX_RANK = "PMIX_RANK"
 # PRRTE exports neither the node index nor the node count nor the node list
 # (PMIX_HOSTNAME is this host only); mpijax.init() gathers them over MPI.
@@ -27,24 +24,10 @@ class PrrteEnv(base.ClusterEnv):
   """Open MPI 5 ``mpirun`` / PRRTE ``prterun``."""
 
   name = "prrte"
-  env_hint = f"{_LAUNCHED} and {_RANK} or {_PMIX_RANK} set"
+  env_hint = f"{_LAUNCHED} and {ompi.RANK} or {_PMIX_RANK} set"
+  env_vars = {"rank": (ompi.RANK, _PMIX_RANK), "size": ompi.SIZE,
+              "local_rank": ompi.LOCAL_RANK, "local_size": ompi.LOCAL_SIZE}
 
   @classmethod
   def is_env_present(cls) -> bool:
-    return _LAUNCHED in os.environ and base.env_first(_RANK, _PMIX_RANK) is not None
-
-  @classmethod
-  def get_process_id(cls) -> int | None:
-    return base.env_int(base.env_first(_RANK, _PMIX_RANK) or _RANK)
-
-  @classmethod
-  def get_process_count(cls) -> int | None:
-    return base.env_int(_SIZE)
-
-  @classmethod
-  def get_local_process_id(cls) -> int | None:
-    return base.env_int(_LOCAL_RANK)
-
-  @classmethod
-  def get_local_process_count(cls) -> int | None:
-    return base.env_int(_LOCAL_SIZE)
+    return _LAUNCHED in os.environ and base.env_first(ompi.RANK, _PMIX_RANK) is not None

@@ -56,6 +56,8 @@ class SlurmEnv(base.ClusterEnv):
 
   name = "slurm"
   env_hint = f"{_PROCID} and {_STEP_MARKER} set, as srun sets them"
+  env_vars = {"rank": _PROCID, "size": _NTASKS, "local_rank": _LOCALID,
+              "node_index": _NODEID, "node_count": _NUM_NODES}
 
   @classmethod
   def is_env_present(cls) -> bool:
@@ -65,19 +67,6 @@ class SlurmEnv(base.ClusterEnv):
     # count; a different one means another launcher runs inside the step.
     pmi_size = os.environ.get(_PMI_SIZE)
     return pmi_size is None or pmi_size.strip() == os.environ[_STEP_MARKER].strip()
-
-  @classmethod
-  def get_process_id(cls) -> int | None:
-    return base.env_int(_PROCID)
-
-  @classmethod
-  def get_process_count(cls) -> int | None:
-    var = base.env_first(*_NTASKS)
-    return None if var is None else base.env_int(var)
-
-  @classmethod
-  def get_local_process_id(cls) -> int | None:
-    return base.env_int(_LOCALID)
 
   @classmethod
   def get_local_process_count(cls) -> int | None:
@@ -91,15 +80,6 @@ class SlurmEnv(base.ClusterEnv):
                        f"{len(counts)} node(s); the Slurm variables contradict each other "
                        "(was the environment copied from another step?).")
     return counts[node]
-
-  @classmethod
-  def get_node_index(cls) -> int | None:
-    return base.env_int(_NODEID)
-
-  @classmethod
-  def get_node_count(cls) -> int | None:
-    var = base.env_first(*_NUM_NODES)
-    return None if var is None else base.env_int(var)
 
   @classmethod
   def get_hostnames(cls) -> tuple[str, ...] | None:

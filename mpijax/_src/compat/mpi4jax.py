@@ -121,12 +121,9 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
   comm, op = _comm("allreduce", comm), _op("allreduce", op)
   x = dtypes.as_array("allreduce", x)
   info = communicators.resolve_comm(comm, "allreduce")
-  resolved = mpi_ops.resolve(op, x.dtype, "allreduce", info.size)
-  if resolved.logical:
-    out = allreduce(mpi_ops.as_logical(x), resolved.name, comm=comm)
-    return out.astype(x.dtype)
-  dtypes.check_reduce_op("allreduce", resolved.name, x.dtype)
-  return mpi4jax_autodiff.allreduce_p.bind(x, comm_id=info.id, op=resolved.name)
+  return mpi_ops.run_reduction(
+      "allreduce", op, x, info.size,
+      lambda x, op: mpi4jax_autodiff.allreduce_p.bind(x, comm_id=info.id, op=op))
 
 
 def allgather(x, *, comm=None, token=_NOTSET):

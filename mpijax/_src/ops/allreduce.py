@@ -49,25 +49,20 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   """
   x = dtypes.as_array("mpijax.ops.allreduce", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.allreduce")
-  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.allreduce", info.size)
-  if resolved.logical:
-    return allreduce(mpi_ops.as_logical(x), resolved.name, comm=comm).astype(x.dtype)
-  op = resolved.name
-  if op not in dtypes.REDUCE_OPS + ("mean",):
-    raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
-                     f"{dtypes.REDUCE_OPS + ('mean',)}.")
   divisor = 1
-  if op == "mean":
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      raise TypeError(f"mpijax.ops.allreduce: op='mean' needs a floating or complex "
-                      f"dtype, got {x.dtype.name}; use op='sum' and divide, or cast "
-                      f"x to a float first")
-    op = "sum"
-    divisor = None  # the communicator's size, known once it is resolved
-  dtypes.check_reduce_op("mpijax.ops.allreduce", op, x.dtype)
-  if divisor is None:
-    divisor = info.size
-  return allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor)
+  if isinstance(op, str):  # "mean" is allreduce's own; MPI.Ops are checked by run_reduction
+    if op not in dtypes.REDUCE_OPS + ("mean",):
+      raise ValueError(f"mpijax.ops.allreduce got op={op!r}; expected one of "
+                       f"{dtypes.REDUCE_OPS + ('mean',)}.")
+    if op == "mean":
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(f"mpijax.ops.allreduce: op='mean' needs a floating or complex "
+                        f"dtype, got {x.dtype.name}; use op='sum' and divide, or cast "
+                        f"x to a float first")
+      op, divisor = "sum", info.size
+  return mpi_ops.run_reduction(
+      "mpijax.ops.allreduce", op, x, info.size,
+      lambda x, op: allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor))
 
 
 # ``divisor``: the handler divides the reduced buffer by it (1: no division).

@@ -72,14 +72,12 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
   """
   x = dtypes.as_array("mpijax.ops.reduce", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.reduce")
-  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.reduce", info.size)
-  if resolved.logical:
-    out = reduce(mpi_ops.as_logical(x), resolved.name, root, comm=comm)
-    return out.astype(x.dtype)
-  op = resolved.name
-  dtypes.check_reduce_op("mpijax.ops.reduce", op, x.dtype)
-  _check_root("mpijax.ops.reduce", root, info.size)
-  return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
+
+  def run(x, op):
+    _check_root("mpijax.ops.reduce", root, info.size)
+    return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
+
+  return mpi_ops.run_reduction("mpijax.ops.reduce", op, x, info.size, run)
 
 
 def _same(x, **params):

@@ -13,9 +13,12 @@ rank MPI combines nothing and returns ``x`` itself, and so does mpijax).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+
+from mpijax._src.ops import dtypes
 
 # mpi4py's name -> (mpijax's op, logical).
 _MPI_OPS = {
@@ -94,3 +97,24 @@ def resolve(op: Any, dtype: Any, op_name: str, size: int = 2) -> ResolvedOp:
 def as_logical(x):
   """``x`` as MPI's logical ops see it: bool, nonzero is true."""
   return x != 0
+
+
+def run_reduction(op_name: str, op: Any, x: Any, size: int,
+                  run: Callable[[Any, str], Any]) -> Any:
+  """``run(x, name)`` with mpijax's reduction ``name`` for ``op``, as MPI defines it.
+
+  Resolves ``op`` (see `resolve`) and checks it for ``x``'s dtype; a logical
+  op runs on ``x != 0`` and its result is cast back to ``x``'s dtype.
+
+  Args:
+    op_name: the calling function, for messages.
+    op: a string or an mpi4py ``MPI.Op``.
+    x: the input array.
+    size: the communicator's size.
+    run: binds the primitive, given the array and the checked op name; it may
+      check its other arguments first.
+  """
+  resolved = resolve(op, x.dtype, op_name, size)
+  if resolved.logical:
+    return run_reduction(op_name, resolved.name, as_logical(x), size, run).astype(x.dtype)
+  return run(x, dtypes.check_reduce_op(op_name, resolved.name, x.dtype))

@@ -39,17 +39,15 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   """
   x = dtypes.as_array("mpijax.ops.reduce_scatter", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.reduce_scatter")
-  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.reduce_scatter", info.size)
-  if resolved.logical:
-    out = reduce_scatter(mpi_ops.as_logical(x), resolved.name, comm=comm)
-    return out.astype(x.dtype)
-  op = resolved.name
-  dtypes.check_reduce_op("mpijax.ops.reduce_scatter", op, x.dtype)
-  if x.ndim == 0 or x.shape[0] != info.size:
-    raise ValueError(
-        f"mpijax.ops.reduce_scatter needs x.shape[0] == communicator size "
-        f"{info.size}, got shape {x.shape}; reshape to ({info.size}, ...).")
-  return reduce_scatter_p.bind(x, comm_id=info.id, op=op, size=info.size)
+
+  def run(x, op):
+    if x.ndim == 0 or x.shape[0] != info.size:
+      raise ValueError(
+          f"mpijax.ops.reduce_scatter needs x.shape[0] == communicator size "
+          f"{info.size}, got shape {x.shape}; reshape to ({info.size}, ...).")
+    return reduce_scatter_p.bind(x, comm_id=info.id, op=op, size=info.size)
+
+  return mpi_ops.run_reduction("mpijax.ops.reduce_scatter", op, x, info.size, run)
 
 
 def _abstract_eval(x, *, comm_id, op, size):

@@ -39,11 +39,8 @@ def scan(x, op: Any = "sum", *, comm: Any = None) -> jax.Array:
   """
   x = dtypes.as_array("mpijax.ops.scan", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.scan")
-  resolved = mpi_ops.resolve(op, x.dtype, "mpijax.ops.scan", info.size)
-  if resolved.logical:
-    return scan(mpi_ops.as_logical(x), resolved.name, comm=comm).astype(x.dtype)
-  op = dtypes.check_reduce_op("mpijax.ops.scan", resolved.name, x.dtype)
-  return scan_p.bind(x, comm_id=info.id, op=op)
+  return mpi_ops.run_reduction("mpijax.ops.scan", op, x, info.size,
+                               lambda x, op: scan_p.bind(x, comm_id=info.id, op=op))
 
 
 def _same(x, **params):
