@@ -99,6 +99,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+# A requeued job becomes eligible after cred_expire; the main loop looks at it every 60 s by default.
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault={mpi_default}
