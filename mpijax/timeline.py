@@ -12,11 +12,11 @@ Command line::
 
 from __future__ import annotations
 
-from mpijax._src.timeline.api import finish as finish
-from mpijax._src.timeline.api import main as main
-from mpijax._src.timeline.api import start as start
+from mpijax._src.runtime import finish_timeline as finish
+from mpijax._src.runtime import start_timeline as start
 from mpijax._src.timeline.record import active as active
 from mpijax._src.timeline.record import span as span
+from mpijax._src.timeline.render import main as main
 from mpijax._src.timeline.render import render as render
 
 __all__ = ["active", "finish", "main", "render", "span", "start"]

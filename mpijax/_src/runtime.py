@@ -540,6 +540,28 @@ def _drain_at_exit() -> None:
     pass
 
 
+def start_timeline(path: str) -> None:
+  """Starts recording the collective timeline into ``path`` (collective).
+
+  ``mpijax.init(timeline=path)`` or ``MPIJAX_TIMELINE=path`` do this at
+  start-up and write the file at exit; call this (``mpijax.timeline.start``)
+  to record only part of a run, then :func:`finish_timeline`. The same path
+  on every rank.
+  """
+  rt = get("mpijax.timeline.start()")
+  timeline_record.start(path, rt.comm, hostnames=rt.topology.hostnames,
+                        devices=rt.local_device_count, drain=_drain_at_exit)
+
+
+def finish_timeline() -> str | None:
+  """Stops recording; rank 0 merges every rank's events and writes the file.
+
+  Collective (``mpijax.timeline.finish``). Returns the path written on
+  rank 0, None on the other ranks (and when the timeline was not recording).
+  """
+  return timeline_record.finish(_drain_at_exit)
+
+
 def shutdown() -> None:
   """Frees mpijax's communicators and state; ``init()`` may be called again."""
   global _runtime

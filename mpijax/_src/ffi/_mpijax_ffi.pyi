@@ -54,6 +54,9 @@ def register_site(text: str, slot: int) -> int:
   """Registers a call site's description and check slot (one per (signature,
   communicator)); returns its id (``site`` attribute)."""
 
+def site_texts() -> list[str]:
+  """Every registered call site's description, indexed by its id."""
+
 def start_inspector(handle: int) -> bool:
   """Starts the stall inspector's responder and watchdog threads on a private
   communicator; False if not started."""

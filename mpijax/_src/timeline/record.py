@@ -238,8 +238,7 @@ def start(path: str, comm: Any, *, hostnames: tuple[str, ...], devices: int,
 
 
 def _site_texts() -> dict[int, str]:
-  from mpijax._src.ops import call_sites
-  return {site: text for (text, _, _), site in call_sites._sites.items()}
+  return dict(enumerate(_ffi.load().site_texts()))
 
 
 def finish(drain: Callable[[], None] | None = None) -> str | None:

@@ -1,9 +1,13 @@
-"""A PNG summary of one step of a timeline file (matplotlib)."""
+"""A PNG summary of one step of a timeline file (matplotlib), and the
+``python -m mpijax.timeline`` command that draws it."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from mpijax._src.timeline.merge import STEPS_TID
@@ -143,3 +147,25 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
   plt.close(fig)
   summary = [f"{label}: {_fmt(span)}"] + (lines or ["no rank waited"])
   return "\n".join(summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m mpijax.timeline render TRACE -o PNG [--step N]``."""
+  parser = argparse.ArgumentParser(prog="python -m mpijax.timeline",
+                                   description="Summaries of an mpijax timeline file.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  r = sub.add_parser("render", help="a PNG of one training step: per rank and device, each "
+                     "call's wait and transfer, and who waited for whom")
+  r.add_argument("trace", help="the JSON file MPIJAX_TIMELINE wrote")
+  r.add_argument("-o", "--output", required=True, help="the PNG to write")
+  r.add_argument("--step", type=int, default=None,
+                 help="which step span (0-based, negative counts from the end; default: the "
+                      "last one); without step spans the whole trace")
+  args = parser.parse_args(argv)
+  try:
+    summary = render(args.trace, args.output, step=args.step)
+  except (OSError, ValueError) as e:
+    print(f"mpijax.timeline: {e}", file=sys.stderr)
+    return 1
+  print(summary)
+  return 0

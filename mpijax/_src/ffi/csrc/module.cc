@@ -247,6 +247,9 @@ NB_MODULE(_mpijax_ffi, m) {
   "train.py:42') and its check slot (one per (signature, communicator)); "
   "returns its id, the ops' 'site' attribute.");
 
+  m.def("site_texts", &SiteTexts,
+  "Every registered call site's description, indexed by its id.");
+
   m.def("start_inspector", [](uintptr_t handle) {
     return StartInspector(HandleToComm(handle));
   }, nb::arg("handle"),

@@ -151,6 +151,14 @@ std::string SiteText(int64_t site) {
   return g_sites[site].text;
 }
 
+std::vector<std::string> SiteTexts() {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  std::vector<std::string> texts;
+  texts.reserve(g_sites.size());
+  for (const Site& s : g_sites) texts.push_back(s.text);
+  return texts;
+}
+
 Site* GetSite(int64_t site) {
   std::lock_guard<std::mutex> lock(g_sites_mu);
   if (site < 0 || site >= static_cast<int64_t>(g_sites.size())) return nullptr;

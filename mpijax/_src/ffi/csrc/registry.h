@@ -124,6 +124,8 @@ struct Site {
 
 int64_t RegisterSite(const std::string& text, int64_t slot);
 std::string SiteText(int64_t site);
+// Every registered site's text, indexed by site id (the timeline's legend).
+std::vector<std::string> SiteTexts();
 Site* GetSite(int64_t site);
 
 }  // namespace mpijax::detail
