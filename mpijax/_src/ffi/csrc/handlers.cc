@@ -53,10 +53,10 @@ constexpr int kPpermuteTags = 16384;
 
 ffi::Error AllreduceImpl(int64_t device, ffi::AnyBuffer x,
                          ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                         int64_t op, int64_t divisor,
-    int64_t site, int64_t sig) {
+                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                         int64_t comm_id, int64_t op, int64_t divisor,
+                         int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allreduce", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
@@ -161,9 +161,9 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
 
 ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
                          ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-    int64_t site, int64_t sig) {
+                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                         int64_t comm_id, int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"allgather", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
@@ -191,10 +191,10 @@ ffi::Error AllgatherImpl(int64_t device, ffi::AnyBuffer x,
 
 ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
                              ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                             int64_t op,
-    int64_t site, int64_t sig) {
+                             ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                             int64_t comm_id, int64_t op, int64_t site,
+                             int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm), rank = CommRank(comm);
   CallInfo info{"reduce_scatter", x.element_type(), x.dimensions(), size,
@@ -236,9 +236,9 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
 
 ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-    int64_t site, int64_t sig) {
+                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                        int64_t comm_id, int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"alltoall", x.element_type(), x.dimensions(), size, comm_id,
@@ -274,10 +274,9 @@ ffi::Error AlltoallImpl(int64_t device, ffi::AnyBuffer x,
 
 ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
                      ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                     int64_t root,
-    int64_t site, int64_t sig) {
+                     ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::AnyBuffer> /*token_out*/, int64_t comm_id,
+                     int64_t root, int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"bcast", x.element_type(), x.dimensions(), size, comm_id,
@@ -300,10 +299,10 @@ ffi::Error BcastImpl(int64_t device, ffi::AnyBuffer x,
 // Sum (or op) to root; zeros on the other ranks. The transpose of bcast.
 ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                      int64_t op, int64_t root,
-    int64_t site, int64_t sig) {
+                      ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                      int64_t comm_id, int64_t op, int64_t root, int64_t site,
+                      int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   bool is_root = CommRank(comm) == root;
@@ -335,11 +334,11 @@ ffi::Error ReduceImpl(int64_t device, ffi::AnyBuffer x,
 // A rank nobody sends to gets zeros (jax.lax.ppermute semantics).
 ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                        ffi::Span<const int64_t> srcs,
-                        ffi::Span<const int64_t> dsts,
-    int64_t site, int64_t sig) {
+                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                        int64_t comm_id, ffi::Span<const int64_t> srcs,
+                        ffi::Span<const int64_t> dsts, int64_t site,
+                        int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm), rank = CommRank(comm);
   CallInfo info{"ppermute", x.element_type(), x.dimensions(), size, comm_id,
@@ -392,8 +391,7 @@ ffi::Error PpermuteImpl(int64_t device, ffi::AnyBuffer x,
 
 ffi::Error BarrierImpl(int64_t device, ffi::AnyBuffer /*token_in*/,
                        ffi::Result<ffi::AnyBuffer> /*token_out*/,
-                       int64_t comm_id,
-    int64_t site, int64_t sig) {
+                       int64_t comm_id, int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"barrier", ffi::DataType::INVALID, {}, CommSize(comm), comm_id,
                 device};
@@ -454,10 +452,10 @@ auto OneBufferOp() {
 // the other ranks' result is empty.
 ffi::Error GatherImpl(int64_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                      int64_t root,
-    int64_t site, int64_t sig) {
+                      ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                      int64_t comm_id, int64_t root, int64_t site,
+                      int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   CallInfo info{"gather", x.element_type(), x.dimensions(), size, comm_id,
@@ -496,10 +494,10 @@ ffi::Error GatherImpl(int64_t device, ffi::AnyBuffer x,
 // other ranks' x only gives the shape (it is not read).
 ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
                        ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                       int64_t root,
-    int64_t site, int64_t sig) {
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> /*token_out*/,
+                       int64_t comm_id, int64_t root, int64_t site,
+                       int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   int size = CommSize(comm);
   // Described by the block, the same on every rank.
@@ -539,10 +537,9 @@ ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
 // Inclusive prefix reduction: rank r gets the reduction of ranks 0..r's x.
 ffi::Error ScanImpl(int64_t device, ffi::AnyBuffer x,
                     ffi::AnyBuffer /*token_in*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token_out*/,
-    int64_t comm_id,
-                    int64_t op,
-    int64_t site, int64_t sig) {
+                    ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> /*token_out*/, int64_t comm_id,
+                    int64_t op, int64_t site, int64_t sig) {
   MPIJAX_GET_COMM(comm, comm_id, device);
   CallInfo info{"scan", x.element_type(), x.dimensions(), CommSize(comm),
                 comm_id, device};
