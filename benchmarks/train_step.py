@@ -491,6 +491,23 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
   get = {r.key: r for r in rows}
   lines += ["", "Targets: the communication a step adds to the step without it, in units "
             "of the fused all-reduce alone (comm only, default buckets):"]
+
+  def step_targets(n, base, comm, tag, base_text, comm_text):
+    # Each step target: the step <= base + limit x the all-reduce alone.
+    for key, limit, only in (("step_fused", 1.2, None), ("step_overlap", 1.2, None),
+                             ("step_overlap", 0.6, 2)):
+      if only is not None and n != only:
+        continue
+      step = get[key].us(n) if key in get else None
+      if step is None:
+        lines.append(f"- {n} ranks: {tag}{get[key].label if key in get else key}: missing")
+        continue
+      target = base + limit * comm
+      lines.append(f"- {n} ranks: {tag}{get[key].label} {_fmt_ms(step)} ms <= {base_text} + "
+                   f"{limit} x {comm_text}{_fmt_ms(comm)} = {_fmt_ms(target)} ms "
+                   f"(adds {(step - base) / comm:.2f}x the all-reduce) -> "
+                   f"{'PASS' if step <= target else 'FAIL'}")
+
   for n in ranks:
     if n == 1:
       continue
@@ -498,19 +515,8 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
     if local is None or comm is None:
       lines.append(f"- {n} ranks: missing (step without communication or fused all-reduce alone)")
       continue
-    for key, limit, only in (("step_fused", 1.2, None), ("step_overlap", 1.2, None),
-                             ("step_overlap", 0.6, 2)):
-      if only is not None and n != only:
-        continue
-      step = get[key].us(n) if key in get else None
-      if step is None:
-        lines.append(f"- {n} ranks: {get[key].label if key in get else key}: missing")
-        continue
-      target = local + limit * comm
-      lines.append(f"- {n} ranks: {get[key].label} {_fmt_ms(step)} ms <= step without "
-                   f"communication {_fmt_ms(local)} + {limit} x all-reduce alone {_fmt_ms(comm)} "
-                   f"= {_fmt_ms(target)} ms (adds {(step - local) / comm:.2f}x the all-reduce) -> "
-                   f"{'PASS' if step <= target else 'FAIL'}")
+    step_targets(n, local, comm, "", f"step without communication {_fmt_ms(local)}",
+                 "all-reduce alone ")
     # A/B: the same rows with spinning waits, against their own all-reduce alone.
     spin_comm = get["comm_fused_spin"].us(n) if "comm_fused_spin" in get else None
     for key, base in (("step_fused_spin", "step_fused"), ("step_overlap_spin", "step_overlap")):
@@ -529,16 +535,7 @@ def report(rows: list[Row], ranks: list[int], meta: dict[str, Any], args) -> str
       lines.append(f"- {n} ranks: (bound) step with the all-reduce's dependency, no data moved: "
                    f"{_fmt_ms(dep)} ms = step without communication + "
                    f"{(dep - local) / comm:.2f}x the all-reduce alone{held}")
-      for key, limit, only in (("step_fused", 1.2, None), ("step_overlap", 1.2, None),
-                               ("step_overlap", 0.6, 2)):
-        step = get[key].us(n) if key in get else None
-        if step is None or (only is not None and n != only):
-          continue
-        target = dep + limit * comm
-        lines.append(f"- {n} ranks: (against the dependency) {get[key].label} {_fmt_ms(step)} ms "
-                     f"<= {_fmt_ms(dep)} + {limit} x {_fmt_ms(comm)} = {_fmt_ms(target)} ms "
-                     f"(adds {(step - dep) / comm:.2f}x the all-reduce) -> "
-                     f"{'PASS' if step <= target else 'FAIL'}")
+      step_targets(n, dep, comm, "(against the dependency) ", _fmt_ms(dep), "")
     cores = meta.get("cores")
     for key in ("step_local", "step_dep", "step_fused", "comm_fused"):
       wall, cpu = (get[key].us(n, s) if key in get else None for s in ("median", "cpu"))
