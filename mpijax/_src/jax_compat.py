@@ -133,3 +133,10 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
   kw = {} if to == "varying" else {"to": to}
   return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                             tiled=tiled, **kw)
+
+
+def compiler_module() -> Any:
+  """``jax._src.compiler``: mpijax wraps its ``compile_or_get_cached`` to name
+  the collectives of each compiled program (xla_labels.py)."""
+  from jax._src import compiler
+  return compiler

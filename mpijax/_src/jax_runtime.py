@@ -30,6 +30,7 @@ from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import log
 from mpijax._src import mpi_util
+from mpijax._src import xla_labels
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather
 # (bfloat16 works: XLA computes it in float32), and the fix.
@@ -176,6 +177,12 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
       failure.add_hint(F16_ERROR, F16_HINT)
       if users is None:
         jax.config.update("jax_cpu_collectives_implementation", "mpi")
+      if config.get("xla_dispatch") == "inline":
+        # XLA hands a program of 1,000 flops or more to its thread pool and
+        # the caller waits for it: two thread hand-offs around every
+        # cross-process collective, most of a small one's time.
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+      xla_labels.install()
   owns = not adopted
   if owns:
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
@@ -250,6 +257,11 @@ def _attach(library: ctypes.CDLL, comm) -> None:
         "mpijax.init(): mpijax's MPI bridge library and its extension come from different "
         "builds (their table versions differ); reinstall mpijax.")
   _attached = True
+
+
+def attached() -> bool:
+  """Whether this process handed the bridge its table (XLA's collectives over MPI)."""
+  return _attached
 
 
 def bridge_stats() -> dict[str, int]:

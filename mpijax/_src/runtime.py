@@ -26,6 +26,7 @@ from mpijax._src import inspector
 from mpijax._src import jax_runtime
 from mpijax._src import log
 from mpijax._src import mpi_util
+from mpijax._src.ffi import settings as ffi_settings
 from mpijax._src.timeline import record as timeline_record
 
 
@@ -476,6 +477,12 @@ def init(*, launcher: str | None = None,
     # starts with the first collective and stops at shutdown() and at exit.
     inspector.prepare(private, drain=_drain_at_exit)
     register_shutdown_hook(inspector.stop)
+    if started is not None and started.collectives == "mpi" and jax_runtime.attached():
+      # XLA's collectives run through the bridge under the same guards as
+      # mpijax's own: the settings and the responder are needed from XLA's
+      # first collective on, which may come before any mpijax call.
+      ffi_settings.push_settings()
+      inspector.ensure_started()
     timeline_path = timeline if timeline is not None else config.get("timeline")
     if timeline_path:
       # Written at exit after the drain and before MPI finalizes (atexit runs

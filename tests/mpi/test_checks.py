@@ -16,7 +16,7 @@ import mpijax.ops
 import mpijax.train as mt
 from mpijax._src import config
 from mpijax._src import ffi as _ffi
-from mpijax._src.ops import settings
+from mpijax._src.ffi import settings
 
 
 @pytest.fixture()

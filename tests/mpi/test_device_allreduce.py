@@ -26,8 +26,8 @@ from mpijax import lax as mlax
 from mpijax import ops
 from mpijax._src import config
 from mpijax._src import ffi as _ffi
+from mpijax._src.ffi import settings
 from mpijax._src.ops import communicators
-from mpijax._src.ops import settings
 
 
 @contextlib.contextmanager

@@ -495,7 +495,7 @@ def transport_settings(**values):
   """Sets transport settings (sent to the C++ handlers) for a block, then
   restores the defaults."""
   from mpijax._src import config
-  from mpijax._src.ops import settings
+  from mpijax._src.ffi import settings
   for name, value in values.items():
     config.update(name, value)
   settings.push_settings()

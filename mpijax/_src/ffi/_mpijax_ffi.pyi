@@ -54,6 +54,10 @@ def register_site(text: str, slot: int) -> int:
   """Registers a call site's description and check slot (one per (signature,
   communicator)); returns its id (``site`` attribute)."""
 
+def xla_label(kind: str, dtype: str, elements: int, op: str, label: str) -> None:
+  """Names one of XLA's collectives of a compiled program (HLO opcode, dtype or
+  'bytes', result elements, reduction op or '') in the bridge's reports."""
+
 def site_texts() -> list[str]:
   """Every registered call site's description, indexed by its id."""
 

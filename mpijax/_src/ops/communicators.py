@@ -20,7 +20,7 @@ from mpijax._src import ffi as _ffi
 from mpijax._src import inspector
 from mpijax._src import mpi_util
 from mpijax._src import runtime
-from mpijax._src.ops.settings import push_settings
+from mpijax._src.ffi.settings import push_settings
 
 
 @dataclasses.dataclass(frozen=True)

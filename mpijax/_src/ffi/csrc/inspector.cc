@@ -166,21 +166,83 @@ void StopInspector() {
   g_insp_comm = MPI_COMM_NULL;
 }
 
+namespace {
+
+// "communicator 3" or the label of one of XLA's communicators.
+std::string CommName(const DevComm& dc) {
+  return dc.label.empty() ? "communicator " + std::to_string(dc.key) : dc.label;
+}
+
+// What this process does apart from (key, device): the collectives it is
+// in on other communicators; else, if it made a call on another one after
+// `since_ns` (its last on this one; 0: none), since when it has been outside
+// any. Empty when there is nothing to add.
+std::string Elsewhere(int64_t key, int64_t device, int64_t since_ns) {
+  std::vector<std::string> busy;
+  int64_t last_exit = 0;
+  int64_t now = NowNs();
+  {
+    std::lock_guard<std::mutex> lock(g_comms_mu);
+    for (auto& e : g_comms) {
+      for (size_t d = 0; d < e.devs.size(); ++d) {
+        const DevComm& dc = *e.devs[d];
+        if (dc.key == key && static_cast<int64_t>(d) == device) continue;
+        const Status& st = dc.status;
+        if (st.calls.load(std::memory_order_relaxed) == 0) continue;
+        int64_t since = st.since_ns.load(std::memory_order_relaxed);
+        if (st.phase.load(std::memory_order_relaxed) != 0) {
+          busy.push_back(
+              "in " + SiteText(st.site.load(std::memory_order_relaxed)) +
+              " on " + CommName(dc) +
+              (e.devs.size() > 1 ? " (local device " + std::to_string(d) + ")"
+                                 : "") +
+              " since " + Seconds((now - since) * 1e-9) + " s");
+        } else {
+          last_exit = std::max(last_exit, since);
+        }
+      }
+    }
+  }
+  if (!busy.empty()) {
+    std::string s = "now ";
+    for (size_t i = 0; i < busy.size() && i < 3; ++i)
+      s += (i ? "; and " : "") + busy[i];
+    return s;
+  }
+  // 50 ms: the same moment, as far as a report about seconds goes.
+  if (last_exit > since_ns + 50'000'000)
+    return "outside any collective since " +
+           Seconds((now - last_exit) * 1e-9) + " s";
+  if (since_ns == 0)
+    return last_exit == 0 ? "outside any collective (none made yet)"
+                          : "outside any collective since " +
+                                Seconds((now - last_exit) * 1e-9) + " s";
+  return "";
+}
+
+}  // namespace
+
 std::string DescribeStatus(int64_t key, int64_t device) {
   DevComm* dc = FindDev(key, device);
-  if (dc == nullptr) return "0 0 has not used this communicator yet";
+  if (dc == nullptr) {
+    return "0 0 has not used this communicator yet; " +
+           Elsewhere(key, device, 0);
+  }
   const Status& st = dc->status;
   int64_t calls = st.calls.load(std::memory_order_relaxed);
   int phase = st.phase.load(std::memory_order_relaxed);
   int64_t site = st.site.load(std::memory_order_relaxed);
-  double secs = (NowNs() - st.since_ns.load(std::memory_order_relaxed)) * 1e-9;
+  int64_t since = st.since_ns.load(std::memory_order_relaxed);
+  double secs = (NowNs() - since) * 1e-9;
   std::ostringstream s;
   s << calls << " " << phase << " ";
   if (calls == 0) {
-    s << "idle, no call on this communicator yet";
+    s << "idle, no call on this communicator yet; " << Elsewhere(key, device, 0);
   } else if (phase == 0) {
     s << "idle since " << Seconds(secs) << " s; last: " << SiteText(site)
       << ", call #" << calls;
+    std::string more = Elsewhere(key, device, since);
+    if (!more.empty()) s << "; " << more;
   } else {
     s << "in call #" << calls << " since " << Seconds(secs) << " s: "
       << (phase == 1 ? "signature check before " : "") << SiteText(site);
@@ -200,8 +262,8 @@ void ReportStall(const CallInfo& info, double waited) {
   s << "mpijax: stall: rank " << (insp == MPI_COMM_NULL ? me : my_insp_rank)
     << " waited " << Seconds(waited) << " s in "
     << (my_phase == 1 ? "the signature check before " : "")
-    << SiteText(info.site) << " (call #" << my_calls << " on communicator "
-    << dc->key;
+    << SiteText(info.site) << " (call #" << my_calls << " on "
+    << CommName(*dc);
   if (info.device != 0) s << ", local device " << info.device;
   s << ").";
   if (insp == MPI_COMM_NULL) {

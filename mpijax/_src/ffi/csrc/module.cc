@@ -23,6 +23,7 @@
 #include "registry.h"
 #include "settings.h"
 #include "timeline.h"
+#include "xla_ops.h"
 
 namespace nb = nanobind;
 
@@ -246,6 +247,14 @@ NB_MODULE(_mpijax_ffi, m) {
   "Registers a call site's description (e.g. 'allreduce(float32[4], sum) at "
   "train.py:42') and its check slot (one per (signature, communicator)); "
   "returns its id, the ops' 'site' attribute.");
+
+  m.def("xla_label", &mpijax::bridge::AddLabel, nb::arg("kind"), nb::arg("dtype"),
+        nb::arg("elements"), nb::arg("op"), nb::arg("label"),
+  "Names one of XLA's collectives in a compiled program for the bridge's "
+  "reports and timeline: its HLO opcode ('all-reduce', ...), dtype name "
+  "('bytes' for all-to-all and collective-permute), the elements (bytes) of "
+  "its result, reduction op name ('sum', ... or '') and the label (e.g. "
+  "'jit(f)/psum').");
 
   m.def("site_texts", &SiteTexts,
   "Every registered call site's description, indexed by its id.");

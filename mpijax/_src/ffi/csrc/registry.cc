@@ -136,6 +136,7 @@ DevComm* FindDev(int64_t key, int64_t device) {
 
 int64_t RegisterSite(const std::string& text, int64_t slot) {
   std::lock_guard<std::mutex> lock(g_sites_mu);
+  if (slot < 0) slot = static_cast<int64_t>(g_check_slots.size());
   while (static_cast<int64_t>(g_check_slots.size()) <= slot)
     g_check_slots.emplace_back(0);
   g_sites.emplace_back();

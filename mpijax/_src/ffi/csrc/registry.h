@@ -49,6 +49,9 @@ struct DevComm {
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm check = MPI_COMM_NULL;
   int64_t key = -1;  // the communicator's id, agreed by all its ranks
+  // How reports name it; empty: "communicator <key>" (XLA's through the
+  // bridge have a label of their own).
+  std::string label;
   // Local devices of the communicator: with more than one, their threads
   // call MPI at the same time, and every wait is polled (see WaitAll).
   int local_devices = 1;
@@ -122,6 +125,8 @@ struct Site {
   std::atomic<uint64_t>* checked = nullptr;  // bit d: device d compared it
 };
 
+// A slot < 0: a slot of its own (XLA's operations through the bridge, which
+// are compared on every call).
 int64_t RegisterSite(const std::string& text, int64_t slot);
 std::string SiteText(int64_t site);
 // Every registered site's text, indexed by site id (the timeline's legend).

@@ -47,7 +47,9 @@ ffi::Error MismatchError(const CallInfo& info, int64_t sig) {
     }
   }
   std::ostringstream s;
-  s << "mpijax: collective mismatch on communicator " << dc->key
+  s << "mpijax: collective mismatch on "
+    << (dc->label.empty() ? "communicator " + std::to_string(dc->key)
+                          : dc->label)
     << " (call #" << dc->status.calls.load(std::memory_order_relaxed)
     << "): ";
   for (size_t g = 0; g < sigs.size(); ++g) {

@@ -1,4 +1,7 @@
-"""The transport's settings, sent from :mod:`mpijax.config` to the C++ side."""
+"""The transport's settings, sent from :mod:`mpijax.config` to the C++ side.
+
+mpijax's own collectives and XLA's through the bridge read the same ones.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+// XLA's communicators as mpijax knows them: every communicator XLA's CPU
+// collectives split through the bridge becomes one mpijax communicator in the
+// registry (csrc/registry.h), with a key every member rank agrees on, a
+// private duplicate for signature checks, and a status the stall inspector
+// reads and answers about. The calls XLA makes on it (xla_ops.cc) run under
+// the same guards as mpijax's own handlers.
+#ifndef MPIJAX_BRIDGE_XLA_COMM_H_
+#define MPIJAX_BRIDGE_XLA_COMM_H_
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "registry.h"
+
+namespace mpijax::bridge {
+
+// Keys of XLA's communicators: above any key mpijax's Python side assigns
+// (a counter from 0), so the stall inspector tells the two apart.
+constexpr int64_t kXlaKeyBase = int64_t{1} << 40;
+
+// One communicator XLA holds (the `ext` of the bridge's struct bcomm).
+struct XlaComm {
+  MPI_Comm comm = MPI_COMM_NULL;   // what the split made; XLA's traffic
+  detail::DevComm* dc = nullptr;   // registered: status, check, node-local
+  int64_t comm_id = -1;            // its index in the registry
+  int64_t number = 0;              // 1 for XLA's first split, 2 ...
+  int rank = 0, size = 0;
+  std::string ranks;  // its members' ranks in the job, "0-3" or "0,2"
+
+  // Each distinct operation (kind, dtype, count, op) gets one call site,
+  // named once (see SiteFor).
+  std::mutex sites_mu;
+  std::unordered_map<uint64_t, int64_t> sites;
+  std::atomic<uint64_t> last_sig{0};  // the last lookup, without the lock
+  std::atomic<int64_t> last_site{-1};
+  // The node-local paths' state (dc->node) is used by one thread at a time.
+  std::mutex node_mu;
+
+  // Point-to-point operations (all-to-all, collective-permute) are made of
+  // several MPI calls: the open operation's guard lives here (xla_ops.cc).
+  void* p2p = nullptr;
+  int pending = 0;  // requests posted and not yet waited for
+  int sendrecvs = 0;  // MPI_Sendrecv calls of the open all-to-all
+};
+
+// The split of `base` (the job's communicator for XLA, or one XLA split)
+// XLA asks for: collective over `base`; waits at most `timeout_s` for the
+// other ranks first (then stops the job with the reason). *out is null for
+// MPI_UNDEFINED. Returns an MPI error code.
+int Split(MPI_Comm base, int world_rank, int world_size, double timeout_s,
+          int color, int key, XlaComm** out);
+
+// Frees `c` (after MPI is finalized: only forgets it).
+int Free(XlaComm* c);
+
+// The call site of signature `sig` on `c`, registered once with the text
+// `describe()` makes.
+int64_t SiteFor(XlaComm& c, uint64_t sig,
+                const std::function<std::string()>& describe);
+
+}  // namespace mpijax::bridge
+
+#endif  // MPIJAX_BRIDGE_XLA_COMM_H_

@@ -1,0 +1,850 @@
+#include "xla_ops.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "bridge_table.h"
+#include "call.h"
+#include "common.h"
+#include "inspector.h"
+#include "node_local.h"
+#include "settings.h"
+#include "spans.h"
+#include "timeline.h"
+#include "idle.h"
+#include "wait.h"
+
+namespace mpijax::bridge {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using detail::CallInfo;
+using detail::g_settings;
+
+// --- what XLA asks for -------------------------------------------------------
+
+enum Kind : int {
+  kAllReduce = 0,
+  kAllGather,
+  kReduceScatter,
+  kAllToAll,
+  kPermute,
+  kKinds
+};
+// Timeline and site names (static: the timeline keeps the pointer).
+const char* const kKindNames[kKinds] = {"XLA all-reduce", "XLA all-gather",
+                                        "XLA reduce-scatter", "XLA all-to-all",
+                                        "XLA collective-permute"};
+// As Python names them (HLO's opcodes).
+const char* const kHloNames[kKinds] = {"all-reduce", "all-gather",
+                                       "reduce-scatter", "all-to-all",
+                                       "collective-permute"};
+
+struct Type {
+  MPI_Datatype mpi = MPI_DATATYPE_NULL;
+  ffi::DataType ffi = ffi::DataType::INVALID;
+  int bytes = 0;
+  const char* name = "unknown";
+};
+
+Type TypeOf(int code) {
+  using D = ffi::DataType;
+  switch (code) {
+    case MJB_BYTE: return {MPI_BYTE, D::U8, 1, "bytes"};
+    case MJB_INT8: return {MPI_INT8_T, D::S8, 1, "int8"};
+    case MJB_UINT8: return {MPI_UINT8_T, D::U8, 1, "uint8"};
+    case MJB_INT16: return {MPI_INT16_T, D::S16, 2, "int16"};
+    case MJB_UINT16: return {MPI_UINT16_T, D::U16, 2, "uint16"};
+    case MJB_INT32: return {MPI_INT32_T, D::S32, 4, "int32"};
+    case MJB_UINT32: return {MPI_UINT32_T, D::U32, 4, "uint32"};
+    case MJB_INT64: return {MPI_INT64_T, D::S64, 8, "int64"};
+    case MJB_UINT64: return {MPI_UINT64_T, D::U64, 8, "uint64"};
+    case MJB_FLOAT: return {MPI_FLOAT, D::F32, 4, "float32"};
+    case MJB_DOUBLE: return {MPI_DOUBLE, D::F64, 8, "float64"};
+    case MJB_C_FLOAT_COMPLEX: return {MPI_C_FLOAT_COMPLEX, D::C64, 8, "complex64"};
+    case MJB_C_DOUBLE_COMPLEX:
+      return {MPI_C_DOUBLE_COMPLEX, D::C128, 16, "complex128"};
+    case MJB_CHAR: return {MPI_CHAR, D::S8, 1, "int8"};
+    case MJB_INT: return {MPI_INT, D::S32, 4, "int32"};
+    case MJB_LONG: return {MPI_LONG, D::S64, 8, "int64"};
+    case MJB_UNSIGNED: return {MPI_UNSIGNED, D::U32, 4, "uint32"};
+    case MJB_UNSIGNED_LONG: return {MPI_UNSIGNED_LONG, D::U64, 8, "uint64"};
+    default: return {};
+  }
+}
+
+MPI_Op OpOf(int code) {
+  switch (code) {
+    case MJB_SUM: return MPI_SUM;
+    case MJB_PROD: return MPI_PROD;
+    case MJB_MIN: return MPI_MIN;
+    case MJB_MAX: return MPI_MAX;
+    case MJB_LAND: return MPI_LAND;
+    case MJB_LOR: return MPI_LOR;
+    case MJB_BAND: return MPI_BAND;
+    case MJB_BOR: return MPI_BOR;
+    default: return MPI_OP_NULL;
+  }
+}
+
+const char* OpName(int code) {
+  switch (code) {
+    case MJB_SUM: return "sum";
+    case MJB_PROD: return "product";
+    case MJB_MIN: return "min";
+    case MJB_MAX: return "max";
+    case MJB_LAND: return "and";
+    case MJB_LOR: return "or";
+    case MJB_BAND: return "bitwise and";
+    case MJB_BOR: return "bitwise or";
+    default: return "";
+  }
+}
+
+// A 63-bit signature of what every rank must agree on (never 0, never
+// negative: the check compares sig and -sig).
+int64_t Signature(int kind, int type, int64_t count, int op) {
+  uint64_t h = 0x6d706a78786c6121ULL;
+  for (uint64_t v : {uint64_t(kind), uint64_t(type), uint64_t(count),
+                     uint64_t(op)}) {
+    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    h *= 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 31;
+  }
+  h &= (uint64_t{1} << 63) - 1;
+  return static_cast<int64_t>(h == 0 ? 1 : h);
+}
+
+// --- labels: which jitted program an operation belongs to ---------------------
+
+std::mutex g_labels_mu;
+std::unordered_map<std::string, std::vector<std::string>> g_labels;
+
+std::string LabelKey(const std::string& kind, const std::string& dtype,
+                     int64_t elements, const std::string& op) {
+  return kind + "|" + dtype + "|" + std::to_string(elements) + "|" + op;
+}
+
+// " in jit(f)/psum", " in jit(f)/psum or jit(g)/psum", or "".
+std::string LabelOf(int kind, const char* dtype, int64_t elements, int op) {
+  std::string key = LabelKey(kHloNames[kind], dtype, elements, OpName(op));
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  auto it = g_labels.find(key);
+  if (it == g_labels.end() || it->second.empty()) return "";
+  std::string s = " in ";
+  size_t shown = std::min<size_t>(it->second.size(), 3);
+  for (size_t i = 0; i < shown; ++i) s += (i ? " or " : "") + it->second[i];
+  if (it->second.size() > shown)
+    s += " or " + std::to_string(it->second.size() - shown) + " more";
+  return s;
+}
+
+// --- errors ----------------------------------------------------------------------
+
+thread_local std::string t_error;
+
+// A failure mpijax found before any data moved: the whole text on stderr
+// (once per communicator: from its first rank, the text being the same on
+// every rank when `same_everywhere`), and an error code whose text XLA's
+// exception carries (MPI_Error_string: at most 255 bytes reach it).
+int Fail(const XlaComm& c, const std::string& text, bool same_everywhere) {
+  if (!same_everywhere || c.rank == 0) {
+    std::string block = text + "\n";
+    std::fwrite(block.data(), 1, block.size(), stderr);
+    std::fflush(stderr);
+  }
+  t_error = text.size() <= 255 ? text : text.substr(0, 251) + " ...";
+  return kErrXla;
+}
+
+// A failure after data may have moved, or in MPI itself: XLA's buffers may
+// still be written, so the job ends here, with the reason.
+[[noreturn]] void Fatal(const XlaComm& c, const std::string& text) {
+  int world = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  std::fprintf(stderr, "mpijax: rank %d: %s Stopping the job.\n", world,
+               text.c_str());
+  std::fflush(stderr);
+  (void)c;
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+std::string MpiText(int rc) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(rc);
+  return std::string(text, len);
+}
+
+std::string Where(const XlaComm& c) {
+  return "XLA communicator #" + std::to_string(c.number) + " (ranks " +
+         c.ranks + ")";
+}
+
+// --- one operation's guard ------------------------------------------------------
+
+// What one XLA operation is, for the inspector, the timeline and the checks.
+class Op {
+ public:
+  Op(XlaComm& c, int kind, int type, int64_t count, int op)
+      : c_(c), kind_(kind), type_(type), count_(count), op_(op),
+        t_(TypeOf(type)) {
+    dims_[0] = count;
+    sig_ = Signature(kind, type, count, op);
+    info_.emplace(CallInfo{kKindNames[kind], t_.ffi,
+                           ffi::Span<const int64_t>(dims_, 1), c.size,
+                           c.comm_id, 0});
+    info_->dc = c.dc;
+    info_->sig = sig_;
+    info_->site = SiteFor(c, static_cast<uint64_t>(sig_),
+                          [&] { return Describe(); });
+  }
+
+  // Marks the communicator busy and starts the timeline's event.
+  void Enter() {
+    timeline_.emplace(*info_, true);
+    scope_.emplace(c_.dc->status, info_->site);
+  }
+
+  CallInfo& info() { return *info_; }
+  int64_t sig() const { return sig_; }
+  const Type& type() const { return t_; }
+
+  // "XLA all-reduce float32[1024] (sum) in jit(f)/psum".
+  std::string Describe() const {
+    std::ostringstream s;
+    s << kKindNames[kind_] << " ";
+    int64_t elements = count_;
+    if (type_ == MJB_BYTE) {
+      s << count_ << " bytes";
+    } else {
+      s << t_.name << "[" << count_ << "]";
+    }
+    if (kind_ == kAllGather) s << " from each of " << c_.size << " ranks";
+    if (kind_ == kAllGather) elements = count_ * c_.size;
+    if (kind_ == kAllToAll) s << " to each of " << c_.size << " ranks";
+    if (OpName(op_)[0] != 0) s << " (" << OpName(op_) << ")";
+    // All-to-all and collective-permute move bytes: Python names them by
+    // the bytes of their result.
+    if (kind_ == kAllToAll) elements = count_ * c_.size;
+    s << LabelOf(kind_, type_ == MJB_BYTE ? "bytes" : t_.name, elements, op_);
+    return s.str();
+  }
+
+ private:
+  XlaComm& c_;
+  int kind_, type_;
+  int64_t count_;
+  int op_;
+  Type t_;
+  int64_t dims_[1];
+  int64_t sig_;
+  std::optional<CallInfo> info_;
+  std::optional<detail::TimelineScope> timeline_;
+  std::optional<detail::CallScope> scope_;
+};
+
+// Ends an operation whose guard outlives one MPI call (all-to-all,
+// collective-permute).
+void EndOp(XlaComm& c) {
+  delete static_cast<Op*>(c.p2p);
+  c.p2p = nullptr;
+}
+
+// The ranks' operations differ: every rank of the communicator learns
+// every rank's operation (collective on the check communicator) and gets the
+// same text.
+int Mismatch(XlaComm& c, Op& op) {
+  detail::DevComm* dc = c.dc;
+  int n = CommSize(dc->check);
+  std::string text = detail::SiteText(op.info().site);
+  int64_t mine[2] = {op.sig(), static_cast<int64_t>(text.size())};
+  std::vector<int64_t> all(2 * n);
+  MPI_Request req;
+  int rc = MPI_Iallgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T,
+                          dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgather failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  std::vector<int> counts(n), displs(n);
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    counts[r] = static_cast<int>(all[2 * r + 1]);
+    displs[r] = total;
+    total += counts[r];
+  }
+  std::string texts(std::max(total, 1), '\0');
+  rc = MPI_Iallgatherv(text.data(), static_cast<int>(text.size()), MPI_CHAR,
+                       texts.data(), counts.data(), displs.data(), MPI_CHAR,
+                       dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgatherv failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  // The communicator's ranks in the job, to name them as the user knows them.
+  std::vector<int> world(n);
+  {
+    std::vector<int> mine_ranks(n);
+    for (int i = 0; i < n; ++i) mine_ranks[i] = i;
+    MPI_Group g, wg;
+    MPI_Comm_group(dc->comm, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    MPI_Group_translate_ranks(g, n, mine_ranks.data(), wg, world.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+  }
+  std::vector<int64_t> sigs;
+  std::vector<std::vector<int>> members;
+  for (int r = 0; r < n; ++r) {
+    auto it = std::find(sigs.begin(), sigs.end(), all[2 * r]);
+    if (it == sigs.end()) {
+      sigs.push_back(all[2 * r]);
+      members.push_back({r});
+    } else {
+      members[it - sigs.begin()].push_back(r);
+    }
+  }
+  std::ostringstream s;
+  s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
+    << dc->status.calls.load(std::memory_order_relaxed) << ": ";
+  for (size_t g = 0; g < sigs.size(); ++g) {
+    const auto& m = members[g];
+    if (g) s << (g + 1 == sigs.size() ? ", but " : ", ");
+    s << (m.size() > 1 ? "ranks " : "rank ");
+    for (size_t i = 0; i < m.size(); ++i) s << (i ? "," : "") << world[m[i]];
+    s << (m.size() > 1 ? " run " : " runs ")
+      << texts.substr(displs[m[0]], counts[m[0]]);
+  }
+  s << ". No data was exchanged. Every rank must run the same jitted programs, "
+       "in the same order, on arrays of the same shapes and dtypes (a last "
+       "batch of another size on some ranks, or a branch on the rank, "
+       "breaks this).";
+  return Fail(c, s.str(), true);
+}
+
+// Compares this operation across the communicator's ranks before any data
+// moves (one small all-reduce on the check communicator); the waiting rank
+// reports a stall past MPIJAX_TIMEOUT. kErrXla on a mismatch, else 0.
+int Compare(XlaComm& c, Op& op) {
+  if (c.size < 2) return 0;
+  detail::DevComm* dc = c.dc;
+  dc->status.phase.store(1, std::memory_order_relaxed);
+  int64_t buf[2] = {op.sig(), -op.sig()};
+  MPI_Request req;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
+                          dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallreduce failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  dc->status.phase.store(2, std::memory_order_relaxed);
+  return buf[0] != -buf[1] ? Mismatch(c, op) : 0;
+}
+
+// Polls `n` requests to completion; a wait past MPIJAX_TIMEOUT is reported
+// by the stall inspector (then MPIJAX_STALL_ACTION applies) and goes on.
+// Returns MPI's error code, with the statuses filled: a receive of the wrong
+// size ends in MPI_ERR_TRUNCATE, which the caller words.
+int WaitRequests(Op& op, int n, MPI_Request* reqs, MPI_Status* st) {
+  double timeout = g_settings.timeout_s.load(std::memory_order_relaxed);
+  idle::Backoff backoff(g_settings.wait_spin_s.load(std::memory_order_relaxed));
+  int64_t start = NowNs();
+  int64_t period = static_cast<int64_t>(timeout * 1e9);
+  int64_t deadline = start + period;
+  for (uint64_t spin = 0;; ++spin) {
+    int done = 0;
+    int rc = MPI_Testall(n, reqs, &done, st);
+    if (rc != MPI_SUCCESS) return rc;
+    if (done) return MPI_SUCCESS;
+    if (timeout > 0 && (spin & 255) == 255) {
+      int64_t now = NowNs();
+      if (now > deadline) {
+        detail::ReportStall(op.info(), (now - start) * 1e-9);
+        deadline = NowNs() + period;
+      }
+    }
+    backoff.Pause(spin);
+  }
+}
+
+// Runs one of MPI's collectives on XLA's buffers, blocking under the
+// watchdog or polled (detail::ChooseBlocking), and ends the job if MPI fails.
+template <typename Blocking, typename Nonblocking>
+void RunCollective(XlaComm& c, Op& op, size_t bytes, Blocking blocking,
+                   Nonblocking nonblocking) {
+  bool block = false, watched = false;
+  if (auto e = detail::ChooseBlocking(c.comm, bytes, op.info(), &block,
+                                      &watched);
+      e.failure())
+    Fatal(c, e.message());
+  const char* call = "";
+  int rc = MPI_SUCCESS;
+  if (block) {
+    detail::BlockingMark mark(watched ? c.dc : nullptr);
+    call = "the blocking call";
+    rc = blocking();
+  } else {
+    MPI_Request req = MPI_REQUEST_NULL;
+    call = "the nonblocking call";
+    rc = nonblocking(&req);
+    if (rc == MPI_SUCCESS) {
+      MPI_Status st;
+      call = "the wait";
+      rc = WaitRequests(op, 1, &req, &st);
+    }
+  }
+  if (rc != MPI_SUCCESS) {
+    Fatal(c, std::string("MPI failed in ") + call + " of " + op.Describe() +
+                 " on " + Where(c) + ": " + MpiText(rc) + ".");
+  }
+}
+
+// --- the node-local paths ---------------------------------------------------------
+
+// XLA's operation as the node-local all-reduce's caller: every call compares
+// the ranks' signatures in the segments' headers, before any rank reads
+// another's data, so a mismatch costs nothing until it happens.
+class NodeCaller : public node_local::Caller {
+ public:
+  NodeCaller(XlaComm& c, Op& op) : c_(c), op_(op) { sig = op.sig(); }
+  double Timeout() const override {
+    return g_settings.timeout_s.load(std::memory_order_relaxed);
+  }
+  double SpinS() const override {
+    return g_settings.wait_spin_s.load(std::memory_order_relaxed);
+  }
+  void Stalled(double waited_s) override {
+    detail::ReportStall(op_.info(), waited_s);
+  }
+  void Blocking(bool inside) override {
+    c_.dc->status.blocking_since_ns.store(inside ? NowNs() : 0,
+                                          std::memory_order_relaxed);
+  }
+  node_local::Status MpiFailed(int rc, const char* call) override {
+    Fatal(c_, std::string(call) + " failed in " + op_.Describe() + " on " +
+                  Where(c_) + ": " + MpiText(rc));
+  }
+  node_local::Status Mismatch(int, int64_t rank_sig, int64_t, int64_t) override {
+    mismatched = true;
+    if (rank_sig != sig) return {node_local::kInternal, "signature"};
+    return {node_local::kInternal,
+            "the ranks take different node-local paths (MPIJAX_SHM_MAX_BYTES "
+            "and MPIJAX_CMA_MIN_BYTES must be the same on every rank)"};
+  }
+  node_local::Status CmaFailed(int rank, const std::string& how) override {
+    return {node_local::kInternal,
+            "the cross-memory all-reduce failed on rank " +
+                std::to_string(rank) + " (" + how +
+                "); MPIJAX_CMA_MIN_BYTES=0 turns this path off"};
+  }
+  bool mismatched = false;
+
+ private:
+  XlaComm& c_;
+  Op& op_;
+};
+
+// A node-local path's result: 0, a mismatch's kErrXla, or the end of the job.
+int NodeResult(XlaComm& c, Op& op, NodeCaller& caller,
+               const node_local::Status& s) {
+  if (s.ok()) return 0;
+  if (caller.mismatched && s.message == "signature") return Mismatch(c, op);
+  if (caller.mismatched) {
+    return Fail(c, "mpijax: " + op.Describe() + " on " + Where(c) + ": " +
+                       s.message, false);
+  }
+  Fatal(c, op.Describe() + " on " + Where(c) + ": " + s.message + ".");
+}
+
+// Whether c's ranks share a node and its segments are mapped (set up when
+// XLA made the communicator, see SetUpNode).
+bool NodeReady(const XlaComm& c) { return c.dc->node.state == 1; }
+
+int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                  MPI_Op mop) {
+  const Type& t = op.type();
+  size_t es = static_cast<size_t>(t.bytes), bytes = n * es;
+  node_local::Comm& node = c.dc->node;
+  NodeCaller caller(c, op);
+  std::lock_guard<std::mutex> lock(c.node_mu);
+  int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
+  if (node.cma_ok && cma_min > 0 &&
+      (bytes >= static_cast<size_t>(cma_min) ||
+       bytes > node.segment_bytes())) {
+    op.info().path |= detail::kPathCma;
+    Spans spans(es);
+    spans.Add(src, dst, n);
+    node_local::Status s =
+        node_local::CmaAllreduce(node, caller, spans, t.mpi, mop);
+    if (!s.ok() && !caller.mismatched) node.cma_ok = false;
+    return NodeResult(c, op, caller, s);
+  }
+  // Shared memory, a segment at a time; the signature covers the whole
+  // operation, so ranks that reduce different totals differ at the first.
+  op.info().path |= detail::kPathShm;
+  size_t chunk = std::max<size_t>(node.segment_bytes() / es, 1);
+  for (size_t at = 0; at < n; at += chunk) {
+    size_t m = std::min(chunk, n - at);
+    node_local::Status s = node_local::ShmAllreduce(
+        node, caller, src + at * es, dst + at * es, m, es, t.mpi, mop);
+    if (int rc = NodeResult(c, op, caller, s); rc != 0) return rc;
+  }
+  return 0;
+}
+
+// --- point-to-point, with a header -----------------------------------------------
+
+// Every message XLA sends through the bridge carries what the sender meant
+// to send; the receiver compares it with what it expects before it hands XLA
+// the data. Up to kInlineBytes the header travels in front of the data (one
+// message, one copy on each side), above in a message of its own.
+constexpr size_t kInlineBytes = size_t{64} << 10;
+constexpr uint64_t kHeaderMagic = 0x6d706a7868647221ULL;
+
+struct Header {
+  uint64_t magic;
+  int64_t sig;
+  int64_t bytes;
+  int64_t kind;
+};
+
+struct Request {
+  XlaComm* c = nullptr;
+  bool recv = false;
+  int peer = 0;
+  int n = 0;  // requests posted (1 inline, 2 with a separate header)
+  MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  std::unique_ptr<char[]> staging;  // header (+ data when inline)
+  char* user = nullptr;             // a receive's destination
+  size_t bytes = 0;
+  Header want{};
+};
+
+// A received message's header against what this rank expects: 0, or the
+// end of the job naming both (a receive cannot be undone: XLA would free
+// buffers other requests of the operation still use).
+void CheckHeader(XlaComm& c, Op& op, const Request& r, const MPI_Status* st,
+                 int wait_rc) {
+  int got = 0;
+  MPI_Get_count(&st[0], MPI_BYTE, &got);
+  const Header* h = reinterpret_cast<const Header*>(r.staging.get());
+  bool whole = static_cast<size_t>(got) >= sizeof(Header) &&
+               h->magic == kHeaderMagic;
+  if (whole && wait_rc == MPI_SUCCESS && h->sig == r.want.sig &&
+      h->bytes == r.want.bytes) {
+    if (r.bytes <= kInlineBytes &&
+        static_cast<size_t>(got) != sizeof(Header) + r.bytes)
+      whole = false;
+    else
+      return;
+  }
+  int world = -1;
+  {
+    MPI_Group g, wg;
+    MPI_Comm_group(c.comm, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    MPI_Group_translate_ranks(g, 1, &r.peer, wg, &world);
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+  }
+  std::ostringstream s;
+  s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
+    << op.Describe() << " and expects " << r.bytes << " bytes from rank "
+    << world << ", ";
+  if (whole) {
+    s << "which sent " << h->bytes << " bytes for "
+      << (h->kind >= 0 && h->kind < kKinds ? kKindNames[h->kind]
+                                           : "another operation");
+  } else {
+    s << "which sent a message of " << got << " bytes that is not one of "
+      << "XLA's operations through mpijax (" << MpiText(wait_rc) << ")";
+  }
+  s << ". Every rank must run the same jitted programs, in the same order, on "
+       "arrays of the same shapes and dtypes.";
+  Fatal(c, s.str());
+}
+
+Header MakeHeader(const Op& op, int kind, size_t bytes) {
+  return {kHeaderMagic, op.sig(), static_cast<int64_t>(bytes), kind};
+}
+
+// Posts a send of `bytes` from `buf` to `dest` with its header.
+void PostSend(XlaComm& c, Op& op, int kind, const void* buf, size_t bytes,
+              int dest, int tag, Request* r) {
+  r->c = &c;
+  r->peer = dest;
+  r->bytes = bytes;
+  Header h = MakeHeader(op, kind, bytes);
+  bool inline_data = bytes <= kInlineBytes;
+  r->staging.reset(new char[sizeof h + (inline_data ? bytes : 0)]);
+  std::memcpy(r->staging.get(), &h, sizeof h);
+  if (inline_data && bytes > 0)
+    std::memcpy(r->staging.get() + sizeof h, buf, bytes);
+  size_t first = sizeof h + (inline_data ? bytes : 0);
+  int rc = MPI_Isend(r->staging.get(), static_cast<int>(first), MPI_BYTE, dest,
+                     tag, c.comm, &r->reqs[0]);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Isend failed: " + MpiText(rc));
+  r->n = 1;
+  if (!inline_data) {
+    rc = MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, dest, tag, c.comm,
+                   &r->reqs[1]);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Isend failed: " + MpiText(rc));
+    r->n = 2;
+  }
+}
+
+// Posts a receive of `bytes` into `buf` from `source`.
+void PostRecv(XlaComm& c, Op& op, int kind, void* buf, size_t bytes,
+              int source, int tag, Request* r) {
+  r->c = &c;
+  r->recv = true;
+  r->peer = source;
+  r->bytes = bytes;
+  r->user = static_cast<char*>(buf);
+  r->want = MakeHeader(op, kind, bytes);
+  bool inline_data = bytes <= kInlineBytes;
+  size_t first = sizeof(Header) + (inline_data ? bytes : 0);
+  r->staging.reset(new char[first]);
+  int rc = MPI_Irecv(r->staging.get(), static_cast<int>(first), MPI_BYTE,
+                     source, tag, c.comm, &r->reqs[0]);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
+  r->n = 1;
+  if (!inline_data) {
+    rc = MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, source, tag, c.comm,
+                   &r->reqs[1]);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
+    r->n = 2;
+  }
+}
+
+// Waits for `r` under the stall inspector; a receive's header first, which
+// is checked before the data is waited for or handed to XLA. A wrong size
+// surfaces as MPI_ERR_TRUNCATE: the header, the message's start, is still
+// there to name it.
+void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
+  MPI_Status st[2];
+  if (r.recv) {
+    int rc = WaitRequests(op, 1, &r.reqs[0], &st[0]);
+    if (rc == MPI_ERR_IN_STATUS) rc = st[0].MPI_ERROR;
+    CheckHeader(c, op, r, st, rc);
+    if (r.n == 2) {
+      rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
+      if (rc != MPI_SUCCESS) {
+        Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
+                     ": " + MpiText(rc == MPI_ERR_IN_STATUS ? st[1].MPI_ERROR
+                                                            : rc) + ".");
+      }
+    } else if (r.bytes > 0) {
+      std::memcpy(r.user, r.staging.get() + sizeof(Header), r.bytes);
+    }
+  } else {
+    int rc = WaitRequests(op, r.n, r.reqs, st);
+    if (rc != MPI_SUCCESS) {
+      Fatal(c, "MPI failed sending " + op.Describe() + " on " + Where(c) +
+                   ": " + MpiText(rc) + ".");
+    }
+  }
+  if (status3 != nullptr) {
+    status3[0] = r.peer;
+    status3[1] = st[0].MPI_TAG;
+    status3[2] = MPI_SUCCESS;
+  }
+}
+
+}  // namespace
+
+std::string ErrorText() { return t_error; }
+
+void AddLabel(const std::string& kind, const std::string& dtype,
+              int64_t elements, const std::string& op,
+              const std::string& label) {
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  auto& v = g_labels[LabelKey(kind, dtype, elements, op)];
+  if (std::find(v.begin(), v.end(), label) == v.end()) v.push_back(label);
+}
+
+int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
+              int op_code) {
+  Op op(c, kAllReduce, type, count, op_code);
+  op.Enter();
+  const Type& t = op.type();
+  MPI_Op mop = OpOf(op_code);
+  char* dst = static_cast<char*>(recv);
+  const char* src = send ? static_cast<const char*>(send) : dst;
+  size_t bytes = static_cast<size_t>(count) * t.bytes;
+  if (c.size == 1) {
+    if (src != dst) std::memcpy(dst, src, bytes);
+    return 0;
+  }
+  bool every = g_settings.check_every.load(std::memory_order_relaxed);
+  if (NodeReady(c)) {
+    if (every) {
+      if (int rc = Compare(c, op); rc != 0) return rc;
+    }
+    return NodeAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
+  }
+  if (int rc = Compare(c, op); rc != 0) return rc;
+  op.info().path |= detail::kPathMpi;
+  MPI_Comm comm = c.comm;
+  const void* in = send ? send : MPI_IN_PLACE;
+  RunCollective(
+      c, op, bytes,
+      [&] { return MPI_Allreduce(in, recv, count, t.mpi, mop, comm); },
+      [&](MPI_Request* req) {
+        return MPI_Iallreduce(in, recv, count, t.mpi, mop, comm, req);
+      });
+  return 0;
+}
+
+int Allgather(XlaComm& c, const void* send, int send_count, int send_type,
+              void* recv, int recv_count, int recv_type) {
+  Op op(c, kAllGather, recv_type, recv_count, 0);
+  op.Enter();
+  const Type& t = op.type();
+  size_t bytes = static_cast<size_t>(recv_count) * t.bytes;
+  if (send != nullptr &&
+      (send_count != recv_count || TypeOf(send_type).mpi != t.mpi)) {
+    return Fail(c, "mpijax: " + op.Describe() + " on " + Where(c) +
+                       ": XLA sends " + std::to_string(send_count) + " " +
+                       TypeOf(send_type).name + " but receives " +
+                       std::to_string(recv_count) + " " + t.name +
+                       " per rank; the bridge only moves equal blocks.",
+                false);
+  }
+  if (int rc = Compare(c, op); rc != 0) return rc;
+  op.info().path |= detail::kPathMpi;
+  MPI_Comm comm = c.comm;
+  const void* in = send ? send : MPI_IN_PLACE;
+  MPI_Datatype st = send ? t.mpi : MPI_DATATYPE_NULL;
+  int sc = send ? recv_count : 0;
+  RunCollective(
+      c, op, bytes * c.size,
+      [&] { return MPI_Allgather(in, sc, st, recv, recv_count, t.mpi, comm); },
+      [&](MPI_Request* req) {
+        return MPI_Iallgather(in, sc, st, recv, recv_count, t.mpi, comm, req);
+      });
+  return 0;
+}
+
+int ReduceScatter(XlaComm& c, const void* send, void* recv,
+                  const int* recv_counts, int type, int op_code) {
+  int count = recv_counts[c.rank];
+  Op op(c, kReduceScatter, type, count, op_code);
+  op.Enter();
+  for (int i = 0; i < c.size; ++i) {
+    if (recv_counts[i] != count) {
+      return Fail(c, "mpijax: " + op.Describe() + " on " + Where(c) +
+                         ": XLA asks for blocks of different sizes; the "
+                         "bridge only reduces equal blocks.",
+                  false);
+    }
+  }
+  if (int rc = Compare(c, op); rc != 0) return rc;
+  const Type& t = op.type();
+  MPI_Op mop = OpOf(op_code);
+  op.info().path |= detail::kPathMpi;
+  MPI_Comm comm = c.comm;
+  const void* in = send ? send : MPI_IN_PLACE;
+  size_t bytes = static_cast<size_t>(count) * t.bytes * c.size;
+  RunCollective(
+      c, op, bytes,
+      [&] {
+        return MPI_Reduce_scatter_block(in, recv, count, t.mpi, mop, comm);
+      },
+      [&](MPI_Request* req) {
+        return MPI_Ireduce_scatter_block(in, recv, count, t.mpi, mop, comm,
+                                         req);
+      });
+  return 0;
+}
+
+// XLA's all-to-all: MPI_Sendrecv with rank + 1, rank + 2, ... in turn; the
+// operation's guard spans them (it begins at the exchange with rank + 1).
+int Sendrecv(XlaComm& c, const void* send, int send_count, int send_type,
+             int dest, int send_tag, void* recv, int recv_count,
+             int recv_type, int source, int recv_tag, int* status3) {
+  size_t send_bytes = static_cast<size_t>(send_count) * TypeOf(send_type).bytes;
+  size_t recv_bytes = static_cast<size_t>(recv_count) * TypeOf(recv_type).bytes;
+  if (c.p2p == nullptr || c.sendrecvs == 0 || dest == (c.rank + 1) % c.size) {
+    if (c.p2p != nullptr) EndOp(c);
+    auto* op = new Op(c, kAllToAll, MJB_BYTE,
+                      static_cast<int64_t>(recv_bytes), 0);
+    op->Enter();
+    c.p2p = op;
+    c.sendrecvs = 0;
+  }
+  Op& op = *static_cast<Op*>(c.p2p);
+  op.info().path |= detail::kPathMpi;
+  Request r_recv, r_send;
+  PostRecv(c, op, kAllToAll, recv, recv_bytes, source, recv_tag, &r_recv);
+  PostSend(c, op, kAllToAll, send, send_bytes, dest, send_tag, &r_send);
+  Complete(c, op, r_recv, status3);
+  Complete(c, op, r_send, nullptr);
+  if (status3 != nullptr) status3[0] = source;
+  if (++c.sendrecvs >= c.size - 1) {
+    EndOp(c);
+    c.sendrecvs = 0;
+  }
+  return 0;
+}
+
+namespace {
+
+// XLA's collective-permute: its receive and sends are one operation, from
+// the first one posted until the last is waited for.
+Op& PermuteOp(XlaComm& c, size_t bytes) {
+  if (c.pending == 0) {
+    if (c.p2p != nullptr) EndOp(c);
+    auto* op = new Op(c, kPermute, MJB_BYTE, static_cast<int64_t>(bytes), 0);
+    op->Enter();
+    op->info().path |= detail::kPathMpi;
+    c.p2p = op;
+  }
+  return *static_cast<Op*>(c.p2p);
+}
+
+}  // namespace
+
+int Isend(XlaComm& c, const void* buf, int count, int type, int dest, int tag,
+          uint64_t* request) {
+  size_t bytes = static_cast<size_t>(count) * TypeOf(type).bytes;
+  Op& op = PermuteOp(c, bytes);
+  auto* r = new Request;
+  PostSend(c, op, kPermute, buf, bytes, dest, tag, r);
+  ++c.pending;
+  *request = reinterpret_cast<uint64_t>(r);
+  return 0;
+}
+
+int Irecv(XlaComm& c, void* buf, int count, int type, int source, int tag,
+          uint64_t* request) {
+  size_t bytes = static_cast<size_t>(count) * TypeOf(type).bytes;
+  Op& op = PermuteOp(c, bytes);
+  auto* r = new Request;
+  PostRecv(c, op, kPermute, buf, bytes, source, tag, r);
+  ++c.pending;
+  *request = reinterpret_cast<uint64_t>(r);
+  return 0;
+}
+
+int Wait(uint64_t* request, int* status3) {
+  std::unique_ptr<Request> r(reinterpret_cast<Request*>(*request));
+  *request = 0;
+  XlaComm& c = *r->c;
+  Op& op = PermuteOp(c, r->bytes);
+  Complete(c, op, *r, status3);
+  if (--c.pending == 0) EndOp(c);
+  return 0;
+}
+
+}  // namespace mpijax::bridge
