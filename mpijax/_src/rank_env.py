@@ -74,8 +74,7 @@ def apply(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
 
 
 def main(argv: Sequence[str]) -> None:
-  """``python -m mpijax`` (alias ``python -m mpijax.run``): set the rank's variables,
-  then run the program.
+  """``python -m mpijax``: set the rank's variables, then run the program.
 
   ``--exec PROGRAM ARGS`` replaces this process with PROGRAM (any executable);
   otherwise PROGRAM is Python (``script.py``, ``-m module``, ``-c code``) and

