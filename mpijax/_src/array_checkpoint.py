@@ -44,9 +44,9 @@ from mpijax._src.fileio import CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
+from mpijax._src.geometry import device_indices
+from mpijax._src.geometry import process_index_of
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import device_indices
-from mpijax._src.global_array import process_index_of
 
 FORMAT = "mpijax-array-checkpoint"
 VERSION = 1

@@ -21,8 +21,12 @@ from jax.sharding import PartitionSpec
 from mpijax._src import replication
 from mpijax._src import runtime
 from mpijax._src.axes import bind_axes
+from mpijax._src.geometry import local_spec
+from mpijax._src.geometry import normalize_spec
+from mpijax._src.geometry import process_block_counts
+from mpijax._src.geometry import replicated_axes
+from mpijax._src.geometry import spec_axes
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import normalize_spec
 from mpijax._src.mesh import GlobalMesh
 
 P = PartitionSpec
@@ -91,7 +95,7 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
 
   def local_body(*args):
     ins = _in_specs_tree(in_specs, args)
-    args = jax.tree.map(lambda s, x: replication.mark_input(x, mesh, _unmentioned(mesh, s)),
+    args = jax.tree.map(lambda s, x: replication.mark_input(x, mesh, tuple(replicated_axes(mesh, s))),
                         ins, tuple(args), is_leaf=_is_pspec)
     with bind_axes(mesh, mesh.axis_names):
       out = f(*args)
@@ -109,9 +113,9 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     any_ga = any_ga or jax_in
     if any_ga:
       _check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_pspec))
-    local_ins = jax.tree.map(lambda s: mesh.local_spec(s, keep_size_one=True), ins,
+    local_ins = jax.tree.map(lambda s: local_spec(mesh, s, keep_size_one=True), ins,
                              is_leaf=_is_pspec)
-    local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s), keep_size_one=True),
+    local_outs = jax.tree.map(lambda s: local_spec(mesh, _as_spec(s), keep_size_one=True),
                               out_specs, is_leaf=_is_spec)
     _check_local_shapes(mesh, ins, args)
     mapped = jax.shard_map(local_body, mesh=mesh.local_mesh, in_specs=local_ins,
@@ -127,15 +131,9 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
   return wrapped
 
 
-def _unmentioned(mesh: GlobalMesh, spec: PartitionSpec) -> tuple[str, ...]:
-  """Axes spanning processes that ``spec`` does not shard over (replicated there)."""
-  used = {n for entry in spec for n in mesh.spec_axes(entry)}
-  return tuple(n for n in mesh.axis_names if n not in used and mesh.axes[n].proc_size > 1)
-
-
 def _copies(mesh: GlobalMesh, spec: PartitionSpec) -> int:
   """How many processes hold the same block of an output with ``spec``."""
-  return math.prod(mesh.axes[n].proc_size for n in _unmentioned(mesh, spec))
+  return math.prod(mesh.axes[n].proc_size for n in replicated_axes(mesh, spec))
 
 
 def _in_specs_tree(in_specs, args):
@@ -151,7 +149,7 @@ def _check_local_shapes(mesh: GlobalMesh, specs, args) -> None:
   def check(spec, x):
     shape = np.shape(x)
     for d, entry in enumerate(spec):
-      names = mesh.spec_axes(entry)
+      names = spec_axes(mesh, entry)
       n_local = math.prod(mesh.axes[n].local_size for n in names)
       if d >= len(shape):
         raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the argument "
@@ -405,7 +403,7 @@ def _wrap_outputs(mesh: GlobalMesh, out: Any, specs: list) -> Any:
   wrapped = []
   for x, spec in zip(leaves, specs):
     nspec = normalize_spec(spec, np.ndim(x), mesh)
-    counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
+    counts = process_block_counts(mesh, nspec)
     shape = tuple(n * c for n, c in zip(np.shape(x), counts))
     wrapped.append(GlobalArray(x, shape, x.dtype, mesh, nspec))
   return jax.tree.unflatten(treedef, wrapped)

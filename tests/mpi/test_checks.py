@@ -251,18 +251,18 @@ def _x_mesh(rt):
 
 
 def test_sampled_positions_and_grouping_of_copies():
-  from mpijax._src import global_array as ga
-  assert ga.sample_positions(5).tolist() == [0, 1, 2, 3, 4]
-  pos = ga.sample_positions(1000)
+  from mpijax._src import mpi_util
+  assert mpi_util.sample_positions(5).tolist() == [0, 1, 2, 3, 4]
+  pos = mpi_util.sample_positions(1000)
   assert len(pos) == 64 and pos[0] == 0 and pos[-1] == 999 and 1 not in pos
   a = np.full((3, 4), np.nan, np.float32)
   b = a.copy()
   b.view(np.uint32)[0, 0] ^= 1  # another NaN payload: other bytes
-  assert ga.value_digest(a) == ga.value_digest(np.asfortranarray(a)) != ga.value_digest(b)
-  assert ga.sample_digest(a) != ga.sample_digest(b)
-  assert ga.sample_digest(np.float32(2)) == ga.sample_digest(np.array(2, np.float32))
-  assert ga.differing_copies(["a", "b", "a", "a"], ["1", "2", "1", "3"]) == [("a", [[0, 2], [3]])]
-  assert ga.differing_copies(["a", "a"], ["1", None]) == []
+  assert mpi_util.value_digest(a) == mpi_util.value_digest(np.asfortranarray(a)) != mpi_util.value_digest(b)
+  assert mpi_util.sample_digest(a) != mpi_util.sample_digest(b)
+  assert mpi_util.sample_digest(np.float32(2)) == mpi_util.sample_digest(np.array(2, np.float32))
+  assert mpi_util.differing_copies(["a", "b", "a", "a"], ["1", "2", "1", "3"]) == [("a", [[0, 2], [3]])]
+  assert mpi_util.differing_copies(["a", "a"], ["1", None]) == []
 
 
 def test_global_array_equal_copies_pass_the_value_check(rt, value_check):
