@@ -52,6 +52,7 @@ P = PartitionSpec
 @dataclasses.dataclass(frozen=True)
 class Shard:
   """One block held by one of this rank's devices."""
+
   index: Index  # into the global array
   device: Any  # the jax device
   global_device_index: int  # process_index * local_device_count + local index
@@ -77,8 +78,9 @@ class GlobalArray:
     120.0
   """
 
-  def __init__(self, local: Any, shape: Sequence[int], dtype: Any, mesh: GlobalMesh,
-               spec: PartitionSpec):
+  def __init__(
+    self, local: Any, shape: Sequence[int], dtype: Any, mesh: GlobalMesh, spec: PartitionSpec
+  ):
     self._local = local
     self._shape = tuple(int(s) for s in shape)
     self._dtype = np.dtype(dtype)
@@ -106,12 +108,13 @@ class GlobalArray:
       got = tuple(local.shape) if isinstance(local.shape, (tuple, list)) else None
       if got is not None and got != want:
         raise ValueError(
-            f"jax.tree.map/jax.jit on a GlobalArray (global shape {shape}, spec {spec}) gave "
-            f"this rank's part shape {got}, but it must keep shape {want}: a GlobalArray "
-            "leaf only takes shape-preserving (element-wise) functions, e.g. "
-            "jax.tree.map(jnp.tanh, ga). For reductions, reshapes or indexing use "
-            "mpijax.shard_map (with mpijax.lax collectives), mpijax.reshard, or work on "
-            "ga.local (this rank's part) or ga.gather() (NumPy, collective).")
+          f"jax.tree.map/jax.jit on a GlobalArray (global shape {shape}, spec {spec}) gave "
+          f"this rank's part shape {got}, but it must keep shape {want}: a GlobalArray "
+          "leaf only takes shape-preserving (element-wise) functions, e.g. "
+          "jax.tree.map(jnp.tanh, ga). For reductions, reshapes or indexing use "
+          "mpijax.shard_map (with mpijax.lax collectives), mpijax.reshard, or work on "
+          "ga.local (this rank's part) or ga.gather() (NumPy, collective)."
+        )
     return cls(local, shape, dtype, mesh, spec)
 
   # --- attributes ---
@@ -163,10 +166,13 @@ class GlobalArray:
     local_pos = {d: i for i, d in enumerate(rt.local_devices)}
     out = []
     for s in self._local.addressable_shards:
-      index = tuple(slice(o + (sl.start or 0), o + (sl.stop if sl.stop is not None else n))
-                    for o, sl, n in zip(offset, s.index, self._local.shape))
-      out.append(Shard(index, s.device, rt.rank * rt.local_device_count + local_pos[s.device],
-                       s.data))
+      index = tuple(
+        slice(o + (sl.start or 0), o + (sl.stop if sl.stop is not None else n))
+        for o, sl, n in zip(offset, s.index, self._local.shape)
+      )
+      out.append(
+        Shard(index, s.device, rt.rank * rt.local_device_count + local_pos[s.device], s.data)
+      )
     return sorted(out, key=lambda sh: sh.global_device_index)
 
   @property
@@ -179,14 +185,17 @@ class GlobalArray:
     return all(k == 1 for k in block_counts(self._mesh, self._spec))
 
   def __repr__(self) -> str:
-    return (f"GlobalArray(shape={self._shape}, dtype={self._dtype.name}, spec={self._spec}, "
-            f"mesh={self._mesh!r})")
+    return (
+      f"GlobalArray(shape={self._shape}, dtype={self._dtype.name}, spec={self._spec}, "
+      f"mesh={self._mesh!r})"
+    )
 
   def __array__(self, *args, **kwargs):
     raise TypeError(
-        "a GlobalArray cannot be turned into a NumPy array implicitly: each rank holds only its "
-        "part. Call ga.gather() on every rank (collective) for the whole array, or use ga.local "
-        "for this rank's part.")
+      "a GlobalArray cannot be turned into a NumPy array implicitly: each rank holds only its "
+      "part. Call ga.gather() on every rank (collective) for the whole array, or use ga.local "
+      "for this rank's part."
+    )
 
   def __len__(self) -> int:
     if not self._shape:
@@ -195,13 +204,16 @@ class GlobalArray:
 
   def __getitem__(self, index):
     raise TypeError(
-        f"a GlobalArray cannot be indexed (ga[{index!r}]): each rank holds only its part. "
-        "Index ga.local (this rank's part; ga.local_index says where it sits), ga.gather() "
-        "(NumPy, collective), or slice inside mpijax.shard_map.")
+      f"a GlobalArray cannot be indexed (ga[{index!r}]): each rank holds only its part. "
+      "Index ga.local (this rank's part; ga.local_index says where it sits), ga.gather() "
+      "(NumPy, collective), or slice inside mpijax.shard_map."
+    )
 
   def __iter__(self):
-    raise TypeError("a GlobalArray cannot be iterated over: each rank holds only its part. "
-                    "Iterate over ga.local or ga.gather() (collective).")
+    raise TypeError(
+      "a GlobalArray cannot be iterated over: each rank holds only its part. "
+      "Iterate over ga.local or ga.gather() (collective)."
+    )
 
   def __copy__(self) -> GlobalArray:
     return GlobalArray(self._local, self._shape, self._dtype, self._mesh, self._spec)
@@ -213,9 +225,10 @@ class GlobalArray:
 
   def __reduce__(self):
     raise TypeError(
-        "a GlobalArray cannot be pickled: it is one rank's part of an array spread over MPI "
-        "ranks, tied to the job's devices and communicators. Save it with mpijax.save(path, "
-        "tree) (collective), or pickle ga.local (this rank's part) or ga.gather() (NumPy).")
+      "a GlobalArray cannot be pickled: it is one rank's part of an array spread over MPI "
+      "ranks, tied to the job's devices and communicators. Save it with mpijax.save(path, "
+      "tree) (collective), or pickle ga.local (this rank's part) or ga.gather() (NumPy)."
+    )
 
   def block_until_ready(self) -> GlobalArray:
     """Waits until this rank's part is computed (local only: no communication)."""
@@ -239,10 +252,11 @@ class GlobalArray:
     want = index_shape(self.local_index)
     if tuple(local.shape) != want:
       raise ValueError(
-          f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "
-          f"the global {self._shape} array (spec {self._spec}) has shape {want}. Only "
-          "shape-preserving (element-wise) results can replace the local part; use reshard or "
-          "mpijax.shard_map for anything else.")
+        f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "
+        f"the global {self._shape} array (spec {self._spec}) has shape {want}. Only "
+        "shape-preserving (element-wise) results can replace the local part; use reshard or "
+        "mpijax.shard_map for anything else."
+      )
     sharding = self.sharding
     if not local.sharding.is_equivalent_to(sharding, local.ndim):
       local = jax.device_put(local, sharding)
@@ -294,10 +308,13 @@ class GlobalArray:
         per_rank = k // c  # devices of one rank along d
         if n % per_rank:
           raise ValueError(
-              f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
-              f"{per_rank} local devices sharding it (PartitionSpec {nspec})")
-      status = {"shape": [n * c for n, c in zip(lshape, counts)],
-                "dtype": np.dtype(data.dtype).name}
+            f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
+            f"{per_rank} local devices sharding it (PartitionSpec {nspec})"
+          )
+      status = {
+        "shape": [n * c for n, c in zip(lshape, counts)],
+        "dtype": np.dtype(data.dtype).name,
+      }
     except (ValueError, TypeError) as e:
       status = {"error": str(e)}
     if "error" not in status and rt.size > 1:  # one rank: nothing to compare with
@@ -308,20 +325,22 @@ class GlobalArray:
     reports = [json.loads(s) for s in mpi_util.allgather_str(rt.comm, json.dumps(status))]
     errors = [(r, s["error"]) for r, s in enumerate(reports) if "error" in s]
     if errors:
-      raise ValueError("GlobalArray.from_process_local: " + "; ".join(
-          f"rank {r}: {e}" for r, e in errors[:8]))
+      raise ValueError(
+        "GlobalArray.from_process_local: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:8])
+      )
     keys = [(tuple(s["shape"]), s["dtype"]) for s in reports]
     # Ties (e.g. two ranks) go to the lowest rank's view.
     majority = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
     odd = [r for r, k in enumerate(keys) if k != majority]
     if odd:
       raise ValueError(
-          "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
-          f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
-          f"{majority[0]} dtype {majority[1]}, but " + ", ".join(
-              f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
-          + " does not. Give every rank the block mesh and spec assign to it "
-          "(global shape divided by the number of process blocks along each dimension).")
+        "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
+        f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
+        f"{majority[0]} dtype {majority[1]}, but "
+        + ", ".join(f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
+        + " does not. Give every rank the block mesh and spec assign to it "
+        "(global shape divided by the number of process blocks along each dimension)."
+      )
     mpi_util.mixed_check("GlobalArray.from_process_local", [bool(s.get("check")) for s in reports])
     digests = [s.get("digest" if check else "sample") for s in reports]
     if rt.size > 1 and any(d is not None for d in digests):
@@ -329,13 +348,14 @@ class GlobalArray:
       if diffs:
         axes = replicated_axes(mesh, nspec)
         raise ValueError(
-            f"GlobalArray.from_process_local: ranks that hold the same block of the global "
-            f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
-            f"only along mesh axes {axes}, which the spec does not name) passed different "
-            f"values ({mpi_util.how_compared(check)}): {mpi_util.copies_text(diffs, blocks=True)}. Pass equal "
-            "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
-            f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
-            "each rank holds its own block.")
+          f"GlobalArray.from_process_local: ranks that hold the same block of the global "
+          f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
+          f"only along mesh axes {axes}, which the spec does not name) passed different "
+          f"values ({mpi_util.how_compared(check)}): {mpi_util.copies_text(diffs, blocks=True)}. Pass equal "
+          "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
+          f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
+          "each rank holds its own block."
+        )
     local = jax.device_put(data, local_sharding(mesh, nspec))
     return cls(local, majority[0], local.dtype, mesh, nspec)
 
@@ -383,33 +403,37 @@ class GlobalArray:
     rank = next((r for r, t in enumerate(reports) if t["shape"] != reports[0]["shape"]), None)
     if rank is not None:
       raise ValueError(
-          f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-          f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
-          "the same array everywhere, or each rank's own block with "
-          "GlobalArray.from_process_local.")
+        f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
+        f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
+        "the same array everywhere, or each rank's own block with "
+        "GlobalArray.from_process_local."
+      )
     if error is not None:
       raise error
     mpi_util.mixed_check("GlobalArray.from_global", [t["check"] for t in reports])
     if check:  # the whole array, compared between all ranks
       diffs = mpi_util.differing_copies([None] * rt.size, [t.get("digest") for t in reports])
     else:  # the sampled part, compared between ranks that keep the same part
-      diffs = mpi_util.differing_copies(process_boxes(host.shape, mesh, nspec),
-                               [t.get("sample") for t in reports])
+      diffs = mpi_util.differing_copies(
+        process_boxes(host.shape, mesh, nspec), [t.get("sample") for t in reports]
+      )
     if diffs:
       raise ValueError(
-          f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
-          f"passed {shape_text} arrays with different values ({mpi_util.how_compared(check)}): "
-          f"{mpi_util.copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
-          "random data the same way on every rank), or give each rank's own block to "
-          "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
-          "data differs along.")
+        f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
+        f"passed {shape_text} arrays with different values ({mpi_util.how_compared(check)}): "
+        f"{mpi_util.copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
+        "random data the same way on every rank), or give each rank's own block to "
+        "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
+        "data differs along."
+      )
     part = host[box]
     local = jax.device_put(part, local_sharding(mesh, nspec))
     return cls(local, host.shape, local.dtype, mesh, nspec)
 
   @classmethod
-  def from_global_part(cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh,
-                       spec) -> GlobalArray:
+  def from_global_part(
+    cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh, spec
+  ) -> GlobalArray:
     """From this rank's part when the global shape is known on every rank (no communication)."""
     shape = tuple(int(s) for s in global_shape)
     nspec = normalize_spec(spec, len(shape), mesh)
@@ -417,26 +441,36 @@ class GlobalArray:
     check_contiguous(mesh, nspec)
     want = local_shape_of(tuple(shape), mesh, nspec, runtime.get("GlobalArray").rank)
     if tuple(np.shape(part)) != want:
-      raise ValueError(f"GlobalArray.from_global_part: this rank's part of the global {shape} "
-                       f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}")
+      raise ValueError(
+        f"GlobalArray.from_global_part: this rank's part of the global {shape} "
+        f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}"
+      )
     local = jax.device_put(part, local_sharding(mesh, nspec))
     return cls(local, shape, local.dtype, mesh, nspec)
 
   @classmethod
-  def zeros(cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
-            spec=None) -> GlobalArray:
+  def zeros(
+    cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh, spec=None
+  ) -> GlobalArray:
     """A GlobalArray of zeros (see :func:`full`)."""
     return full(shape, 0, dtype, mesh=mesh, spec=spec)
 
   @classmethod
-  def full(cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *,
-           mesh: GlobalMesh, spec=None) -> GlobalArray:
+  def full(
+    cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh, spec=None
+  ) -> GlobalArray:
     """A GlobalArray filled with ``fill_value``, made on the devices."""
     return full(shape, fill_value, dtype, mesh=mesh, spec=spec)
 
   @classmethod
-  def from_callback(cls, global_shape: Sequence[int], dtype: Any, mesh: GlobalMesh, spec,
-                    data_callback: Callable[[Index], Any]) -> GlobalArray:
+  def from_callback(
+    cls,
+    global_shape: Sequence[int],
+    dtype: Any,
+    mesh: GlobalMesh,
+    spec,
+    data_callback: Callable[[Index], Any],
+  ) -> GlobalArray:
     """Like ``jax.make_array_from_callback``: ``data_callback(index)`` gives one block.
 
     Called once per distinct block held by this rank's devices, with the
@@ -449,7 +483,7 @@ class GlobalArray:
     check_divisible(shape, mesh, nspec, "GlobalArray.from_callback")
     check_contiguous(mesh, nspec)
     L = mesh.local_device_count
-    indices = device_indices(shape, mesh, nspec)[rt.rank * L:(rt.rank + 1) * L]
+    indices = device_indices(shape, mesh, nspec)[rt.rank * L : (rt.rank + 1) * L]
     offset = [s.start for s in process_index_of(shape, mesh, nspec, rt.rank)]
     sharding = local_sharding(mesh, nspec)
     local_shape = local_shape_of(tuple(shape), mesh, nspec, rt.rank)
@@ -460,8 +494,10 @@ class GlobalArray:
       if key not in cache:
         block = np.asarray(data_callback(index), dtype=dtype)
         if block.shape != index_shape(index):
-          raise ValueError(f"GlobalArray.from_callback: the callback returned shape {block.shape} "
-                           f"for index {index}, expected {index_shape(index)}")
+          raise ValueError(
+            f"GlobalArray.from_callback: the callback returned shape {block.shape} "
+            f"for index {index}, expected {index_shape(index)}"
+          )
         cache[key] = block
       arrays.append(jax.device_put(cache[key], rt.local_devices[l]))
     # Put the blocks in the order jax expects: per device of the local sharding.
@@ -473,12 +509,12 @@ class GlobalArray:
       if got != tuple(s.start for s in want):
         raise AssertionError(f"mpijax geometry mismatch on {dev}: {got} vs {want}")
     local = jax.make_array_from_single_device_arrays(
-        local_shape, sharding, [by_device[d] for d in local_map])
+      local_shape, sharding, [by_device[d] for d in local_map]
+    )
     return cls(local, shape, dtype, mesh, nspec)
 
   @classmethod
-  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None,
-               spec=None) -> GlobalArray:
+  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None, spec=None) -> GlobalArray:
     """From a global ``jax.Array`` (sharded over every rank's devices); no copy if it can.
 
     JAX must know every rank (``mpijax.init()`` with JAX's distributed
@@ -498,16 +534,21 @@ class GlobalArray:
     sharding = array.sharding
     if spec is None or mesh is None:
       if not isinstance(sharding, NamedSharding):
-        raise TypeError(f"GlobalArray.from_jax needs an array with a NamedSharding, got "
-                        f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding "
-                        "first, or pass mesh= and spec=.")
+        raise TypeError(
+          f"GlobalArray.from_jax needs an array with a NamedSharding, got "
+          f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding "
+          "first, or pass mesh= and spec=."
+        )
       jmesh = sharding.mesh
       if mesh is None:
         mesh = GlobalMesh(tuple(jmesh.shape.values()), tuple(jmesh.axis_names))
-      elif spec is None and (tuple(jmesh.axis_names) != mesh.axis_names
-                             or dict(jmesh.shape) != mesh.shape):
-        raise ValueError(f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
-                         f"match the given {mesh}; pass spec= to lay it out on that mesh.")
+      elif spec is None and (
+        tuple(jmesh.axis_names) != mesh.axis_names or dict(jmesh.shape) != mesh.shape
+      ):
+        raise ValueError(
+          f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
+          f"match the given {mesh}; pass spec= to lay it out on that mesh."
+        )
     nspec = normalize_spec(sharding.spec if spec is None else spec, array.ndim, mesh)
     check_divisible(array.shape, mesh, nspec, "GlobalArray.from_jax")
     check_contiguous(mesh, nspec)
@@ -519,7 +560,8 @@ class GlobalArray:
     local_shape = local_shape_of(tuple(array.shape), mesh, nspec, rt.rank)
     local_map = part_sharding.addressable_devices_indices_map(local_shape)
     local = jax.make_array_from_single_device_arrays(
-        local_shape, part_sharding, [by_device[d] for d in local_map])
+      local_shape, part_sharding, [by_device[d] for d in local_map]
+    )
     return cls(local, array.shape, array.dtype, mesh, nspec)
 
   # --- leaving ---
@@ -540,22 +582,27 @@ class GlobalArray:
     keys = [tuple((s.start, s.stop) for s in b) for b in boxes]
     senders = [r for r in range(rt.size) if keys[r] not in keys[:r]]
     item = self._dtype.itemsize
-    counts = [math.prod(index_shape(boxes[r])) * item if r in senders else 0
-              for r in range(rt.size)]
+    counts = [
+      math.prod(index_shape(boxes[r])) * item if r in senders else 0 for r in range(rt.size)
+    ]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
     if root is not None and not 0 <= root < rt.size:
       raise ValueError(f"gather(root={root}) but the job has ranks 0..{rt.size - 1}")
     if tuple(np.shape(self._local)) != index_shape(boxes[rt.rank]):
       # Sending it would make MPI read past it or mix up the ranks' bytes.
       raise ValueError(
-          f"GlobalArray.gather: this rank's part has shape {tuple(np.shape(self._local))}, but "
-          f"its part of the global {self._shape} array (spec {self._spec}) is "
-          f"{index_shape(boxes[rt.rank])}; the GlobalArray was built around a local array of "
-          "the wrong shape")
+        f"GlobalArray.gather: this rank's part has shape {tuple(np.shape(self._local))}, but "
+        f"its part of the global {self._shape} array (spec {self._spec}) is "
+        f"{index_shape(boxes[rt.rank])}; the GlobalArray was built around a local array of "
+        "the wrong shape"
+      )
     # A zero-size part is never read from the devices (JAX may hold it in shards
     # of the wrong shape, see full()).
-    mine = (np.ascontiguousarray(np.asarray(self._local))
-            if rt.rank in senders and counts[rt.rank] else None)
+    mine = (
+      np.ascontiguousarray(np.asarray(self._local))
+      if rt.rank in senders and counts[rt.rank]
+      else None
+    )
     send = mine.reshape(-1).view(np.uint8) if mine is not None else np.zeros(0, np.uint8)
     want = root is None or rt.rank == root
     buf = np.empty(int(sum(counts)), np.uint8) if want else None
@@ -568,7 +615,7 @@ class GlobalArray:
       return None
     out = np.empty(self._shape, self._dtype)
     for r in senders:
-      chunk = buf[displs[r]:displs[r] + counts[r]]
+      chunk = buf[displs[r] : displs[r] + counts[r]]
       out[boxes[r]] = chunk.view(self._dtype).reshape(index_shape(boxes[r]))
     return out
 
@@ -586,22 +633,26 @@ class GlobalArray:
     sharding = NamedSharding(jax_mesh(self._mesh), self._spec)
     shards = {s.device: s.data for s in self._local.addressable_shards}
     return jax.make_array_from_single_device_arrays(
-        self._shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(
-            self._shape)])
+      self._shape,
+      sharding,
+      [shards[d] for d in sharding.addressable_devices_indices_map(self._shape)],
+    )
 
 
 def _require_distributed(rt, what: str) -> None:
   if jax.process_count() != rt.size:
     raise RuntimeError(
-        f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
-        f"in this {rt.size}-rank job: call mpijax.init() before anything else uses JAX, and "
-        "without jax_distributed=False or MPIJAX_JAX_DISTRIBUTED=0. Without it, use .gather() "
-        "or .local.")
+      f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
+      f"in this {rt.size}-rank job: call mpijax.init() before anything else uses JAX, and "
+      "without jax_distributed=False or MPIJAX_JAX_DISTRIBUTED=0. Without it, use .gather() "
+      "or .local."
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _jax_mesh(axis_shapes: tuple[int, ...], axis_names: tuple[str, ...], L: int):
   from jax.sharding import Mesh
+
   rt = runtime.get("mpijax.GlobalArray.to_jax")
   per_process: dict[int, list[Any]] = {}
   for d in jax.devices():
@@ -616,36 +667,71 @@ def _jax_mesh(axis_shapes: tuple[int, ...], axis_names: tuple[str, ...], L: int)
       raise RuntimeError(f"JAX sees {len(devs)} devices of process {p}, mpijax expects {L}")
     ordered += devs
   if sorted(rt.local_devices, key=lambda d: d.id) != list(rt.local_devices):
-    raise RuntimeError("this rank's local devices are not in id order; cannot map mpijax's "
-                       "global device order onto JAX's devices")
+    raise RuntimeError(
+      "this rank's local devices are not in id order; cannot map mpijax's "
+      "global device order onto JAX's devices"
+    )
   return Mesh(np.array(ordered, dtype=object).reshape(axis_shapes), axis_names)
 
 
 def jax_mesh(mesh: GlobalMesh):
   """A ``jax.sharding.Mesh`` over JAX's global devices laid out like ``mesh``."""
-  return _jax_mesh(tuple(mesh.shape[n] for n in mesh.axis_names), mesh.axis_names,
-                   mesh.local_device_count)
+  return _jax_mesh(
+    tuple(mesh.shape[n] for n in mesh.axis_names), mesh.axis_names, mesh.local_device_count
+  )
 
 
 def _unsupported_operator(name: str):
   def op(self, *args, **kwargs):
     raise TypeError(
-        f"GlobalArray does not implement {name}: each rank holds only its part, so NumPy-style "
-        "operators on the global array are not defined. For element-wise math use "
-        "jax.tree.map(f, ga) or jax.tree.map(jnp.add, a, b) (same mesh and spec; inside "
-        "jax.jit too); for reductions or anything that mixes blocks use mpijax.shard_map with "
-        "mpijax.lax collectives; ga.local is this rank's part, ga.gather() the whole array "
-        "(collective).")
+      f"GlobalArray does not implement {name}: each rank holds only its part, so NumPy-style "
+      "operators on the global array are not defined. For element-wise math use "
+      "jax.tree.map(f, ga) or jax.tree.map(jnp.add, a, b) (same mesh and spec; inside "
+      "jax.jit too); for reductions or anything that mixes blocks use mpijax.shard_map with "
+      "mpijax.lax collectives; ga.local is this rank's part, ga.gather() the whole array "
+      "(collective)."
+    )
+
   op.__name__ = name
   return op
 
 
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-              "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__",
-              "__pos__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__",
-              "__xor__", "__rxor__", "__lt__", "__le__", "__gt__", "__ge__", "__float__",
-              "__int__", "__complex__", "__index__"):
+for _name in (
+  "__add__",
+  "__radd__",
+  "__sub__",
+  "__rsub__",
+  "__mul__",
+  "__rmul__",
+  "__truediv__",
+  "__rtruediv__",
+  "__floordiv__",
+  "__rfloordiv__",
+  "__mod__",
+  "__rmod__",
+  "__pow__",
+  "__rpow__",
+  "__matmul__",
+  "__rmatmul__",
+  "__neg__",
+  "__pos__",
+  "__abs__",
+  "__invert__",
+  "__and__",
+  "__rand__",
+  "__or__",
+  "__ror__",
+  "__xor__",
+  "__rxor__",
+  "__lt__",
+  "__le__",
+  "__gt__",
+  "__ge__",
+  "__float__",
+  "__int__",
+  "__complex__",
+  "__index__",
+):
   setattr(GlobalArray, _name, _unsupported_operator(_name))
 del _name
 
@@ -653,12 +739,14 @@ del _name
 # --- constructors ---------------------------------------------------------------------
 
 
-def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh,
-         spec=None) -> GlobalArray:
+def full(
+  shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh, spec=None
+) -> GlobalArray:
   """A GlobalArray filled with ``fill_value`` (made on the devices, no host copy)."""
   shape = tuple(int(s) for s in shape)
-  dtype = np.dtype(jax.dtypes.canonicalize_dtype(
-      dtype if dtype is not None else np.asarray(fill_value).dtype))
+  dtype = np.dtype(
+    jax.dtypes.canonicalize_dtype(dtype if dtype is not None else np.asarray(fill_value).dtype)
+  )
   nspec = normalize_spec(spec, len(shape), mesh)
   check_divisible(shape, mesh, nspec, "mpijax full/zeros")
   check_contiguous(mesh, nspec)
@@ -674,7 +762,8 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
   return GlobalArray(local, shape, dtype, mesh, nspec)
 
 
-def zeros(shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
-          spec=None) -> GlobalArray:
+def zeros(
+  shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh, spec=None
+) -> GlobalArray:
   """A GlobalArray of zeros."""
   return full(shape, 0, dtype, mesh=mesh, spec=spec)

@@ -25,9 +25,11 @@ def import_mpi():
   the thread level must be set before mpi4py initializes MPI.
   """
   import mpi4py
+
   if "mpi4py.MPI" not in sys.modules:
     mpi4py.rc.thread_level = "multiple"
   from mpi4py import MPI
+
   _clean_singleton_segments_at_exit(MPI)
   return MPI
 
@@ -116,7 +118,11 @@ def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
   MPI = import_mpi()
   n = np.array([len(data) if comm.rank == root else 0], dtype=np.int64)
   comm.Bcast([n, MPI.INT64_T], root=root)
-  buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.rank == root else np.empty(int(n[0]), np.uint8)
+  buf = (
+    np.frombuffer(data, dtype=np.uint8).copy()
+    if comm.rank == root
+    else np.empty(int(n[0]), np.uint8)
+  )
   comm.Bcast([buf, MPI.BYTE], root=root)
   return buf.tobytes()
 
@@ -132,9 +138,10 @@ def allgather_bytes(comm, data: bytes) -> list[bytes]:
   comm.Allgather([np.array([len(data)], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
   displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
   out = np.empty(int(counts.sum()), np.uint8)
-  comm.Allgatherv([np.frombuffer(data, np.uint8), MPI.BYTE],
-                  [out, (counts.tolist(), displs.tolist()), MPI.BYTE])
-  return [out[d:d + c].tobytes() for d, c in zip(displs, counts)]
+  comm.Allgatherv(
+    [np.frombuffer(data, np.uint8), MPI.BYTE], [out, (counts.tolist(), displs.tolist()), MPI.BYTE]
+  )
+  return [out[d : d + c].tobytes() for d, c in zip(displs, counts)]
 
 
 def allgather_str(comm, text: str) -> list[str]:
@@ -176,8 +183,10 @@ def rank_lines(bad: list[tuple[int, str]], limit: int = 8) -> str:
   by_text: dict[str, list[int]] = {}
   for r, text in bad:
     by_text.setdefault(text, []).append(r)
-  lines = [f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
-           for text, rs in list(by_text.items())[:limit]]
+  lines = [
+    f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
+    for text, rs in list(by_text.items())[:limit]
+  ]
   if len(by_text) > limit:
     lines.append(f"  ... and {len(by_text) - limit} more different problems")
   return "\n".join(lines)
@@ -242,8 +251,9 @@ def sample_digest(array: np.ndarray) -> str | None:
   return hashlib.blake2b(_bytes_of(picked), digest_size=8).hexdigest()
 
 
-def differing_copies(keys: Sequence[Any],
-                     digests: Sequence[str | None]) -> list[tuple[Any, list[list[int]]]]:
+def differing_copies(
+  keys: Sequence[Any], digests: Sequence[str | None]
+) -> list[tuple[Any, list[list[int]]]]:
   """Groups of ranks with equal ``keys`` whose ``digests`` differ: (key, ranks per distinct copy).
 
   Ranks and copies are listed in rank order; a rank whose digest is None is
@@ -275,8 +285,10 @@ def how_compared(check: bool) -> str:
   """How the copies were compared, for the error message."""
   if check:
     return "every byte compared, MPIJAX_CHECK=1"
-  return (f"found by comparing up to {_SAMPLE_ELEMENTS} sampled elements; MPIJAX_CHECK=1 compares "
-          "every byte")
+  return (
+    f"found by comparing up to {_SAMPLE_ELEMENTS} sampled elements; MPIJAX_CHECK=1 compares "
+    "every byte"
+  )
 
 
 def mixed_check(what: str, flags: Sequence[bool]) -> None:
@@ -285,6 +297,7 @@ def mixed_check(what: str, flags: Sequence[bool]) -> None:
   if on and len(on) < len(flags):
     off = [r for r, f in enumerate(flags) if not f]
     raise ValueError(
-        f"{what}: MPIJAX_CHECK is on for {_ranks_text(on)} but off for {_ranks_text(off)}, so "
-        "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
-        "...)) the same way on every rank.")
+      f"{what}: MPIJAX_CHECK is on for {_ranks_text(on)} but off for {_ranks_text(off)}, so "
+      "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
+      "...)) the same way on every rank."
+    )
