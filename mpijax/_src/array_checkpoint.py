@@ -57,19 +57,8 @@ def _spec_to_json(spec: PartitionSpec) -> list:
   return [e if e is None or isinstance(e, str) else list(e) for e in spec]
 
 
-def _spec_from_json(entries: list) -> PartitionSpec:
-  return PartitionSpec(*[e if e is None or isinstance(e, str) else tuple(e) for e in entries])
-
-
 def _sha256(data) -> str:
   return hashlib.sha256(data).hexdigest()
-
-
-def _agree(comm, what: str, error: str, exc=OSError) -> None:
-  """Raises ``exc`` on every rank if any rank reports an error."""
-  bad = mpi_util.rank_problems(comm, error)
-  if bad:
-    raise exc(f"{what} failed:\n" + mpi_util.rank_lines(bad))
 
 
 # --- save ------------------------------------------------------------------------------
