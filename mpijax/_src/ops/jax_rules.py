@@ -28,13 +28,23 @@ from __future__ import annotations
 import functools
 import math
 
-from jax._src.interpreters import mlir as mlir_internal
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
 from mpijax._src import jax_compat
+from mpijax._src.jax_compat import ad_checkpoint
+from mpijax._src.jax_compat import conditionals
+from mpijax._src.jax_compat import core as core_internal
+from mpijax._src.jax_compat import custom_derivatives
+from mpijax._src.jax_compat import ir
+from mpijax._src.jax_compat import loops
+from mpijax._src.jax_compat import mlir as mlir_internal
+from mpijax._src.jax_compat import parallel
+from mpijax._src.jax_compat import partial_eval as pe
+from mpijax._src.jax_compat import pjit
+from mpijax._src.jax_compat import shard_map
+from mpijax._src.jax_compat import sharding_impls
 from mpijax._src.ops import ordering
 from mpijax._src.ops.lowering import auto_devices
 
@@ -75,15 +85,6 @@ def keep_calls_with_mpi() -> None:
   never sent, and its receiver waited forever. Such an equation now counts
   all its results as used.
   """
-  from jax._src import ad_checkpoint
-  from jax._src import core as core_internal
-  from jax._src import custom_derivatives
-  from jax._src import pjit
-  from jax._src import shard_map
-  from jax._src.interpreters import partial_eval as pe
-  from jax._src.lax.control_flow import conditionals
-  from jax._src.lax.control_flow import loops
-
   for prim in (pjit.jit_p, core_internal.closed_call_p, core_internal.call_p,
                conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
                custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
@@ -131,15 +132,6 @@ def inline_calls() -> None:
     use, which would also cut its ops from the caller's chain. The price is
     that identical loops or branches in one program are lowered once each.
   """
-  from jax._src import ad_checkpoint
-  from jax._src import core as core_internal
-  from jax._src import custom_derivatives
-  from jax._src import pjit
-  from jax._src import shard_map
-  from jax._src import sharding_impls
-  from jax._src.lax.control_flow import conditionals
-  from jax._src.lax.control_flow import loops
-
   mlir_internal._uncacheable_primitives.update((
       conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
       custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
@@ -192,8 +184,6 @@ def thread_shard_maps() -> None:
   and single-device ones (lowered inline, already in the caller's chain),
   keep JAX's lowering unchanged.
   """
-  from jax._src import core as core_internal
-  from jax._src import shard_map
   from jax.sharding import PartitionSpec
 
   default = shard_map._shard_map_lowering
@@ -265,8 +255,6 @@ def order_xla_collectives() -> None:
   collective has finished): one order on every device. Programs without
   mpijax calls lower as JAX lowers them.
   """
-  from jax._src.lax import parallel
-
   names = ("psum_p", "pmax_p", "pmin_p", "ppermute_p", "all_to_all_p",
            "ragged_all_to_all_p", "all_gather_p", "all_gather_invariant_p",
            "reduce_scatter_p", "psum_invariant_p", "all_gather_reduced_p",

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import sharding_impls
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
+from mpijax._src.jax_compat import ir
+from mpijax._src.jax_compat import sharding_impls
 from mpijax._src.ops import call_sites
 from mpijax._src.ops import ordering
 from mpijax._src.ops.primitive import i64

@@ -43,12 +43,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.interpreters import mlir as mlir_internal
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from mpijax._src.jax_compat import ir
 from mpijax._src.jax_compat import jaxprs_in_params
+from mpijax._src.jax_compat import mlir as mlir_internal
 from mpijax._src.ops.primitive import PRIMITIVES
 
 # XLA's collective primitives whose lowering joins the chain (filled by
