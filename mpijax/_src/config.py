@@ -92,7 +92,7 @@ def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str,
   return setting
 
 
-# --- runtime (layer 2) -------------------------------------------------------
+# --- runtime -------------------------------------------------------------
 _define("devices_per_process", _parse_optional_int, None,
         "CPU devices per rank. Unset: keep the user's XLA_FLAGS / "
         "jax_num_cpu_devices, else 1.")
@@ -225,7 +225,7 @@ _define("timeline", str, "",
         "merged by rank 0 at exit into one Chrome-trace / Perfetto JSON (see "
         "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
 
-# --- training (layer 6) ------------------------------------------------------
+# --- training ------------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")
 _define("overlap", _parse_bool, False,

@@ -1,4 +1,4 @@
-"""Layer 3, transport: mpijax's MPI operations as JAX primitives.
+"""The transport layer: mpijax's MPI operations as JAX primitives.
 
 One module per primitive (``allreduce``, ``allgather``, ``reduce_scatter``,
 ``alltoall``, ``bcast``, ``ppermute``, ``barrier``), on shared machinery:

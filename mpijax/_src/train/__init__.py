@@ -1,4 +1,4 @@
-"""Layer 6, training: data-parallel training over MPI ranks.
+"""The training layer: data-parallel training over MPI ranks.
 
 Public API in :mod:`mpijax.train`. Modules:
 
