@@ -58,6 +58,16 @@ def test_jax_imported_first_under_plain_mpirun():
   assert out.count(" mpi ok") == 2 and GLOO_WARNING not in out, tail(out)
 
 
+def test_mpijax_imported_first_names_the_bridge_itself():
+  # Nothing named the bridge (the script drops what the hook set): `import mpijax`
+  # before `import jax` must, before jaxlib loads.
+  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--no-hook",
+                        "--expect", "mpi"])
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, tail(out)
+  assert out.count(" mpi ok") == 2 and GLOO_WARNING not in out, tail(out)
+
+
 def test_several_devices_per_rank_use_gloo_with_one_warning():
   result, _ = run_mpi(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--expect", "gloo"],
                       devices_per_process=2, timeout=300)
