@@ -158,8 +158,8 @@ _define("blocking_min_bytes", int, 0,
         "measured (default 0: every call blocks). Without the stall inspector's "
         "watchdog, blocking calls start at 64 KiB and first wait for every rank "
         "in a polled MPI_Ibarrier. With several local devices per rank every "
-        "call is polled: their threads blocked in MPI together were 3-10x "
-        "slower.")
+        "call is polled: their threads blocked in MPI at once slow each other "
+        "down.")
 _define("ring_min_bytes", int, 128 * 1024,
         "From this many bytes per rank (message size / ranks) on, an all-reduce "
         "runs mpijax's ring (reduce-scatter then allgather by neighbour "
