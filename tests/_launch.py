@@ -144,7 +144,7 @@ def inner_summary(what: str, out: str) -> str:
   return f"{what}: " + "; ".join(f"rank {r} {c}" for r, c in sorted(counts.items()))
 
 
-# Long or redundant runs kept out of CI's 15 minutes; MPIJAX_TEST_SLOW=1 runs them.
+# Long or redundant runs kept out of CI (25 minutes at most); MPIJAX_TEST_SLOW=1 runs them.
 SLOW = [
   pytest.mark.slow,
   pytest.mark.skipif(
