@@ -49,19 +49,13 @@ def test_xla_collectives_travel_over_mpi():
   assert GLOO_WARNING not in out
 
 
-def test_jax_imported_first_under_plain_mpirun():
-  # The interpreter-start hook names the bridge before the program's `import jax`.
-  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--jax-first",
-                        "--expect", "mpi"])
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, tail(out)
-  assert out.count(" mpi ok") == 2 and GLOO_WARNING not in out, tail(out)
-
-
-def test_mpijax_imported_first_names_the_bridge_itself():
-  # Nothing named the bridge (the script drops what the hook set): `import mpijax`
-  # before `import jax` must, before jaxlib loads.
-  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--no-hook",
+@pytest.mark.parametrize("order", ["--jax-first", "--no-hook"],
+                         ids=["jax-first-the-hook-names-the-bridge", "mpijax-first-names-it-itself"])
+def test_import_order_under_plain_mpirun(order):
+  # jax first: the interpreter-start hook names the bridge before the program's
+  # `import jax`. mpijax first, with what the hook named dropped: `import mpijax`
+  # must name it before jaxlib loads.
+  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), order,
                         "--expect", "mpi"])
   out = r.stdout + r.stderr
   assert r.returncode == 0, tail(out)
