@@ -49,12 +49,15 @@ def _differential(ranks: int, local: int, cases: int, seed: int, tmp_path, timeo
   args = ["--cases", str(cases), "--seed", str(seed)]
   ref = str(tmp_path / f"ref{ranks}x{local}.npz")
   _reference(ranks, local, args, ref, timeout)
-  result, _ = run_mpi(
-    ranks,
-    [sys.executable, str(SCRIPT), "check", "--ref", ref, *args],
-    devices_per_process=local,
-    timeout=timeout,
-  )
+  try:
+    result, _ = run_mpi(
+      ranks,
+      [sys.executable, str(SCRIPT), "check", "--ref", ref, *args],
+      devices_per_process=local,
+      timeout=timeout,
+    )
+  finally:
+    os.unlink(ref)  # 3,334 cases' results take about 350 MB
   # Without XLA's partitioner notes and gloo's connection lines, the mismatches show.
   out = "\n".join(line for line in result.stdout.splitlines() if not NOISE.search(line))
   assert result.returncode == 0, tail(out, 200)
