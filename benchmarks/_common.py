@@ -192,14 +192,16 @@ def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: Harnes
 
 
 def time_calls(steps: dict[str, tuple[Callable[[], Any], int]], hc: HarnessComm, *, calls: int,
-               warmup: int = 10, rounds: int = 10) -> dict[str, Timing]:
+               warmup: int = 10, rounds: int = 10, aligned: bool = False) -> dict[str, Timing]:
   """Times every call on its own: p10 / median / p90 over ``calls`` blocking calls per method.
 
   For tails, which a trial's mean hides. After ``warmup`` calls of each
   method, ``rounds`` rounds run ``calls / rounds`` calls of every method in
   turn, each method's run behind a barrier (interleaved for the reason given
-  in :func:`time_interleaved`). Each percentile is the max over ranks of the
-  ranks' own percentiles; ``best_us`` is the fastest call.
+  in :func:`time_interleaved`). With ``aligned`` every call has its own
+  barrier first (not timed): each call starts with the ranks together and
+  nothing of the previous call in flight. Each percentile is the max over
+  ranks of the ranks' own percentiles; ``best_us`` is the fastest call.
   """
   import numpy as np
   for step, _ in steps.values():
@@ -211,6 +213,8 @@ def time_calls(steps: dict[str, tuple[Callable[[], Any], int]], hc: HarnessComm,
     for key, (step, _) in steps.items():
       hc.barrier()
       for _ in range(chunk):
+        if aligned:
+          hc.barrier()
         t0 = time.perf_counter()
         step()
         times[key].append(time.perf_counter() - t0)
