@@ -13,9 +13,6 @@
 #include "handler.h"
 #include "handlers.h"
 #include "reduce_ops.h"
-#include "ring.h"
-#include "spans.h"
-#include "timeline.h"
 #include "wait.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,14 +46,12 @@ ffi::Error DeviceAllreduceImpl(int64_t device, ffi::AnyBuffer x,
 }
 
 // Several buffers (the buckets of a gradient tree) reduced in one call: those
-// of one dtype in one cross-memory all-reduce (UseCma) or one ring (UseRing)
-// when either applies, else one after another as `allreduce` would; the last
-// operand and result are the order token. One custom call instead of one per
-// bucket: one signature check on the first run, no per-bucket thunk, and XLA
-// cannot interleave a bucket's packing with another's MPI call. (Posting
-// every bucket as an MPI_Iallreduce and awaiting them together was measured
-// slower inside a training step: 90 vs 76 ms with 4 ranks on 2 cores, 42 vs
-// 34 ms with 2.)
+// of one dtype together (AllreduceBuffers); the last operand and result are
+// the order token. One custom call instead of one per bucket: one signature
+// check on the first run, no per-bucket thunk, and XLA cannot interleave a
+// bucket's packing with another's MPI call. (Posting every bucket as an
+// MPI_Iallreduce and awaiting them together was measured slower inside a
+// training step: 90 vs 76 ms with 4 ranks on 2 cores, 42 vs 34 ms with 2.)
 ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, int64_t comm_id,
                              int64_t op, int64_t site, int64_t sig) {
@@ -72,10 +67,8 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
       Kind::kCollective, "allreduce", *first, comm_id, device, site, sig,
       [&](CallInfo& info, MPI_Comm comm) -> ffi::Error {
         info.bytes = 0;
-        MPI_Datatype dt;
-        MPI_Op mop;
-        // Buffers of one dtype share one ring (UseRing); the dtypes go in
-        // order of first appearance, the same on every rank.
+        // Buffers of one dtype go together; the dtypes in order of first
+        // appearance, the same on every rank.
         std::vector<ffi::DataType> types;
         for (size_t i = 0; i + 1 < args.size(); ++i) {
           auto x = args.get<ffi::AnyBuffer>(i);
@@ -86,47 +79,16 @@ ffi::Error AllreduceManyImpl(int64_t device, ffi::RemainingArgs args,
           info.bytes += static_cast<int64_t>(x->size_bytes());
         }
         for (ffi::DataType type : types) {
-          if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure())
-            return e;
-          Spans spans(ffi::ByteWidth(type));
           std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>> bufs;
           for (size_t i = 0; i + 1 < args.size(); ++i) {
             auto x = args.get<ffi::AnyBuffer>(i);
             auto out = rets.get<ffi::AnyBuffer>(i);
             if (out.has_error()) return out.error();
             if (x->element_type() != type) continue;
-            spans.Add(static_cast<const char*>(x->untyped_data()),
-                      static_cast<char*>((*out)->untyped_data()),
-                      x->element_count());
             bufs.emplace_back(*x, **out);
           }
-          info.dtype = type;
-          info.dims = bufs.front().first.dimensions();
-          auto cma =
-              UseCma(info, spans.size() * spans.elem_bytes(), spans.buffers());
-          if (cma.has_error()) return cma.error();
-          if (*cma) {
-            info.path |= kPathCma;
-            if (auto e = CmaAllreduce(info, spans, type, dt, mop, 1);
-                e.failure())
-              return e;
-            continue;
-          }
-          if (UseRing(info, spans.size() * spans.elem_bytes(),
-                      spans.any_in_place())) {
-            info.path |= kPathRing;
-            if (auto e = RingSegments(info, comm, spans, type, dt, mop, 1);
-                e.failure())
-              return e;
-            continue;
-          }
-          for (size_t i = 0; i < bufs.size(); ++i) {
-            info.dims = bufs[i].first.dimensions();
-            if (auto e = AllreduceBuffer(info, comm, bufs[i].first,
-                                         bufs[i].second, op, 1);
-                e.failure())
-              return e;
-          }
+          if (auto e = AllreduceBuffers(info, comm, bufs, op); e.failure())
+            return e;
         }
         return ffi::Error::Success();
       });
