@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpijax._src import mpi_util
-from mpijax._src.train import _host
+from mpijax._src.train import communicator
 
 
 def _is_traced(leaves: list[Any]) -> bool:
@@ -44,7 +44,7 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
               for x in leaves]
     return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
                                      average=True, comm=comm, overlap=False)
-  comm = _host.get_comm(comm, "mpijax.train.mean_metrics")
+  comm = communicator.get_comm(comm, "mpijax.train.mean_metrics")
   arrays, problem = [], ""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     try:
@@ -85,7 +85,7 @@ def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray], problem:
 
 def is_main_process(comm: Any | None = None) -> bool:
   """True on rank 0 (and in a plain single process)."""
-  return _host.rank_and_size(comm)[0] == 0
+  return communicator.rank_and_size(comm)[0] == 0
 
 
 def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
