@@ -105,7 +105,7 @@ def install() -> None:
   global _installed
   if _installed:
     return
-  compiler = jax_compat.compiler_module()
+  compiler = jax_compat.compiler
   compile_or_get_cached = compiler.compile_or_get_cached
 
   @functools.wraps(compile_or_get_cached)

@@ -35,6 +35,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/runtime.py",
     "_src/jax_runtime.py",
     "_src/bridge_env.py",
+    "_src/xla_labels.py",
     "_src/multihost.py",
     "_src/inspector.py",
     "_src/failure.py",
