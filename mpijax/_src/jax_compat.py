@@ -21,6 +21,7 @@ importing ``jax._src`` or testing versions itself
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -122,6 +123,16 @@ from jax._src.lib.mlir import ir as ir
 def backends_started() -> bool:
   """Whether JAX's backends have started (its CPU device count is then fixed)."""
   return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def no_context_mesh():
+  """A context without the caller's mesh (``jax.set_mesh(None)``), for a
+  program of mpijax's own run while the user's mesh is set; a JAX without
+  ``jax.set_mesh`` has none to clear, and inside a trace it cannot be cleared."""
+  set_mesh = getattr(jax, "set_mesh", None)
+  if set_mesh is None or not core.trace_state_clean():
+    return contextlib.nullcontext()
+  return set_mesh(None)
 
 
 def guarded(install: Callable[[], None], lost: str) -> bool:

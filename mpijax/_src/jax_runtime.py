@@ -9,10 +9,11 @@ collectives XLA's partitioner inserts. XLA reaches MPI through MPItrampoline
 bridge_env.py); :func:`start` attaches the bridge to the MPI mpi4py runs, a
 private duplicate of the job's communicator, before JAX starts its backend.
 
-Where XLA's MPI collectives cannot serve -- several CPU devices per rank
-(XLA supports one per process), a jaxlib that refuses the bridge, the bridge
-not loaded because ``jax`` was imported before anything named it -- every
-rank uses gloo and rank 0 says why, once. The choice is made together: XLA's
+With several CPU devices per rank, each (rank, local device) is a member of
+XLA's communicators (xla_cliques.py, bridge/xla_members.h). Where XLA's MPI
+collectives cannot serve -- a jaxlib that refuses the bridge, the bridge not
+loaded because ``jax`` was imported before anything named it -- every rank
+uses gloo and rank 0 says why, once. The choice is made together: XLA's
 collectives over MPI on some ranks and gloo on others would never meet.
 """
 
@@ -30,6 +31,7 @@ from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import log
 from mpijax._src import mpi_util
+from mpijax._src import xla_cliques
 from mpijax._src import xla_labels
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather
@@ -154,7 +156,7 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
     # A user's 'mpi' with an MPIwrapper of their own is theirs to make work;
     # with none loaded, XLA's first MPI call would end the process.
     mine = users is None or library is not None or bridge_env.ENV not in os.environ
-    reason = _why_not_mpi(library, local_devices) if mine else ""
+    reason = _why_not_mpi(library) if mine else ""
     bad = [(r, text) for r, text in enumerate(mpi_util.allgather_str(comm, reason)) if text]
     if bad and (setting == "mpi" or users == "mpi"):
       why = ("MPIJAX_XLA_COLLECTIVES=mpi" if users is None
@@ -171,6 +173,10 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
                     "MPIJAX_XLA_COLLECTIVES=gloo chooses gloo without this warning.")
     elif library is not None:
       _attach(library, comm)
+      if local_devices > 1:
+        # XLA's requests for communicators do not say which local device asks:
+        # each compiled program's are prepared before it runs (xla_cliques.py).
+        xla_cliques.install(local_devices)
       failure.add_hint(F16_ERROR, F16_HINT)
       if users is None:
         jax.config.update("jax_cpu_collectives_implementation", "mpi")
@@ -215,11 +221,8 @@ def _wait_for_coordinator(address: str, limit: float = 60.0) -> None:
       time.sleep(0.005)
 
 
-def _why_not_mpi(library: ctypes.CDLL | None, local_devices: int) -> str:
+def _why_not_mpi(library: ctypes.CDLL | None) -> str:
   """Why XLA's MPI collectives cannot serve on this rank ('' if they can)."""
-  if local_devices > 1:
-    return (f"XLA's MPI collectives support one CPU device per process, and this job has "
-            f"{local_devices} per rank")
   if library is None:
     return _why_not_loaded()
   MPI = mpi_util.import_mpi()

@@ -36,6 +36,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/jax_runtime.py",
     "_src/bridge_env.py",
     "_src/xla_labels.py",
+    "_src/xla_cliques.py",
     "_src/multihost.py",
     "_src/inspector.py",
     "_src/failure.py",

@@ -17,6 +17,7 @@
 
 #include "bridge_table.h"
 #include "xla_comm.h"
+#include "xla_members.h"
 #include "xla_ops.h"
 
 namespace mpijax {
@@ -37,6 +38,16 @@ bool IsWorld(void* comm) { return comm == &g_world; }
 XlaComm& Of(void* comm) { return *static_cast<XlaComm*>(comm); }
 
 int CommSplit(void* comm, int color, int key, void** out, int* rank, int* size) {
+  if (MembersEnabled() && IsWorld(comm)) {
+    // Several devices per process: a member mpijax prepared (xla_members.h).
+    XlaComm* m = color < 0 ? nullptr : TakeMember(color, key);
+    *out = m;
+    if (m != nullptr) {
+      *rank = m->rank;
+      *size = m->size;
+    }
+    return MPI_SUCCESS;
+  }
   MPI_Comm base = IsWorld(comm) ? g_world : Of(comm).comm;
   XlaComm* made = nullptr;
   int rc = Split(base, g_table.world_rank, g_table.world_size,
@@ -49,7 +60,12 @@ int CommSplit(void* comm, int color, int key, void** out, int* rank, int* size) 
   return rc;
 }
 
-int CommFree(void* comm) { return IsWorld(comm) ? MPI_SUCCESS : Free(&Of(comm)); }
+int CommFree(void* comm) {
+  if (IsWorld(comm)) return MPI_SUCCESS;
+  XlaComm& c = Of(comm);
+  if (c.clique != nullptr || !c.failed.empty()) return FreeMember(&c);
+  return Free(&c);
+}
 
 int AllreduceCall(const void* send, void* recv, int count, int type, int op,
                   void* comm) {
@@ -144,6 +160,7 @@ mpijax_bridge_make_table(const void* comm_handle, double split_timeout_s,
   MPI_Comm_set_name(dup, "mpijax-xla");
   g_world = dup;
   g_split_timeout_s = split_timeout_s;
+  SetMembersWorld(dup, split_timeout_s);
   int n = 0;
   MPI_Get_library_version(g_library_version, &n);
   MpijaxBridgeTable& t = g_table;

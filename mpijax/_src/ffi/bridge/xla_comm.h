@@ -24,7 +24,11 @@ namespace mpijax::bridge {
 // (a counter from 0), so the stall inspector tells the two apart.
 constexpr int64_t kXlaKeyBase = int64_t{1} << 40;
 
-// One communicator XLA holds (the `ext` of the bridge's struct bcomm).
+struct XlaClique;  // xla_members.h
+
+// One communicator XLA holds (the `ext` of the bridge's struct bcomm): a
+// split of its own (one device per process), or one member of a clique with
+// several devices per process (`clique` set; xla_members.h).
 struct XlaComm {
   MPI_Comm comm = MPI_COMM_NULL;   // what the split made; XLA's traffic
   detail::DevComm* dc = nullptr;   // registered: status, check, node-local
@@ -47,6 +51,17 @@ struct XlaComm {
   void* p2p = nullptr;
   int pending = 0;  // requests posted and not yet waited for
   int sendrecvs = 0;  // MPI_Sendrecv calls of the open all-to-all
+
+  // A member: its clique, its place among this process's members, and its
+  // local device index (for reports and the timeline).
+  XlaClique* clique = nullptr;
+  int slot = 0;
+  int64_t device = 0;
+  // How messages name it (empty: "XLA communicator #N (ranks ...)").
+  std::string where;
+  // Not empty: a communicator mpijax could not give XLA; every operation on
+  // it fails with this text.
+  std::string failed;
 };
 
 // The split of `base` (the job's communicator for XLA, or one XLA split)

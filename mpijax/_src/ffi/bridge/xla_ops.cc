@@ -23,6 +23,7 @@
 #include "timeline.h"
 #include "idle.h"
 #include "wait.h"
+#include "xla_members.h"
 
 namespace mpijax::bridge {
 namespace {
@@ -189,6 +190,7 @@ std::string MpiText(int rc) {
 }
 
 std::string Where(const XlaComm& c) {
+  if (!c.where.empty()) return c.where;
   return "XLA communicator #" + std::to_string(c.number) + " (ranks " +
          c.ranks + ")";
 }
@@ -205,7 +207,7 @@ class Op {
     sig_ = Signature(kind, type, count, op);
     info_.emplace(CallInfo{kKindNames[kind], t_.ffi,
                            ffi::Span<const int64_t>(dims_, 1), c.size,
-                           c.comm_id, 0});
+                           c.comm_id, c.device});
     info_->dc = c.dc;
     info_->sig = sig_;
     info_->site = SiteFor(c, static_cast<uint64_t>(sig_),
@@ -232,9 +234,10 @@ class Op {
     } else {
       s << t_.name << "[" << count_ << "]";
     }
-    if (kind_ == kAllGather) s << " from each of " << c_.size << " ranks";
+    const char* who = c_.clique != nullptr ? " devices" : " ranks";
+    if (kind_ == kAllGather) s << " from each of " << c_.size << who;
     if (kind_ == kAllGather) elements = count_ * c_.size;
-    if (kind_ == kAllToAll) s << " to each of " << c_.size << " ranks";
+    if (kind_ == kAllToAll) s << " to each of " << c_.size << who;
     if (OpName(op_)[0] != 0) s << " (" << OpName(op_) << ")";
     // All-to-all and collective-permute move bytes: Python names them by
     // the bytes of their result.
@@ -263,10 +266,13 @@ void EndOp(XlaComm& c) {
   c.p2p = nullptr;
 }
 
+int MemberMismatch(XlaComm& c, Op& op);
+
 // The ranks' operations differ: every rank of the communicator learns
 // every rank's operation (collective on the check communicator) and gets the
 // same text.
 int Mismatch(XlaComm& c, Op& op) {
+  if (c.clique != nullptr) return MemberMismatch(c, op);
   detail::DevComm* dc = c.dc;
   int n = CommSize(dc->check);
   std::string text = detail::SiteText(op.info().site);
@@ -470,13 +476,13 @@ int NodeResult(XlaComm& c, Op& op, NodeCaller& caller,
 // XLA made the communicator, see SetUpNode).
 bool NodeReady(const XlaComm& c) { return c.dc->node.state == 1; }
 
-int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
-                  MPI_Op mop) {
+// The node-local all-reduce on `node`: c's own segments, or a member's view
+// of its clique's (several devices per process).
+int NodeAllreduceOn(XlaComm& c, Op& op, node_local::Comm& node,
+                    const char* src, char* dst, size_t n, MPI_Op mop) {
   const Type& t = op.type();
   size_t es = static_cast<size_t>(t.bytes), bytes = n * es;
-  node_local::Comm& node = c.dc->node;
   NodeCaller caller(c, op);
-  std::lock_guard<std::mutex> lock(c.node_mu);
   int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
   if (node.cma_ok && cma_min > 0 &&
       (bytes >= static_cast<size_t>(cma_min) ||
@@ -500,6 +506,410 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
     if (int rc = NodeResult(c, op, caller, s); rc != 0) return rc;
   }
   return 0;
+}
+
+int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                  MPI_Op mop) {
+  std::lock_guard<std::mutex> lock(c.node_mu);
+  return NodeAllreduceOn(c, op, c.dc->node, src, dst, n, mop);
+}
+
+// --- members: several devices per process (xla_members.h) ---------------------
+
+// What a member hands its clique's other local members for a round.
+struct MemberPost {
+  const char* src;  // its input (the whole operand)
+  char* dst;        // its output
+  int64_t sig;      // its operation, as Op::sig()
+  int64_t site;     // ... and as the inspector names it
+};
+
+const MemberPost& PostOf(const std::vector<const void*>& posts, size_t i) {
+  return *static_cast<const MemberPost*>(posts[i]);
+}
+
+// This process's members of c's clique, by slot.
+const std::vector<int>& Mine(const XlaClique& q) { return q.members_of[q.me]; }
+
+// The round's work area: `bytes` of the clique's staging (the worker only).
+char* Staging(XlaClique& q, size_t bytes) {
+  if (q.staging.size() < bytes) q.staging.resize(bytes);
+  return q.staging.data();
+}
+
+// "rank 0 local devices 0,1 and rank 1 local device 1": members by rank.
+std::string MemberNames(const XlaClique& q, const std::vector<int>& members) {
+  std::vector<int> ranks;
+  for (int k : members)
+    if (std::find(ranks.begin(), ranks.end(), q.world[k]) == ranks.end())
+      ranks.push_back(q.world[k]);
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    std::vector<int> devs;
+    for (int k : members)
+      if (q.world[k] == ranks[i]) devs.push_back(q.local[k]);
+    s += (i ? " and rank " : "rank ") + std::to_string(ranks[i]) +
+         (devs.size() > 1 ? " local devices " : " local device ");
+    for (size_t j = 0; j < devs.size(); ++j)
+      s += (j ? "," : "") + std::to_string(devs[j]);
+  }
+  return s;
+}
+
+// The text of a mismatch among the members of c's clique: every process's
+// round worker gathers every member's operation (collective over the
+// clique's check communicator) and words the same text.
+std::string MemberMismatchText(XlaComm& c, Op& op,
+                               const std::vector<const void*>& posts) {
+  XlaClique& q = *c.clique;
+  const std::vector<int>& mine = Mine(q);
+  size_t procs = q.members_of.size();
+  std::vector<int64_t> head;  // per local member: signature, text length
+  std::string blob;
+  for (size_t s = 0; s < mine.size(); ++s) {
+    std::string t = detail::SiteText(PostOf(posts, s).site);
+    head.push_back(PostOf(posts, s).sig);
+    head.push_back(static_cast<int64_t>(t.size()));
+    blob += t;
+  }
+  std::vector<int64_t> heads = head;
+  std::string blobs = blob;
+  std::vector<int> hcount(procs), hdispl(procs), bcount(procs), bdispl(procs);
+  if (procs > 1) {
+    int total = 0;
+    for (size_t p = 0; p < procs; ++p) {
+      hcount[p] = 2 * static_cast<int>(q.members_of[p].size());
+      hdispl[p] = total;
+      total += hcount[p];
+    }
+    heads.assign(total, 0);
+    MPI_Request req;
+    auto wait = [&](int rc, const char* call) {
+      if (rc != MPI_SUCCESS) Fatal(c, std::string(call) + " failed: " + MpiText(rc));
+      if (auto e = detail::Wait(&req, op.info()); e.failure()) Fatal(c, e.message());
+    };
+    wait(MPI_Iallgatherv(head.data(), static_cast<int>(head.size()),
+                         MPI_INT64_T, heads.data(), hcount.data(),
+                         hdispl.data(), MPI_INT64_T, q.check, &req),
+         "MPI_Iallgatherv");
+    int mine_bytes = static_cast<int>(blob.size());
+    wait(MPI_Iallgather(&mine_bytes, 1, MPI_INT, bcount.data(), 1, MPI_INT,
+                        q.check, &req),
+         "MPI_Iallgather");
+    total = 0;
+    for (size_t p = 0; p < procs; ++p) {
+      bdispl[p] = total;
+      total += bcount[p];
+    }
+    blobs.assign(std::max(total, 1), '\0');
+    wait(MPI_Iallgatherv(blob.data(), mine_bytes, MPI_CHAR, blobs.data(),
+                         bcount.data(), bdispl.data(), MPI_CHAR, q.check,
+                         &req),
+         "MPI_Iallgatherv");
+  } else {
+    hdispl[0] = bdispl[0] = 0;
+  }
+  // Every member's signature and text.
+  std::vector<int64_t> sig(q.n);
+  std::vector<std::string> text(q.n);
+  for (size_t p = 0; p < procs; ++p) {
+    size_t at = bdispl[p];
+    for (size_t j = 0; j < q.members_of[p].size(); ++j) {
+      int k = q.members_of[p][j];
+      sig[k] = heads[hdispl[p] + 2 * j];
+      size_t len = static_cast<size_t>(heads[hdispl[p] + 2 * j + 1]);
+      text[k] = blobs.substr(at, len);
+      at += len;
+    }
+  }
+  std::vector<int64_t> sigs;
+  std::vector<std::vector<int>> groups;
+  for (int k = 0; k < q.n; ++k) {
+    auto it = std::find(sigs.begin(), sigs.end(), sig[k]);
+    if (it == sigs.end()) {
+      sigs.push_back(sig[k]);
+      groups.push_back({k});
+    } else {
+      groups[it - sigs.begin()].push_back(k);
+    }
+  }
+  std::ostringstream s;
+  s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
+    << c.dc->status.calls.load(std::memory_order_relaxed) << ": ";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (g) s << (g + 1 == groups.size() ? ", but " : ", ");
+    s << MemberNames(q, groups[g]) << (groups[g].size() > 1 ? " run " : " runs ")
+      << text[groups[g][0]];
+  }
+  s << ". No data was exchanged. Every rank must run the same jitted programs, "
+       "in the same order, on arrays of the same shapes and dtypes (a last "
+       "batch of another size on some ranks, or a branch on the rank, "
+       "breaks this).";
+  return s.str();
+}
+
+// Whether every member of c's clique, here and in its other processes, runs
+// the same operation (the round's worker; collective over the check
+// communicator). kErrXla with the mismatch's text in *text, else 0.
+int MemberCompare(XlaComm& c, Op& op, const std::vector<const void*>& posts,
+                  std::string* text) {
+  XlaClique& q = *c.clique;
+  int64_t lo = INT64_MAX, hi = INT64_MIN;
+  for (size_t i = 0; i < posts.size(); ++i) {
+    lo = std::min(lo, PostOf(posts, i).sig);
+    hi = std::max(hi, PostOf(posts, i).sig);
+  }
+  if (q.members_of.size() > 1) {
+    c.dc->status.phase.store(1, std::memory_order_relaxed);
+    int64_t buf[2] = {hi, -lo};
+    MPI_Request req;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
+                            q.check, &req);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallreduce failed: " + MpiText(rc));
+    if (auto e = detail::Wait(&req, op.info()); e.failure())
+      Fatal(c, e.message());
+    c.dc->status.phase.store(2, std::memory_order_relaxed);
+    hi = buf[0];
+    lo = -buf[1];
+  }
+  if (lo == hi) return 0;
+  *text = MemberMismatchText(c, op, posts);
+  return kErrXla;
+}
+
+// A mismatch the node-local segments found (every member sees it): the
+// members' round words it.
+int MemberMismatch(XlaComm& c, Op& op) {
+  XlaClique& q = *c.clique;
+  MemberPost post{nullptr, nullptr, op.sig(), op.info().site};
+  NodeCaller caller(c, op);
+  std::string text;
+  q.group.Round(
+      c.slot, &post, caller,
+      [&](const std::vector<const void*>& posts, std::string* out) {
+        *out = MemberMismatchText(c, op, posts);
+        return kErrXla;
+      },
+      &text);
+  return Fail(c, text, true);
+}
+
+// Maps the clique's node-local segments at its first all-reduce, every
+// member a participant (a round; collective over the clique's communicator
+// through each process's worker). Only where every process has as many
+// members: the segments' slots are per process.
+void MemberNodeSetup(XlaComm& c, Op& op) {
+  XlaClique& q = *c.clique;
+  MemberPost post{nullptr, nullptr, op.sig(), op.info().site};
+  NodeCaller caller(c, op);
+  q.group.Round(
+      c.slot, &post, caller,
+      [&](const std::vector<const void*>&, std::string*) {
+        const auto& s = g_settings;
+        int64_t shm_max = s.shm_max_bytes.load();
+        int state = -1;
+        if (q.uniform && (shm_max > 0 || s.cma_min_bytes.load() > 0)) {
+          auto owner = std::make_unique<node_local::Comm>(q.comm);
+          owner->limits.shm_max_bytes = shm_max;
+          owner->limits.cma_min_bytes = s.cma_min_bytes.load();
+          owner->limits.timeout_s = s.timeout_s.load();
+          owner->limits.wait_spin_s = s.wait_spin_s.load();
+          bool ready = false;
+          node_local::Status st = node_local::Ready(
+              *owner, caller, std::max<int64_t>(shm_max, 4096),
+              static_cast<int>(Mine(q).size()), &ready);
+          if (st.ok() && ready) {
+            for (size_t i = 0; i < q.handles.size(); ++i)
+              node_local::View(q.handles[i]->dc->group, *owner,
+                               static_cast<int>(i));
+            q.node = std::move(owner);
+            state = 1;
+          } else if (!st.ok()) {
+            std::fprintf(stderr,
+                         "mpijax: %s keeps to MPI: setting up its node-local "
+                         "paths failed: %s\n",
+                         Where(c).c_str(), st.message.c_str());
+          }
+        }
+        q.node_state = state;
+        return 0;
+      },
+      nullptr);
+}
+
+// An all-reduce among the members: through node-local segments with every
+// member a participant where they are set up, else a round: the worker sums
+// this process's members' inputs, all-reduces that across the clique's
+// processes (one MPI call per process) and hands every member the result.
+int MemberAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                    MPI_Op mop) {
+  XlaClique& q = *c.clique;
+  if (q.node_state == 0) MemberNodeSetup(c, op);
+  if (q.node_state == 1)
+    return NodeAllreduceOn(c, op, c.dc->group, src, dst, n, mop);
+  const Type& t = op.type();
+  size_t bytes = n * static_cast<size_t>(t.bytes);
+  bool across = q.members_of.size() > 1;
+  if (across) op.info().path |= detail::kPathMpi;
+  MemberPost post{src, dst, op.sig(), op.info().site};
+  NodeCaller caller(c, op);
+  std::string text;
+  int rc = q.group.Round(
+      c.slot, &post, caller,
+      [&](const std::vector<const void*>& posts, std::string* out) {
+        if (int r = MemberCompare(c, op, posts, out); r != 0) return r;
+        char* acc = Staging(q, bytes);
+        std::memcpy(acc, PostOf(posts, 0).src, bytes);
+        for (size_t i = 1; i < posts.size(); ++i) {
+          int r = MPI_Reduce_local(PostOf(posts, i).src, acc,
+                                   static_cast<int>(n), t.mpi, mop);
+          if (r != MPI_SUCCESS) Fatal(c, "MPI_Reduce_local failed: " + MpiText(r));
+        }
+        if (across) {
+          int count = static_cast<int>(n);
+          RunCollective(
+              c, op, bytes,
+              [&] {
+                return MPI_Allreduce(MPI_IN_PLACE, acc, count, t.mpi, mop,
+                                     q.comm);
+              },
+              [&](MPI_Request* req) {
+                return MPI_Iallreduce(MPI_IN_PLACE, acc, count, t.mpi, mop,
+                                      q.comm, req);
+              });
+        }
+        for (size_t i = 0; i < posts.size(); ++i)
+          std::memcpy(PostOf(posts, i).dst, acc, bytes);
+        return 0;
+      },
+      &text);
+  return rc == 0 ? 0 : Fail(c, text, true);
+}
+
+// An all-gather among the members (`src` null: in place, the member's block
+// already in `dst`): a round whose worker packs this process's blocks,
+// all-gathers them across the clique's processes and writes every block into
+// every local member's output.
+int MemberAllgather(XlaComm& c, Op& op, const char* src, char* dst,
+                    size_t count) {
+  XlaClique& q = *c.clique;
+  size_t block = count * static_cast<size_t>(op.type().bytes);
+  bool across = q.members_of.size() > 1;
+  if (across) op.info().path |= detail::kPathMpi;
+  MemberPost post{src != nullptr ? src : dst + c.rank * block, dst, op.sig(),
+                  op.info().site};
+  NodeCaller caller(c, op);
+  std::string text;
+  int rc = q.group.Round(
+      c.slot, &post, caller,
+      [&](const std::vector<const void*>& posts, std::string* out) {
+        if (int r = MemberCompare(c, op, posts, out); r != 0) return r;
+        const std::vector<int>& mine = Mine(q);
+        // Block k (from `from`) into every local member's output.
+        auto spread = [&](int k, const char* from) {
+          for (size_t i = 0; i < posts.size(); ++i) {
+            char* to = PostOf(posts, i).dst + k * block;
+            if (to != from) std::memcpy(to, from, block);
+          }
+        };
+        if (!across) {
+          for (size_t s = 0; s < mine.size(); ++s)
+            spread(mine[s], PostOf(posts, s).src);
+          return 0;
+        }
+        size_t procs = q.members_of.size();
+        std::vector<int> counts(procs), displs(procs);
+        int total = 0;
+        for (size_t p = 0; p < procs; ++p) {
+          counts[p] = static_cast<int>(q.members_of[p].size() * block);
+          displs[p] = total;
+          total += counts[p];
+        }
+        char* pack = Staging(q, (mine.size() + q.n) * block);
+        char* all = pack + mine.size() * block;
+        for (size_t s = 0; s < mine.size(); ++s)
+          std::memcpy(pack + s * block, PostOf(posts, s).src, block);
+        int mine_bytes = static_cast<int>(mine.size() * block);
+        RunCollective(
+            c, op, q.n * block,
+            [&] {
+              return MPI_Allgatherv(pack, mine_bytes, MPI_BYTE, all,
+                                    counts.data(), displs.data(), MPI_BYTE,
+                                    q.comm);
+            },
+            [&](MPI_Request* req) {
+              return MPI_Iallgatherv(pack, mine_bytes, MPI_BYTE, all,
+                                     counts.data(), displs.data(), MPI_BYTE,
+                                     q.comm, req);
+            });
+        for (size_t p = 0; p < procs; ++p)
+          for (size_t j = 0; j < q.members_of[p].size(); ++j)
+            spread(q.members_of[p][j], all + displs[p] + j * block);
+        return 0;
+      },
+      &text);
+  return rc == 0 ? 0 : Fail(c, text, true);
+}
+
+// A reduce-scatter among the members (`src` null: in place, the input in
+// `dst`): a round whose worker sums this process's members' inputs,
+// reduce-scatters the sum across the clique's processes (each process's
+// members' blocks together) and hands each local member its block.
+int MemberReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
+                        size_t count, MPI_Op mop) {
+  XlaClique& q = *c.clique;
+  const Type& t = op.type();
+  size_t block = count * static_cast<size_t>(t.bytes), total = q.n * block;
+  bool across = q.members_of.size() > 1;
+  if (across) op.info().path |= detail::kPathMpi;
+  MemberPost post{src != nullptr ? src : dst, dst, op.sig(), op.info().site};
+  NodeCaller caller(c, op);
+  std::string text;
+  int rc = q.group.Round(
+      c.slot, &post, caller,
+      [&](const std::vector<const void*>& posts, std::string* out) {
+        if (int r = MemberCompare(c, op, posts, out); r != 0) return r;
+        const std::vector<int>& mine = Mine(q);
+        char* sum = Staging(q, across ? 2 * total + mine.size() * block : total);
+        std::memcpy(sum, PostOf(posts, 0).src, total);
+        for (size_t i = 1; i < posts.size(); ++i) {
+          int r = MPI_Reduce_local(PostOf(posts, i).src, sum,
+                                   static_cast<int>(q.n * count), t.mpi, mop);
+          if (r != MPI_SUCCESS) Fatal(c, "MPI_Reduce_local failed: " + MpiText(r));
+        }
+        if (!across) {
+          for (size_t s = 0; s < mine.size(); ++s)
+            std::memcpy(PostOf(posts, s).dst, sum + mine[s] * block, block);
+          return 0;
+        }
+        // Each process's members' blocks together, in process order.
+        char* packed = sum + total;
+        char* part = packed + total;
+        size_t procs = q.members_of.size(), at = 0;
+        std::vector<int> counts(procs);
+        for (size_t p = 0; p < procs; ++p) {
+          counts[p] = static_cast<int>(q.members_of[p].size() * count);
+          for (int k : q.members_of[p]) {
+            std::memcpy(packed + at, sum + k * block, block);
+            at += block;
+          }
+        }
+        RunCollective(
+            c, op, total,
+            [&] {
+              return MPI_Reduce_scatter(packed, part, counts.data(), t.mpi,
+                                        mop, q.comm);
+            },
+            [&](MPI_Request* req) {
+              return MPI_Ireduce_scatter(packed, part, counts.data(), t.mpi,
+                                         mop, q.comm, req);
+            });
+        for (size_t s = 0; s < mine.size(); ++s)
+          std::memcpy(PostOf(posts, s).dst, part + s * block, block);
+        return 0;
+      },
+      &text);
+  return rc == 0 ? 0 : Fail(c, text, true);
 }
 
 // --- point-to-point, with a header -----------------------------------------------
@@ -528,6 +938,10 @@ struct Request {
   char* user = nullptr;             // a receive's destination
   size_t bytes = 0;
   Header want{};
+  // Members (several devices per process): a send to a member of this
+  // process, or a receive from one (its rank in the clique).
+  std::unique_ptr<Letter> letter;
+  int local_from = -1;
 };
 
 // A received message's header against what this rank expects: 0, or the
@@ -661,6 +1075,96 @@ void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   }
 }
 
+
+// --- members' point-to-point: a letter within the process, MPI across ---------
+
+// The tag of messages from member `from` to member `to` across processes:
+// their places among their processes' members (MPI's envelope has the
+// processes), so messages between other pairs of the same two processes
+// never match.
+int MemberTag(const XlaClique& q, int from, int to) {
+  return q.slot[from] * q.slots_max + q.slot[to];
+}
+
+// Posts a send of `bytes` from `buf` to member `to` of c's clique.
+void MemberPostSend(XlaComm& c, Op& op, int kind, const void* buf,
+                    size_t bytes, int to, Request* r) {
+  XlaClique& q = *c.clique;
+  if (q.proc[to] != q.me) {
+    PostSend(c, op, kind, buf, bytes, q.proc[to], MemberTag(q, c.rank, to), r);
+    return;
+  }
+  r->c = &c;
+  r->peer = to;
+  r->bytes = bytes;
+  r->letter.reset(new Letter);
+  r->letter->from = c.rank;
+  r->letter->data = static_cast<const char*>(buf);
+  r->letter->bytes = bytes;
+  r->letter->sig = op.sig();
+  r->letter->kind = kind;
+  q.mail.Post(q.slot[to], r->letter.get());
+}
+
+// Posts a receive of `bytes` into `buf` from member `from` of c's clique.
+void MemberPostRecv(XlaComm& c, Op& op, int kind, void* buf, size_t bytes,
+                    int from, Request* r) {
+  XlaClique& q = *c.clique;
+  if (q.proc[from] != q.me) {
+    PostRecv(c, op, kind, buf, bytes, q.proc[from], MemberTag(q, from, c.rank),
+             r);
+    return;
+  }
+  r->c = &c;
+  r->recv = true;
+  r->peer = from;
+  r->bytes = bytes;
+  r->user = static_cast<char*>(buf);
+  r->want = MakeHeader(op, kind, bytes);
+  r->local_from = from;
+}
+
+// Completes a member's request: a letter to or from a member of this
+// process, else MPI's (Complete).
+void MemberComplete(XlaComm& c, Op& op, Request& r, int* status3) {
+  XlaClique& q = *c.clique;
+  if (r.letter == nullptr && r.local_from < 0) {
+    Complete(c, op, r, status3);
+    return;
+  }
+  NodeCaller caller(c, op);
+  if (r.letter != nullptr) {
+    q.mail.WaitTaken(c.slot, r.letter.get(), caller);
+  } else {
+    Letter* l = q.mail.Take(c.slot, r.local_from, caller);
+    if (l->sig != r.want.sig || l->bytes != r.bytes) {
+      Fatal(c, "mismatch in XLA's collectives on " + Where(c) +
+                   ": local device " + std::to_string(c.device) + " runs " +
+                   op.Describe() + " and expects " + std::to_string(r.bytes) +
+                   " bytes from local device " +
+                   std::to_string(q.local[r.local_from]) + ", which sent " +
+                   std::to_string(l->bytes) + " bytes for " +
+                   (l->kind >= 0 && l->kind < kKinds ? kKindNames[l->kind]
+                                                    : "another operation") +
+                   ". Every rank must run the same jitted programs, in the "
+                   "same order, on arrays of the same shapes and dtypes.");
+    }
+    if (r.bytes > 0) std::memcpy(r.user, l->data, r.bytes);
+    q.mail.Taken(l, q.slot[r.local_from]);
+  }
+  if (status3 != nullptr) {
+    status3[0] = r.peer;
+    status3[1] = 0;
+    status3[2] = MPI_SUCCESS;
+  }
+}
+
+// An operation on a communicator mpijax could not give XLA.
+int FailedOp(const XlaComm& c) {
+  t_error = c.failed.size() <= 255 ? c.failed : c.failed.substr(0, 251) + " ...";
+  return kErrXla;
+}
+
 }  // namespace
 
 std::string ErrorText() { return t_error; }
@@ -675,6 +1179,7 @@ void AddLabel(const std::string& kind, const std::string& dtype,
 
 int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
               int op_code) {
+  if (!c.failed.empty()) return FailedOp(c);
   Op op(c, kAllReduce, type, count, op_code);
   op.Enter();
   const Type& t = op.type();
@@ -686,6 +1191,8 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
     if (src != dst) std::memcpy(dst, src, bytes);
     return 0;
   }
+  if (c.clique != nullptr)
+    return MemberAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
   bool every = g_settings.check_every.load(std::memory_order_relaxed);
   if (NodeReady(c)) {
     if (every) {
@@ -708,6 +1215,7 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
 
 int Allgather(XlaComm& c, const void* send, int send_count, int send_type,
               void* recv, int recv_count, int recv_type) {
+  if (!c.failed.empty()) return FailedOp(c);
   Op op(c, kAllGather, recv_type, recv_count, 0);
   op.Enter();
   const Type& t = op.type();
@@ -720,6 +1228,11 @@ int Allgather(XlaComm& c, const void* send, int send_count, int send_type,
                        std::to_string(recv_count) + " " + t.name +
                        " per rank; the bridge only moves equal blocks.",
                 false);
+  }
+  if (c.clique != nullptr) {
+    return MemberAllgather(c, op, static_cast<const char*>(send),
+                           static_cast<char*>(recv),
+                           static_cast<size_t>(recv_count));
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
   op.info().path |= detail::kPathMpi;
@@ -738,6 +1251,7 @@ int Allgather(XlaComm& c, const void* send, int send_count, int send_type,
 
 int ReduceScatter(XlaComm& c, const void* send, void* recv,
                   const int* recv_counts, int type, int op_code) {
+  if (!c.failed.empty()) return FailedOp(c);
   int count = recv_counts[c.rank];
   Op op(c, kReduceScatter, type, count, op_code);
   op.Enter();
@@ -748,6 +1262,11 @@ int ReduceScatter(XlaComm& c, const void* send, void* recv,
                          "bridge only reduces equal blocks.",
                   false);
     }
+  }
+  if (c.clique != nullptr) {
+    return MemberReduceScatter(c, op, static_cast<const char*>(send),
+                               static_cast<char*>(recv),
+                               static_cast<size_t>(count), OpOf(op_code));
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
   const Type& t = op.type();
@@ -773,6 +1292,7 @@ int ReduceScatter(XlaComm& c, const void* send, void* recv,
 int Sendrecv(XlaComm& c, const void* send, int send_count, int send_type,
              int dest, int send_tag, void* recv, int recv_count,
              int recv_type, int source, int recv_tag, int* status3) {
+  if (!c.failed.empty()) return FailedOp(c);
   size_t send_bytes = static_cast<size_t>(send_count) * TypeOf(send_type).bytes;
   size_t recv_bytes = static_cast<size_t>(recv_count) * TypeOf(recv_type).bytes;
   if (c.p2p == nullptr || c.sendrecvs == 0 || dest == (c.rank + 1) % c.size) {
@@ -786,10 +1306,17 @@ int Sendrecv(XlaComm& c, const void* send, int send_count, int send_type,
   Op& op = *static_cast<Op*>(c.p2p);
   op.info().path |= detail::kPathMpi;
   Request r_recv, r_send;
-  PostRecv(c, op, kAllToAll, recv, recv_bytes, source, recv_tag, &r_recv);
-  PostSend(c, op, kAllToAll, send, send_bytes, dest, send_tag, &r_send);
-  Complete(c, op, r_recv, status3);
-  Complete(c, op, r_send, nullptr);
+  if (c.clique != nullptr) {
+    MemberPostRecv(c, op, kAllToAll, recv, recv_bytes, source, &r_recv);
+    MemberPostSend(c, op, kAllToAll, send, send_bytes, dest, &r_send);
+    MemberComplete(c, op, r_recv, status3);
+    MemberComplete(c, op, r_send, nullptr);
+  } else {
+    PostRecv(c, op, kAllToAll, recv, recv_bytes, source, recv_tag, &r_recv);
+    PostSend(c, op, kAllToAll, send, send_bytes, dest, send_tag, &r_send);
+    Complete(c, op, r_recv, status3);
+    Complete(c, op, r_send, nullptr);
+  }
   if (status3 != nullptr) status3[0] = source;
   if (++c.sendrecvs >= c.size - 1) {
     EndOp(c);
@@ -817,10 +1344,14 @@ Op& PermuteOp(XlaComm& c, size_t bytes) {
 
 int Isend(XlaComm& c, const void* buf, int count, int type, int dest, int tag,
           uint64_t* request) {
+  if (!c.failed.empty()) return FailedOp(c);
   size_t bytes = static_cast<size_t>(count) * TypeOf(type).bytes;
   Op& op = PermuteOp(c, bytes);
   auto* r = new Request;
-  PostSend(c, op, kPermute, buf, bytes, dest, tag, r);
+  if (c.clique != nullptr)
+    MemberPostSend(c, op, kPermute, buf, bytes, dest, r);
+  else
+    PostSend(c, op, kPermute, buf, bytes, dest, tag, r);
   ++c.pending;
   *request = reinterpret_cast<uint64_t>(r);
   return 0;
@@ -828,10 +1359,14 @@ int Isend(XlaComm& c, const void* buf, int count, int type, int dest, int tag,
 
 int Irecv(XlaComm& c, void* buf, int count, int type, int source, int tag,
           uint64_t* request) {
+  if (!c.failed.empty()) return FailedOp(c);
   size_t bytes = static_cast<size_t>(count) * TypeOf(type).bytes;
   Op& op = PermuteOp(c, bytes);
   auto* r = new Request;
-  PostRecv(c, op, kPermute, buf, bytes, source, tag, r);
+  if (c.clique != nullptr)
+    MemberPostRecv(c, op, kPermute, buf, bytes, source, r);
+  else
+    PostRecv(c, op, kPermute, buf, bytes, source, tag, r);
   ++c.pending;
   *request = reinterpret_cast<uint64_t>(r);
   return 0;
@@ -842,7 +1377,10 @@ int Wait(uint64_t* request, int* status3) {
   *request = 0;
   XlaComm& c = *r->c;
   Op& op = PermuteOp(c, r->bytes);
-  Complete(c, op, *r, status3);
+  if (c.clique != nullptr)
+    MemberComplete(c, op, *r, status3);
+  else
+    Complete(c, op, *r, status3);
   if (--c.pending == 0) EndOp(c);
   return 0;
 }

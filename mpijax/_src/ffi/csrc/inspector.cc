@@ -270,46 +270,75 @@ void ReportStall(const CallInfo& info, double waited) {
     s << " (The stall inspector is off: mpijax.init() did not start it, so "
          "the other ranks cannot be asked.)";
   } else {
-    std::vector<int> ranks(n), world(n);
-    for (int i = 0; i < n; ++i) ranks[i] = i;
-    MPI_Group g, wg;
-    MPI_Comm_group(dc->comm, &g);
-    MPI_Comm_group(insp, &wg);
-    MPI_Group_translate_ranks(g, n, ranks.data(), wg, world.data());
-    MPI_Group_free(&g);
-    MPI_Group_free(&wg);
+    // Whom to ask: this device index on every other rank of the
+    // communicator, or a member's peers (several devices per process).
+    struct Target {
+      int world;
+      int64_t device;
+      std::string who;
+    };
+    std::vector<Target> targets;
+    if (!dc->peers.empty()) {
+      for (const auto& [w, d] : dc->peers)
+        targets.push_back({w, d, "rank " + std::to_string(w) +
+                                     " local device " + std::to_string(d)});
+    } else {
+      std::vector<int> ranks(n), world(n);
+      for (int i = 0; i < n; ++i) ranks[i] = i;
+      MPI_Group g, wg;
+      MPI_Comm_group(dc->comm, &g);
+      MPI_Comm_group(insp, &wg);
+      MPI_Group_translate_ranks(g, n, ranks.data(), wg, world.data());
+      MPI_Group_free(&g);
+      MPI_Group_free(&wg);
+      for (int r = 0; r < n; ++r) {
+        if (r == me || world[r] == MPI_UNDEFINED) continue;
+        targets.push_back({world[r], info.device,
+                           "rank " + std::to_string(world[r])});
+      }
+    }
+    size_t t_n = targets.size();
     int tag = kReplyTagBase + static_cast<int>(g_query_seq++ % 20000);
     // Queries outlive this call if a peer never receives them: leaked.
-    auto* queries = new std::vector<int64_t>(3 * n);
+    auto* queries = new std::vector<int64_t>(3 * t_n);
     std::vector<MPI_Request> sends;
-    for (int r = 0; r < n; ++r) {
-      if (r == me || world[r] == MPI_UNDEFINED) continue;
-      int64_t* q = queries->data() + 3 * r;
-      q[0] = dc->key; q[1] = info.device; q[2] = tag;
+    std::vector<std::string> answer(t_n);
+    std::vector<bool> got(t_n, false);
+    for (size_t i = 0; i < t_n; ++i) {
+      if (targets[i].world == my_insp_rank) {  // a member of this process
+        answer[i] = DescribeStatus(dc->key, targets[i].device);
+        got[i] = true;
+        continue;
+      }
+      int64_t* q = queries->data() + 3 * i;
+      q[0] = dc->key; q[1] = targets[i].device; q[2] = tag;
       MPI_Request req;
-      MPI_Isend(q, 3, MPI_INT64_T, world[r], kQueryTag, insp, &req);
+      MPI_Isend(q, 3, MPI_INT64_T, targets[i].world, kQueryTag, insp, &req);
       sends.push_back(req);
     }
-    std::vector<std::string> answer(n);
-    std::vector<bool> got(n, false);
-    got[me] = true;
     auto until = Clock::now() + std::chrono::milliseconds(
                                     static_cast<int>(kReplyWaitS * 1000));
-    int missing = n - 1;
+    // Answers from one rank come in the order asked (one tag, one source).
+    int missing = 0;
+    for (size_t i = 0; i < t_n; ++i) missing += !got[i];
     while (missing > 0 && Clock::now() < until) {
       bool any = false;
-      for (int r = 0; r < n; ++r) {
-        if (got[r] || world[r] == MPI_UNDEFINED) continue;
+      for (size_t i = 0; i < t_n; ++i) {
+        if (got[i]) continue;
+        bool first = true;  // the first unanswered query to that rank
+        for (size_t j = 0; j < i; ++j)
+          first &= got[j] || targets[j].world != targets[i].world;
+        if (!first) continue;
         int flag = 0;
         MPI_Status rs;
-        MPI_Iprobe(world[r], tag, insp, &flag, &rs);
+        MPI_Iprobe(targets[i].world, tag, insp, &flag, &rs);
         if (!flag) continue;
         int len = 0;
         MPI_Get_count(&rs, MPI_CHAR, &len);
-        answer[r].resize(len);
-        MPI_Recv(answer[r].data(), len, MPI_CHAR, world[r], tag, insp,
+        answer[i].resize(len);
+        MPI_Recv(answer[i].data(), len, MPI_CHAR, targets[i].world, tag, insp,
                  MPI_STATUS_IGNORE);
-        got[r] = true;
+        got[i] = true;
         --missing;
         any = true;
       }
@@ -323,10 +352,9 @@ void ReportStall(const CallInfo& info, double waited) {
     }
     if (all_sent) delete queries;
     std::vector<std::string> late, arrived;
-    for (int r = 0; r < n; ++r) {
-      if (r == me) continue;
-      std::string who = "rank " + std::to_string(world[r]);
-      if (!got[r]) {
+    for (size_t i = 0; i < t_n; ++i) {
+      const std::string& who = targets[i].who;
+      if (!got[i]) {
         late.push_back(who + " (no answer within " + Seconds(kReplyWaitS) +
                        " s: the process died, is exiting, or is stuck "
                        "outside mpijax)");
@@ -334,11 +362,11 @@ void ReportStall(const CallInfo& info, double waited) {
       }
       long long calls = 0;
       int phase = 0, used = 0;
-      std::sscanf(answer[r].c_str(), "%lld %d %n", &calls, &phase, &used);
+      std::sscanf(answer[i].c_str(), "%lld %d %n", &calls, &phase, &used);
       if (calls == my_calls && phase == my_phase) {
-        arrived.push_back(std::to_string(world[r]));
+        arrived.push_back(who);
       } else {
-        late.push_back(who + " (" + answer[r].substr(used) + ")");
+        late.push_back(who + " (" + answer[i].substr(used) + ")");
       }
     }
     if (late.empty()) {
@@ -349,9 +377,16 @@ void ReportStall(const CallInfo& info, double waited) {
       s << ".";
     }
     if (!arrived.empty()) {
-      s << " Waiting in the same call: rank" << (arrived.size() > 1 ? "s " : " ");
-      for (size_t i = 0; i < arrived.size(); ++i)
-        s << (i ? "," : "") << arrived[i];
+      s << " Waiting in the same call: ";
+      if (dc->peers.empty()) {
+        // "ranks 1,2": the numbers without their "rank ".
+        s << "rank" << (arrived.size() > 1 ? "s " : " ");
+        for (size_t i = 0; i < arrived.size(); ++i)
+          s << (i ? "," : "") << arrived[i].substr(5);
+      } else {
+        for (size_t i = 0; i < arrived.size(); ++i)
+          s << (i ? ", " : "") << arrived[i];
+      }
       s << ".";
     }
   }

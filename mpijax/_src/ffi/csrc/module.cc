@@ -24,6 +24,7 @@
 #include "settings.h"
 #include "timeline.h"
 #include "xla_ops.h"
+#include "xla_members.h"
 
 namespace nb = nanobind;
 
@@ -239,6 +240,29 @@ NB_MODULE(_mpijax_ffi, m) {
   "('bytes' for all-to-all and collective-permute), the elements (bytes) of "
   "its result, reduction op name ('sum', ... or '') and the label (e.g. "
   "'jit(f)/psum').");
+
+  m.def("xla_enable_members", &mpijax::bridge::EnableMembers,
+        nb::arg("local_devices"),
+  "From now on the bridge answers XLA's communicator requests with members "
+  "prepared by xla_prepare_clique (several devices per process).");
+
+  m.def("xla_prepare_clique", [](const std::vector<int64_t>& devices,
+                                 const std::vector<int>& world,
+                                 const std::vector<int>& local) {
+    if (devices.empty() || world.size() != devices.size() ||
+        local.size() != devices.size())
+      throw nb::value_error("xla_prepare_clique: devices, world and local "
+                            "must be non-empty and of one length");
+    nb::gil_scoped_release release;  // collective: other threads may run
+    return mpijax::bridge::PrepareClique(devices, world, local);
+  }, nb::arg("devices"), nb::arg("world"), nb::arg("local"),
+  "Prepares the communicator XLA will make for a clique (devices: global "
+  "ids in rank order; world: each member's job rank; local: its local "
+  "device index). Collective over the clique's ranks. Returns its id, or "
+  "-1 where this rank has no member.");
+
+  m.def("xla_expect", &mpijax::bridge::ExpectCliques, nb::arg("ids"),
+  "Names the prepared cliques XLA is about to create (the warm-up's).");
 
   m.def("site_texts", &SiteTexts,
   "Every registered call site's description, indexed by its id.");

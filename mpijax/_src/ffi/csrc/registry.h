@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "node_local.h"
@@ -67,6 +68,11 @@ struct DevComm {
   // Collective calls so far (every handler but send/recv): the same on every
   // rank, so the timeline pairs the k-th call across ranks.
   uint64_t coll_seq = 0;
+  // A member of one of XLA's communicators with several devices per process
+  // (bridge/xla_members.h): the other members, as the stall inspector asks
+  // them (job rank, local device index). Empty: ask this device index of
+  // every rank of `comm`.
+  std::vector<std::pair<int, int64_t>> peers;
 };
 
 struct CommEntry {
