@@ -1,8 +1,9 @@
 """JAX's own runtime across the ranks: jax.distributed, and XLA's collectives over MPI.
 
 Real jobs: under mpijax-run and under plain mpirun, jax or mpijax imported
-first, one device per rank (XLA's MPI collectives through mpijax's bridge)
-and two (gloo), and the set-ups init() must refuse on every rank.
+first, one and several devices per rank (XLA's MPI collectives through
+mpijax's bridge; gloo only where chosen), and the set-ups init() must refuse
+on every rank.
 """
 
 from __future__ import annotations
@@ -39,14 +40,21 @@ def _plain_mpirun(n: int, argv: list[str], env: dict[str, str] | None = None,
                         cwd=str(REPO), timeout=timeout + 30, start_new_session=True)
 
 
-def test_xla_collectives_travel_over_mpi():
-  result, _ = run_mpi(4, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--expect", "mpi"],
-                      timeout=300)
+# (ranks, devices per rank): with several, each (rank, local device) is a
+# member of XLA's communicators.
+LAYOUTS = [(4, 1), (2, 2), (4, 2), (3, 1)]
+
+
+@pytest.mark.parametrize("ranks,local", LAYOUTS, ids=[f"{p}x{l}" for p, l in LAYOUTS])
+def test_xla_collectives_travel_over_mpi(ranks, local):
+  result, _ = run_mpi(ranks,
+                      [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--expect", "mpi"],
+                      devices_per_process=local, timeout=300)
   out = result.stdout
   assert result.returncode == 0, tail(out)
-  for r in range(4):
+  for r in range(ranks):
     assert f"XLA_COLLECTIVES rank {r} mpi ok" in out, tail(out)
-  assert GLOO_WARNING not in out
+  assert GLOO_WARNING not in out and "did not prepare" not in out, tail(out)
 
 
 @pytest.mark.parametrize("order", ["--jax-first", "--no-hook"],
@@ -62,13 +70,14 @@ def test_import_order_under_plain_mpirun(order):
   assert out.count(" mpi ok") == 2 and GLOO_WARNING not in out, tail(out)
 
 
-def test_several_devices_per_rank_use_gloo_with_one_warning():
+def test_gloo_chosen_with_several_devices_per_rank_is_silent():
   result, _ = run_mpi(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--expect", "gloo"],
-                      devices_per_process=2, timeout=300)
+                      devices_per_process=2, env={"MPIJAX_XLA_COLLECTIVES": "gloo"},
+                      timeout=300)
   out = result.stdout
   assert result.returncode == 0, tail(out)
   assert out.count(" gloo ok") == 2, tail(out)
-  assert out.count(GLOO_WARNING) == 1 and "one CPU device per process" in out, tail(out)
+  assert GLOO_WARNING not in out, tail(out)
 
 
 def test_jax_first_without_the_bridge_uses_gloo_and_names_the_fix():

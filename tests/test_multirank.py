@@ -16,8 +16,9 @@ from tests._launch import tail
 # (ranks, CPU devices per rank, environment, test files). 4 ranks on 2 cores
 # is slow: the whole suite runs at 4 x 1, the other configs run the files
 # their shape exercises. Every multi-rank config runs with JAX's
-# distributed runtime (the default: XLA's own collectives over MPI with one
-# device per rank, gloo with two) except one, mpijax alone.
+# distributed runtime (the default: XLA's own collectives over MPI, each
+# (rank, local device) a member of XLA's communicators) except one, mpijax
+# alone.
 ALL = ["tests/mpi"]
 # At 2 x 2: what several devices per rank change (mapping, device paths,
 # global arrays and JAX's own arrays, the guides, checks); rank-level ops run

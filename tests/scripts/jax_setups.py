@@ -4,7 +4,8 @@ Usage: jax_setups.py CASE, with CASE one of
   backend-first       JAX's backend started before init(): refused on every rank
   user-dist           the user's own jax.distributed.initialize(), agreeing with MPI: adopted
   user-dist-mismatch  ... with process ids that disagree with MPI's ranks: refused
-  mpi-required        MPIJAX_XLA_COLLECTIVES=mpi where XLA's MPI path cannot serve: refused
+  mpi-required        MPIJAX_XLA_COLLECTIVES=mpi where XLA's MPI path cannot serve (jax
+                      imported first, nothing naming the bridge): refused
   no-bridge           jax imported first with nothing naming the bridge: gloo, one warning
   f16                 a float16 all-gather under XLA's MPI collectives: the job stops, with the fix
   split-stall         only rank 0 runs a cross-process jit: stopped after MPIJAX_TIMEOUT, saying why
@@ -17,7 +18,7 @@ import sys
 import time
 
 case = sys.argv[1]
-if case == "no-bridge":
+if case in ("no-bridge", "mpi-required"):
   os.environ.pop("MPITRAMPOLINE_LIB", None)  # as if no launcher or hook had named it
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -58,6 +58,18 @@ def xla_label(kind: str, dtype: str, elements: int, op: str, label: str) -> None
   """Names one of XLA's collectives of a compiled program (HLO opcode, dtype or
   'bytes', result elements, reduction op or '') in the bridge's reports."""
 
+def xla_enable_members(local_devices: int) -> None:
+  """Answers XLA's communicator requests with the members xla_prepare_clique
+  made (several devices per process)."""
+
+def xla_prepare_clique(devices: list[int], world: list[int], local: list[int]) -> int:
+  """Prepares the communicator XLA will make for a clique (global device ids
+  in rank order, each member's job rank and local device index); collective
+  over the clique's ranks. Its id, or -1 where this rank has no member."""
+
+def xla_expect(ids: list[int]) -> None:
+  """Names the prepared cliques XLA is about to create."""
+
 def site_texts() -> list[str]:
   """Every registered call site's description, indexed by its id."""
 
