@@ -157,13 +157,15 @@ thread_local std::string t_error;
 // (once per communicator: from its first rank, the text being the same on
 // every rank when `same_everywhere`), and an error code whose text XLA's
 // exception carries (MPI_Error_string: at most 255 bytes reach it).
-int Fail(const XlaComm& c, const std::string& text, bool same_everywhere) {
+int Fail(const XlaComm& c, const std::string& text, bool same_everywhere,
+         const std::string& summary = "") {
   if (!same_everywhere || c.rank == 0) {
     std::string block = text + "\n";
     std::fwrite(block.data(), 1, block.size(), stderr);
     std::fflush(stderr);
   }
-  t_error = text.size() <= 255 ? text : text.substr(0, 251) + " ...";
+  const std::string& e = summary.empty() ? text : summary;
+  t_error = e.size() <= 255 ? e : e.substr(0, 251) + " ...";
   return kErrXla;
 }
 
@@ -315,22 +317,30 @@ int Mismatch(XlaComm& c, Op& op) {
       members[it - sigs.begin()].push_back(r);
     }
   }
-  std::ostringstream s;
+  // The whole text on stderr; the exception's (at most 255 bytes) without
+  // the programs' names.
+  std::ostringstream s, brief;
+  int64_t call = dc->status.calls.load(std::memory_order_relaxed);
   s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
-    << dc->status.calls.load(std::memory_order_relaxed) << ": ";
+    << call << ": ";
+  brief << "mpijax: mismatch in XLA's collectives on XLA communicator #"
+        << c.number << ", call #" << call << ": ";
   for (size_t g = 0; g < sigs.size(); ++g) {
     const auto& m = members[g];
-    if (g) s << (g + 1 == sigs.size() ? ", but " : ", ");
-    s << (m.size() > 1 ? "ranks " : "rank ");
-    for (size_t i = 0; i < m.size(); ++i) s << (i ? "," : "") << world[m[i]];
-    s << (m.size() > 1 ? " run " : " runs ")
-      << texts.substr(displs[m[0]], counts[m[0]]);
+    std::string who = m.size() > 1 ? "ranks " : "rank ";
+    for (size_t i = 0; i < m.size(); ++i)
+      who += (i ? "," : "") + std::to_string(world[m[i]]);
+    std::string what = texts.substr(displs[m[0]], counts[m[0]]);
+    std::string sep = g == 0 ? "" : g + 1 == sigs.size() ? ", but " : ", ";
+    s << sep << who << (m.size() > 1 ? " run " : " runs ") << what;
+    brief << sep << who << " " << what.substr(0, what.find(" in "));
   }
   s << ". No data was exchanged. Every rank must run the same jitted programs, "
        "in the same order, on arrays of the same shapes and dtypes (a last "
        "batch of another size on some ranks, or a branch on the rank, "
        "breaks this).";
-  return Fail(c, s.str(), true);
+  brief << " (details on stderr)";
+  return Fail(c, s.str(), true, brief.str());
 }
 
 // Compares this operation across the communicator's ranks before any data
