@@ -77,7 +77,8 @@ def test_a_rank_that_never_arrives_is_reported_and_the_job_ends(n):
   ), tail(out)
   assert re.search(
     rf"Not arrived: rank {n - 1} \(idle since [\d.]+ s; last: XLA all-reduce "
-    r"float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, call #1\)",
+    r"float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, call #1; Python: "
+    r"xla_faults.py:\d+ in <module>: time.sleep\(600\)\)",
     out,
   ), tail(out)
   if n > 2:
