@@ -66,6 +66,7 @@ if mode == "stall":
     time.sleep(600)
   total(rows(1024)).block_until_ready()
 elif mode == "stall_mpijax":
+  mpijax.ops.allreduce(np.ones(4, np.float32)).block_until_ready()  # registers its communicator
   entering()
   if last:
     mpijax.ops.allreduce(np.ones(4, np.float32)).block_until_ready()
