@@ -97,7 +97,15 @@ def test_a_rank_inside_mpijax_own_collective_is_named_with_it():
   assert re.search(
     r"rank 0 waited [\d.]+ s in XLA all-reduce float32\[1024\].*Not arrived: rank 1 "
     r"\(.*now in allreduce\(float32\[4\], sum\) at xla_faults.py:\d+ on "
-    r"communicator \d+ since [\d.]+ s\)",
+    r"communicator \d+ since [\d.]+ s; Python: xla_faults.py:\d+ in <module>: "
+    r"mpijax.ops.allreduce",
+    out,
+  ), tail(out)
+  # And rank 1's own report says rank 0 is in XLA's all-reduce.
+  assert re.search(
+    r"rank 1 waited [\d.]+ s in allreduce\(float32\[4\], sum\).*Not arrived: rank 0 \(.*now in "
+    r"XLA all-reduce float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum on XLA communicator "
+    r"#1 \(ranks 0,1\) since [\d.]+ s",
     out,
   ), tail(out)
 
@@ -155,3 +163,34 @@ def test_no_fault_no_message():
   assert out.count("total 3.0") == 2 and "mpijax: stall" not in out and "mismatch" not in out, tail(
     out
   )
+
+
+def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):
+  import json
+
+  path = tmp_path / "trace.json"
+  rc, out, entered, lines, end = _job(2, "timeline", env={"MPIJAX_TIMELINE": str(path)})
+  assert rc == 0, tail(out)
+  events = json.loads(path.read_text())["traceEvents"]
+  calls = [e for e in events if e.get("cat") == "mpijax"]
+  xla = [e for e in calls if e["name"] == "XLA all-reduce"]
+  own = [e for e in calls if e["name"] == "allreduce"]
+  # Warm-up plus 3 steps of XLA's all-reduce, 3 psums, on each rank.
+  assert sorted(e["pid"] for e in xla) == [0] * 4 + [1] * 4, [e["pid"] for e in xla]
+  assert sorted(e["pid"] for e in own) == [0, 0, 0, 1, 1, 1], [e["name"] for e in calls]
+  for e in xla:
+    a = e["args"]
+    assert a["bytes"] == 4096 and a["dtype"] == "float32" and a["path"] == "shared memory", a
+    assert "jit(<lambda>)/reduce_sum" in a["call_site"], a
+  # Rank 1 arrives 0.3 s late at every step's XLA all-reduce: rank 0's recorded
+  # wait covers it and names rank 1.
+  late = [e for e in xla if e["pid"] == 0 and e["args"].get("waited_for_rank") == 1]
+  assert len(late) == 3 and all(e["args"]["wait_ns"] >= 0.25e9 for e in late), late
+  png = tmp_path / "step.png"
+  r = subprocess.run(
+    [sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o", str(png), "--step", "1"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 0 and png.stat().st_size > 0, r.stdout + r.stderr

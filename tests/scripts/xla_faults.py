@@ -15,6 +15,8 @@ then the fault:
   permute        a jax.lax.ppermute whose blocks differ in size on the last rank
   kill           the last rank kills itself (SIGKILL) before the all-reduce
   ok             no fault: every rank prints the all-reduce's result
+  timeline       3 steps of an XLA all-reduce and an mpijax psum (run with
+                 MPIJAX_TIMELINE); the last rank sleeps 0.3 s before each
 
 Each rank prints "entering" (with time.time()) right before the faulty call.
 """
@@ -95,6 +97,25 @@ elif mode == "kill":
   if last:
     os.kill(os.getpid(), signal.SIGKILL)
   total(rows(1024)).block_until_ready()
+elif mode == "timeline":
+  import mpijax.lax as mlax
+  import mpijax.timeline
+
+  psum = jax.jit(
+    mpijax.shard_map(
+      lambda v: mlax.psum(v, "x"),
+      mesh=mpijax.make_mesh((size,), ("x",)),
+      in_specs=P("x"),
+      out_specs=P(),
+    )
+  )
+  x = rows(1024)
+  for _ in range(3):
+    with mpijax.timeline.span("step", step=True):
+      if last:
+        time.sleep(0.3)
+      total(x).block_until_ready()
+      psum(np.ones((1, 256), np.float32)).block_until_ready()
 elif mode == "ok":
   y = total(rows(1024))
   print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)
