@@ -184,8 +184,10 @@ def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):
     assert "jit(<lambda>)/reduce_sum" in a["call_site"], a
   # Rank 1 arrives 0.3 s late at every step's XLA all-reduce: rank 0's recorded
   # wait covers it and names rank 1.
-  late = [e for e in xla if e["pid"] == 0 and e["args"].get("waited_for_rank") == 1]
-  assert len(late) == 3 and all(e["args"]["wait_ns"] >= 0.25e9 for e in late), late
+  late = [
+    e["args"]["wait_ns"] for e in xla if e["pid"] == 0 and e["args"].get("waited_for_rank") == 1
+  ]
+  assert len([w for w in late if w >= 0.25e9]) == 3, late
   png = tmp_path / "step.png"
   r = subprocess.run(
     [sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o", str(png), "--step", "1"],
