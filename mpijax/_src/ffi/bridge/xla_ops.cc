@@ -18,6 +18,7 @@
 #include "common.h"
 #include "inspector.h"
 #include "node_local.h"
+#include "ring.h"
 #include "settings.h"
 #include "spans.h"
 #include "timeline.h"
@@ -520,6 +521,8 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
 // message, one copy on each side), above in a message of its own.
 constexpr size_t kInlineBytes = size_t{64} << 10;
 constexpr uint64_t kHeaderMagic = 0x6d706a7868647221ULL;
+// SmallAllreduce's messages; XLA's own use tag 0.
+constexpr int kSmallTag = 0x6d6a;
 
 struct Header {
   uint64_t magic;
@@ -543,17 +546,18 @@ struct Request {
 // A received message's header against what this rank expects: 0, or the
 // end of the job naming both (a receive cannot be undone: XLA would free
 // buffers other requests of the operation still use).
-void CheckHeader(XlaComm& c, Op& op, const Request& r, const MPI_Status* st,
+void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
+                 const Header& want, bool inline_data, const MPI_Status* st,
                  int wait_rc) {
   int got = 0;
   MPI_Get_count(&st[0], MPI_BYTE, &got);
-  const Header* h = reinterpret_cast<const Header*>(r.staging.get());
+  const Header* h = reinterpret_cast<const Header*>(message);
+  size_t bytes = static_cast<size_t>(want.bytes);
   bool whole = static_cast<size_t>(got) >= sizeof(Header) &&
                h->magic == kHeaderMagic;
-  if (whole && wait_rc == MPI_SUCCESS && h->sig == r.want.sig &&
-      h->bytes == r.want.bytes) {
-    if (r.bytes <= kInlineBytes &&
-        static_cast<size_t>(got) != sizeof(Header) + r.bytes)
+  if (whole && wait_rc == MPI_SUCCESS && h->sig == want.sig &&
+      h->bytes == want.bytes) {
+    if (inline_data && static_cast<size_t>(got) != sizeof(Header) + bytes)
       whole = false;
     else
       return;
@@ -563,13 +567,13 @@ void CheckHeader(XlaComm& c, Op& op, const Request& r, const MPI_Status* st,
     MPI_Group g, wg;
     MPI_Comm_group(c.comm, &g);
     MPI_Comm_group(MPI_COMM_WORLD, &wg);
-    MPI_Group_translate_ranks(g, 1, &r.peer, wg, &world);
+    MPI_Group_translate_ranks(g, 1, &peer, wg, &world);
     MPI_Group_free(&g);
     MPI_Group_free(&wg);
   }
   std::ostringstream s;
   s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
-    << op.Describe() << " and expects " << r.bytes << " bytes from rank "
+    << op.Describe() << " and expects " << bytes << " bytes from rank "
     << world << ", ";
   if (whole) {
     s << "which sent " << h->bytes << " bytes for "
@@ -646,7 +650,7 @@ void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   if (r.recv) {
     int rc = WaitRequests(op, 1, &r.reqs[0], &st[0]);
     if (rc == MPI_ERR_IN_STATUS) rc = st[0].MPI_ERROR;
-    CheckHeader(c, op, r, st, rc);
+    CheckHeader(c, op, r.staging.get(), r.peer, r.want, r.n == 1, st, rc);
     if (r.n == 2) {
       rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
       if (rc != MPI_SUCCESS) {
@@ -668,6 +672,77 @@ void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
     status3[0] = r.peer;
     status3[1] = st[0].MPI_TAG;
     status3[2] = MPI_SUCCESS;
+  }
+}
+
+// An all-reduce of at most kInlineBytes across nodes, checked in band: each
+// message carries its sender's header (kind, dtype, count, op), so a
+// mismatch is found in the exchange itself instead of by a separate check
+// (one network round trip each). Recursive doubling: the ranks beyond the
+// largest power of two first hand their data to a partner and get the
+// result back at the end. Every rank combines the same halves in the same
+// association, and the ops are commutative, so every rank gets the same
+// bits. A rank that finds another's message different stops the job naming
+// both (its partners may already be in a later exchange).
+void SmallAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                    MPI_Op mop) {
+  const Type& t = op.type();
+  size_t bytes = n * t.bytes;
+  int p = c.size, r = c.rank, p2 = 1;
+  while (p2 * 2 <= p) p2 *= 2;
+  if (dst != src) std::memcpy(dst, src, bytes);
+  // One staging buffer out, one in: header + data.
+  thread_local std::vector<char> out_buf, in_buf;
+  out_buf.resize(sizeof(Header) + bytes);
+  in_buf.resize(sizeof(Header) + bytes);
+  Header mine = MakeHeader(op, kAllReduce, bytes);
+  auto send_to = [&](int peer, MPI_Request* req) {
+    std::memcpy(out_buf.data(), &mine, sizeof mine);
+    std::memcpy(out_buf.data() + sizeof mine, dst, bytes);
+    int rc = MPI_Isend(out_buf.data(), static_cast<int>(out_buf.size()), MPI_BYTE,
+                       peer, kSmallTag, c.comm, req);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Isend failed: " + MpiText(rc));
+  };
+  // Receives a partner's header and data and checks the header; returns its data.
+  auto receive = [&](int peer, MPI_Request* send_req) -> const char* {
+    MPI_Request req;
+    int rc = MPI_Irecv(in_buf.data(), static_cast<int>(in_buf.size()), MPI_BYTE,
+                       peer, kSmallTag, c.comm, &req);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
+    MPI_Status st;
+    rc = WaitRequests(op, 1, &req, &st);
+    if (rc == MPI_ERR_IN_STATUS) rc = st.MPI_ERROR;
+    CheckHeader(c, op, in_buf.data(), peer, mine, true, &st, rc);
+    if (send_req != nullptr) {
+      MPI_Status sst;
+      rc = WaitRequests(op, 1, send_req, &sst);
+      if (rc != MPI_SUCCESS) Fatal(c, "MPI failed sending " + op.Describe() + ": " + MpiText(rc));
+    }
+    return in_buf.data() + sizeof(Header);
+  };
+  auto fold_in = [&](const char* theirs) {
+    int rc = MPI_Reduce_local(theirs, dst, static_cast<int>(n), t.mpi, mop);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Reduce_local failed: " + MpiText(rc));
+  };
+  if (r >= p2) {  // hand the data over, get the result back
+    MPI_Request req;
+    send_to(r - p2, &req);
+    const char* result = receive(r - p2, &req);
+    std::memcpy(dst, result, bytes);
+    return;
+  }
+  if (r + p2 < p) fold_in(receive(r + p2, nullptr));
+  for (int mask = 1; mask < p2; mask <<= 1) {
+    MPI_Request req;
+    send_to(r ^ mask, &req);
+    fold_in(receive(r ^ mask, &req));
+  }
+  if (r + p2 < p) {
+    MPI_Request req;
+    send_to(r + p2, &req);
+    MPI_Status st;
+    int rc = WaitRequests(op, 1, &req, &st);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI failed sending " + op.Describe() + ": " + MpiText(rc));
   }
 }
 
@@ -703,9 +778,22 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
     }
     return NodeAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
   }
-  if (int rc = Compare(c, op); rc != 0) return rc;
   op.info().path |= detail::kPathMpi;
+  if (bytes <= kInlineBytes && !every) {
+    SmallAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
+    return 0;
+  }
+  if (int rc = Compare(c, op); rc != 0) return rc;
   MPI_Comm comm = c.comm;
+  if (detail::UseRing(op.info(), bytes, src == dst)) {
+    op.info().path = detail::kPathRing;
+    Spans spans(t.bytes);
+    spans.Add(src, dst, static_cast<size_t>(count));
+    if (auto e = detail::RingSegments(op.info(), comm, spans, t.ffi, t.mpi, mop, 1);
+        e.failure())
+      Fatal(c, e.message());
+    return 0;
+  }
   const void* in = send ? send : MPI_IN_PLACE;
   RunCollective(
       c, op, bytes,
