@@ -141,12 +141,54 @@ def test_point_to_point_blocks_of_different_sizes_are_named_not_delivered():
   rc, out, entered, lines, end = _job(2, "permute")
   assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
   assert re.search(
-    r"mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0,1\): this "
-    r"rank runs XLA collective-permute (4096|16384) bytes.* and expects (4096|16384) "
-    r"bytes from rank \d, which sent (4096|16384) bytes for XLA collective-permute",
+    r"mpijax: rank 0: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0,1\): this "
+    r"rank runs XLA collective-permute 4096 bytes in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
+    r"ppermute and receives from rank 1, which runs XLA collective-permute 16384 bytes\.",
     out,
   ), tail(out)
   assert "double free" not in out and "corruption" not in out, tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+# The paths across nodes, taken here by turning the node-local ones off.
+MPI_PATHS = {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_CMA_MIN_BYTES": "0"}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+  "mode, mine, theirs",
+  [
+    ("count", r"float32\[1024\] \(sum\)", r"float32\[4096\] \(sum\)"),
+    ("dtype", r"float32\[1024\] \(sum\)", r"int32\[1024\] \(sum\)"),
+    ("op", r"float32\[1024\] \(sum\)", r"float32\[1024\] \(max\)"),
+  ],
+)
+def test_small_all_reduces_across_nodes_compare_in_their_exchange(n, mode, mine, theirs):
+  # Each exchange carries its sender's operation: the pair that differs names
+  # both and stops the job (the other ranks may be in a later exchange).
+  rc, out, entered, lines, end = _job(n, mode, env=MPI_PATHS)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert re.search(
+    rf"mpijax: rank {n - 2}: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks "
+    rf"[\d,-]+\): this rank runs XLA all-reduce {mine}.* and receives from rank {n - 1}, which "
+    rf"runs XLA all-reduce {theirs}\.",
+    out,
+  ), tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_large_all_reduces_across_nodes_are_compared_first(n):
+  rc, out, entered, lines, end = _job(n, "count_large", env=MPI_PATHS)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  others = "rank 0" if n == 2 else "ranks 0,1,2"
+  assert re.search(
+    rf"{others} runs? XLA all-reduce float32\[65536\] \(sum\).*, but rank {n - 1} runs XLA "
+    r"all-reduce float32\[131072\] \(sum\)",
+    out,
+  ), tail(out)
+  for r in range(n):
+    assert re.search(rf"\[rank {r}/{n}\].*JaxRuntimeError.*mismatch in XLA's collectives", out)
   assert end - entered <= 4, (end - entered, tail(out))
 
 

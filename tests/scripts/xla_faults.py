@@ -10,6 +10,7 @@ then the fault:
   stall_mpijax   the last rank is inside one of mpijax's own collectives
                  (an mpijax.ops.allreduce the others never make) instead
   count          the last rank all-reduces 4,096 floats, the others 1,024
+  count_large    the same with 131,072 and 65,536 floats
   dtype          the last rank all-reduces int32, the others float32
   op             the last rank's jax.lax.pmax meets the others' jax.lax.psum
   permute        a jax.lax.ppermute whose blocks differ in size on the last rank
@@ -76,6 +77,10 @@ elif mode == "stall_mpijax":
     total(rows(1024)).block_until_ready()
 elif mode == "count":
   x = rows(4096 if last else 1024)
+  entering()
+  total(x).block_until_ready()
+elif mode == "count_large":
+  x = rows(131072 if last else 65536)
   entering()
   total(x).block_until_ready()
 elif mode == "dtype":

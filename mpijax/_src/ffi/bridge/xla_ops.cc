@@ -223,6 +223,9 @@ class Op {
 
   CallInfo& info() { return *info_; }
   int64_t sig() const { return sig_; }
+  int type_code() const { return type_; }
+  int op_code() const { return op_; }
+  int64_t count() const { return count_; }
   const Type& type() const { return t_; }
 
   // "XLA all-reduce float32[1024] (sum) in jit(f)/psum".
@@ -528,7 +531,8 @@ struct Header {
   uint64_t magic;
   int64_t sig;
   int64_t bytes;
-  int64_t kind;
+  int32_t kind, type, op, pad;  // what the sender runs, to name it
+  int64_t count;
 };
 
 struct Request {
@@ -573,12 +577,18 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
   }
   std::ostringstream s;
   s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
-    << op.Describe() << " and expects " << bytes << " bytes from rank "
-    << world << ", ";
+    << op.Describe() << " and receives from rank " << world << ", ";
   if (whole) {
-    s << "which sent " << h->bytes << " bytes for "
-      << (h->kind >= 0 && h->kind < kKinds ? kKindNames[h->kind]
-                                           : "another operation");
+    s << "which runs ";
+    if (h->kind < 0 || h->kind >= kKinds) {
+      s << "another operation (" << h->bytes << " bytes)";
+    } else if (h->type == MJB_BYTE) {
+      s << kKindNames[h->kind] << " " << h->bytes << " bytes";
+    } else {
+      s << kKindNames[h->kind] << " " << TypeOf(h->type).name << "[" << h->count
+        << "]";
+      if (OpName(h->op)[0] != 0) s << " (" << OpName(h->op) << ")";
+    }
   } else {
     s << "which sent a message of " << got << " bytes that is not one of "
       << "XLA's operations through mpijax (" << MpiText(wait_rc) << ")";
@@ -589,7 +599,8 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
 }
 
 Header MakeHeader(const Op& op, int kind, size_t bytes) {
-  return {kHeaderMagic, op.sig(), static_cast<int64_t>(bytes), kind};
+  return {kHeaderMagic, op.sig(),   static_cast<int64_t>(bytes), kind,
+          op.type_code(), op.op_code(), 0, op.count()};
 }
 
 // Posts a send of `bytes` from `buf` to `dest` with its header.
