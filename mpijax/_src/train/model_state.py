@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpijax._src import lax_routing
 from mpijax._src.ops.allgather import allgather
 from mpijax._src.ops.allreduce import allreduce
 
@@ -112,11 +113,7 @@ class _Axis:
 
 
 _tls = threading.local()
-_lock = threading.Lock()
-_installs = 0
-_originals: dict[str, Callable[..., Any]] = {}
 _REDUCTIONS = ("psum", "pmean", "pmax", "pmin")
-_UNSUPPORTED = ("ppermute", "psum_scatter", "all_to_all", "pshuffle", "pswapaxes")
 
 
 def _bound() -> dict[Any, _Axis]:
@@ -150,9 +147,8 @@ def _allreduce(x: Any, op: str, axis: _Axis) -> Any:
 
 def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
-  original = _originals[fn]
   if not ours:
-    return original(x, axis_name, *args, **kwargs)
+    return lax_routing.original(fn)(x, axis_name, *args, **kwargs)
   axis = ours[0]
   if len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
@@ -160,11 +156,11 @@ def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> An
         "axis_index_groups nor several data axes; reduce over the axis as a whole")
   axis.calls += 1
   if others:  # the other axes first, with JAX (a sum for pmean: divided below)
-    x = _originals["psum" if fn == "pmean" else fn](x, others)
+    x = lax_routing.original("psum" if fn == "pmean" else fn)(x, others)
   op = {"psum": "sum", "pmean": "sum", "pmax": "max", "pmin": "min"}[fn]
   out = jax.tree_util.tree_map(lambda v: _allreduce(v, op, axis), x)
   if fn == "pmean":
-    n = axis.size * (_originals["psum"](1, others) if others else 1)
+    n = axis.size * (lax_routing.original("psum")(1, others) if others else 1)
     out = jax.tree_util.tree_map(lambda v: v / n, out)
   return out
 
@@ -172,7 +168,7 @@ def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> An
 def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
   if not ours:
-    return _originals["all_gather"](x, axis_name, *args, **kwargs)
+    return lax_routing.original("all_gather")(x, axis_name, *args, **kwargs)
   axis = ours[0]
   if others or len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
@@ -198,7 +194,7 @@ def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
 def _axis_index(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
   if not ours:
-    return _originals["axis_index"](axis_name, *args, **kwargs)
+    return lax_routing.original("axis_index")(axis_name, *args, **kwargs)
   if others or len(ours) > 1:
     raise NotImplementedError(f"jax.lax.axis_index over DataParallel's axis_name {ours[0].name!r} "
                               "takes that axis alone")
@@ -207,49 +203,31 @@ def _axis_index(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _axis_size(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
-  size = _originals["axis_size"](others, *args, **kwargs) if others else 1
+  size = lax_routing.original("axis_size")(others, *args, **kwargs) if others else 1
   for a in ours:
     size *= a.size
   return size
 
 
-def _unsupported(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
-  ours, _ = _split_names(axis_name)
-  if ours:
-    raise NotImplementedError(
-        f"jax.lax.{fn} over DataParallel's axis_name {ours[0].name!r} is not supported; the "
-        "data axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size")
-  return _originals[fn](x, axis_name, *args, **kwargs)
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    **{fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS},
+    "all_gather": _all_gather, "axis_index": _axis_index, "axis_size": _axis_size}
 
 
-def _replacements() -> dict[str, Callable[..., Any]]:
-  out: dict[str, Callable[..., Any]] = {fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS}
-  out["all_gather"] = _all_gather
-  out["axis_index"] = _axis_index
-  out["axis_size"] = _axis_size
-  out.update({fn: functools.partial(_unsupported, fn) for fn in _UNSUPPORTED})
-  return {fn: f for fn, f in out.items() if hasattr(jax.lax, fn)}
+class _DataAxes:
+  """Routes ``jax.lax`` calls over the bound data axes (lax_routing.Router)."""
 
+  def owns(self, name: Any) -> bool:
+    return name in _bound()
 
-def _install() -> None:
-  global _installs
-  with _lock:
-    if _installs == 0:
-      for fn, replacement in _replacements().items():
-        _originals[fn] = getattr(jax.lax, fn)
-        wrapped = functools.wraps(_originals[fn])(replacement)
-        setattr(jax.lax, fn, wrapped)
-    _installs += 1
-
-
-def _uninstall() -> None:
-  global _installs
-  with _lock:
-    _installs -= 1
-    if _installs == 0:
-      for fn, original in _originals.items():
-        setattr(jax.lax, fn, original)
-      _originals.clear()
+  def call(self, fn: str, args: tuple, kwargs: dict) -> Any:
+    replacement = _REPLACEMENTS.get(fn)
+    if replacement is None:
+      name = next(n for n in lax_routing.axis_names(fn, args, kwargs) if self.owns(n))
+      raise NotImplementedError(
+          f"jax.lax.{fn} over DataParallel's axis_name {name!r} is not supported; the data "
+          "axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size")
+    return replacement(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -257,8 +235,8 @@ def bind_data_axis(name: Any, comm: Any):
   """While tracing: ``jax.lax`` collectives on ``name`` reduce over every rank of ``comm``.
 
   ``jax.lax.psum/pmean/pmax/pmin/all_gather/axis_index/axis_size`` look the
-  name up in a per-thread table first and hand every other name to JAX
-  unchanged, so code that names the axis (Flax's ``BatchNorm(axis_name=...)``,
+  name up in a per-thread table first (:mod:`mpijax._src.lax_routing`) and
+  hand every other name to JAX unchanged, so code that names the axis (Flax's ``BatchNorm(axis_name=...)``,
   a hand-written ``jax.lax.pmean(x, name)``) sees one axis spanning the ranks,
   each rank one position along it, as under ``jax.pmap`` over one device per
   rank. Reductions are mpijax all-reduces (differentiable: the transpose of
@@ -272,9 +250,8 @@ def bind_data_axis(name: Any, comm: Any):
   axis = _Axis(name, comm, comm.Get_size(), comm.Get_rank())
   old = _bound()
   _tls.axes = {**old, name: axis}
-  _install()
   try:
-    yield axis
+    with lax_routing.routed(_DataAxes()):
+      yield axis
   finally:
-    _uninstall()
     _tls.axes = old
