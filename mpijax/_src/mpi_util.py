@@ -44,6 +44,7 @@ def import_mpi():
 
 _segments_lock = threading.Lock()
 _segments_checked = False
+_singleton_segments: list[tuple[str, int, int]] = []
 
 
 def _mapped_shm_segments() -> list[tuple[str, int, int]]:
@@ -105,7 +106,13 @@ def _clean_singleton_segments_at_exit(MPI) -> None:
       return
     segments = _mapped_shm_segments()
   if segments:
+    _singleton_segments[:] = segments
     atexit.register(_unlink_segments, segments, os.getpid())
+
+
+def remove_singleton_segments() -> None:
+  """Unlinks a one-process world's segment files now (for an exit that skips atexit)."""
+  _unlink_segments(list(_singleton_segments), os.getpid())
 
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
