@@ -25,7 +25,21 @@ def rank_and_size(comm: Any | None = None) -> tuple[int, int]:
   if runtime.is_initialized():
     rt = runtime.get()
     return rt.rank, rt.size
+  found = launcher()
+  if found is not None:  # before init(): the launcher's own variables
+    rank, size = found.get_process_id(), found.get_process_count()
+    if rank is not None and size is not None:
+      return rank, size
   return 0, 1
+
+
+def launcher() -> Any | None:
+  """The detector of the launcher that started this process (mpirun, srun, ...), or None."""
+  from mpijax._src import cluster
+  for detector in cluster.base.registered():
+    if detector.name not in ("mpi", "single") and detector.is_env_present():
+      return detector
+  return None
 
 
 def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -101,6 +104,14 @@ def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs:
   ``total`` defaults to ``len(iterable)`` (``shard_batches`` has one). Needs
   ``tqdm`` only on rank 0, and only if it is installed; otherwise the
   iterable is returned unchanged.
+
+  Under a launcher (``mpirun``, ``mpijax-run``, ``srun``) and whenever the
+  output is no terminal, the bar is written as whole lines: the launchers
+  pass a rank's output on line by line, so a bar redrawn in place with
+  carriage returns would show nothing until the loop ends (and Open MPI
+  gives the rank a terminal 0 columns wide, in which tqdm draws nothing at
+  all). A line is written at most every ``mininterval`` seconds (default 5
+  there) and once at the end, as wide as ``COLUMNS`` (else 80).
   """
   if not is_main_process(comm):
     return iterable
@@ -109,5 +120,48 @@ def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs:
   except ImportError:
     return iterable
   tqdm_kwargs.setdefault("file", sys.stdout)
+  if _line_mode(tqdm_kwargs["file"]):
+    return _lines(iterable, tqdm, **tqdm_kwargs)
   tqdm_kwargs.setdefault("dynamic_ncols", True)
   return tqdm(iterable, **tqdm_kwargs)
+
+
+def _line_mode(file: Any) -> bool:
+  """True where a bar redrawn in place would not show: no terminal, or under a launcher."""
+  try:
+    if not file.isatty() or os.get_terminal_size(file.fileno()).columns <= 0:
+      return True
+  except (AttributeError, OSError, ValueError):
+    return True
+  return _host.launcher() is not None
+
+
+def _lines(iterable: Iterable[Any], tqdm: Any, *, file: Any, desc: str | None = None,
+           total: int | None = None, unit: str = "it", disable: bool = False,
+           mininterval: float = 5.0, ncols: int | None = None, **_: Any) -> Iterator[Any]:
+  """``iterable``, writing tqdm's bar as one line every ``mininterval`` seconds and at the end."""
+  if disable:
+    yield from iterable
+    return
+  if total is None:
+    try:
+      total = len(iterable)  # type: ignore[arg-type]
+    except TypeError:
+      total = None
+  width = ncols or shutil.get_terminal_size((80, 24)).columns
+
+  def line(n: int, elapsed: float) -> None:
+    bar = tqdm.format_meter(n, total, elapsed, ncols=width, prefix=desc or "", unit=unit)
+    print(bar, file=file, flush=True)
+
+  start = last = time.monotonic()
+  n = shown = 0
+  for item in iterable:
+    yield item
+    n += 1
+    now = time.monotonic()
+    if now - last >= mininterval:
+      line(n, now - start)
+      last, shown = now, n
+  if shown != n or n == 0:
+    line(n, time.monotonic() - start)
