@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from mpijax._src import config
 from mpijax._src import log
@@ -98,6 +100,12 @@ def save_step_checkpoint(directory: str | os.PathLike, tree: Any, step: int, *, 
     raise ValueError(f"keep={keep!r} must be an integer >= 1 (or None to keep every checkpoint)")
   if not isinstance(step, int) or step < 0:
     raise ValueError(f"step={step!r} must be an integer >= 0")
+  own = _tree_step(tree)
+  if own is not None and own != step:
+    raise ValueError(
+        f"save_step_checkpoint(..., step={step}) got a tree whose own step is {own}: a run "
+        f"resumed from it would start again at step {own}. Advance the tree's step with the "
+        f"training (e.g. state['step'] = step + 1 in your step function), or pass step={own}.")
   directory = os.fspath(directory)
   path = checkpoint_path(directory, step)
   _ckpt.save_checkpoint(path, tree, metadata={"step": step, **(metadata or {})}, comm=comm)
@@ -109,6 +117,20 @@ def save_step_checkpoint(directory: str | os.PathLike, tree: Any, step: int, *, 
       except OSError:
         pass  # gone already; another try at the next save
   return path
+
+
+def _tree_step(tree: Any) -> int | None:
+  """The step a tree carries itself (``state["step"]``, ``TrainState.step``), if any."""
+  value = tree.get("step") if isinstance(tree, Mapping) else getattr(tree, "step", None)
+  if value is None or isinstance(value, bool):
+    return None
+  try:
+    array = np.asarray(value)
+  except Exception:  # a tracer or an object: nothing to compare
+    return None
+  if array.shape != () or array.dtype.kind not in "iu":
+    return None
+  return int(array)
 
 
 def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
@@ -144,8 +166,11 @@ def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
   for step, path in reversed(list_checkpoints(directory, comm=comm)):
     try:
       restored = _ckpt.restore_checkpoint(path, like=fresh, comm=comm)
-    except _ckpt.CheckpointMismatch:
-      raise
+    except _ckpt.CheckpointMismatch as e:
+      raise _ckpt.CheckpointMismatch(
+          f"resume_or_init({os.fspath(directory)!r}): the newest checkpoint there is not one of "
+          f"this run (another model, optimizer or state): {e}\nTo start afresh, use another "
+          "directory or move this one away.") from None
     except _ckpt.CheckpointError as e:
       reason = str(e).replace("\n", "\n    ")
       skipped.append(f"{path}: {reason}")
