@@ -225,8 +225,10 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default 0)")
   p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                  help="send gradients in half precision")
-  p.add_argument("--out", default=os.path.join("runs", "digits"),
-                 help="output directory for checkpoints/, metrics.json, curves.png (default runs/digits)")
+  p.add_argument("--out", default=None,
+                 help="output directory for checkpoints/, metrics.json, curves.png (default "
+                      "runs/digits; runs/digits-flax-bn for --model flax-bn, "
+                      "runs/digits-flax-bn-mean with --bn mean)")
   p.add_argument("--checkpoint-every", type=int, default=20,
                  help="steps between checkpoints, besides every epoch's end (default 20)")
   p.add_argument("--keep-checkpoints", type=int, default=2,
@@ -240,7 +242,16 @@ def parse_args(argv=None):
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--min-accuracy", type=float, default=0.0,
                  help="exit with status 1 if the final test accuracy is below this (e.g. 0.97)")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.out is None:  # each model its own: a run resumes only its own checkpoints
+    args.out = default_out(args.model, args.bn)
+  return args
+
+
+def default_out(model: str, bn: str) -> str:
+  """The default --out of a model: runs/digits, runs/digits-flax-bn, runs/digits-flax-bn-mean."""
+  name = "digits" if model == "cnn" else f"digits-{model}" + ("-mean" if bn == "mean" else "")
+  return os.path.join("runs", name)
 
 
 _HISTORY_KEYS = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_seconds")
@@ -288,7 +299,13 @@ def main(argv=None) -> int:
                             state_sync=args.bn, **common)
     params, model_state = init_flax_bn(model, args.seed + rank)
   # A restarted run continues from the newest complete checkpoint, else starts afresh.
-  state = dp.resume_or_init(params, rng=jax.random.key(args.seed), model_state=model_state)
+  try:
+    state = dp.resume_or_init(params, rng=jax.random.key(args.seed), model_state=model_state)
+  except train.CheckpointMismatch as e:
+    raise train.CheckpointMismatch(
+        f"{ckpt_dir} holds the checkpoints of another run than --model {args.model}"
+        f"{' --bn ' + args.bn if args.model == 'flax-bn' else ''}: pass --fresh to start over "
+        f"there, or --out DIR for a directory of its own.\n{e}") from None
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   start = int(state.step)
   if start:
@@ -352,7 +369,7 @@ def main(argv=None) -> int:
   final = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
   if int(state.step) % steps_per_epoch:
     dp.save(state)
-  samples_per_s = train_samples / train_seconds if train_seconds else float("nan")
+  samples_per_s = train_samples / train_seconds if train_seconds else None
   wall = time.perf_counter() - t_start
   params_digest = digest((state.params, state.model_state))
   summary = {
@@ -371,9 +388,11 @@ def main(argv=None) -> int:
                        json.dumps({"summary": summary, "history": history}, indent=2))
     if history["test_accuracy"]:
       save_plot(history, os.path.join(args.out, "curves.png"))
+  speed = (f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation)"
+           if samples_per_s is not None else f"no training step to time (step {start} was the end)"
+           if start >= total_steps else "too few steps to time after compilation")
   train.log(f"final test accuracy {final['accuracy']:.4f} ({final['accuracy'] * 100:.2f} %), "
-            f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation), "
-            f"wall {wall:.1f} s")
+            f"{speed}, wall {wall:.1f} s")
   train.log(f"params sha256 {params_digest} (step {int(state.step)})")
   train.log(f"wrote {ckpt_dir}, {os.path.join(args.out, 'metrics.json')}, "
             f"{os.path.join(args.out, 'curves.png')}")
