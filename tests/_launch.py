@@ -62,6 +62,38 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
   return result, seconds
 
 
+def run_shell(command: str, cwd: Path, *, timeout: float = 300,
+              env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+  """Runs a documented command line as written (``bash -c``) in ``cwd``; the result and wall time.
+
+  ``mpijax-run`` and ``python`` are this interpreter's (its ``bin`` first on
+  PATH, as in an activated virtualenv). Bounded by ``timeout``; nothing may
+  be left in /dev/shm (see :func:`run_mpi`).
+  """
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")
+  shm_before = _shm_files()
+  start = time.monotonic()
+  proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=full_env, cwd=str(cwd), start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, 15)  # mpijax-run stops every rank on SIGTERM
+    try:
+      out, _ = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      out, _ = proc.communicate()
+    out += f"\n[tests] killed after the {timeout}s timeout\n"
+    proc.returncode = -9
+  seconds = time.monotonic() - start
+  left = _shm_files() - shm_before
+  assert not left, f"shared-memory files left behind by {command!r}: {sorted(left)}\n{tail(out)}"
+  return subprocess.CompletedProcess(command, proc.returncode, out, ""), seconds
+
+
 # How a job that was stopped for running too long ends: mpijax-run's --timeout
 # (like timeout(1)), or run_mpi's own backstop kill.
 TIMED_OUT = (124, -9)

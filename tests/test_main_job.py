@@ -7,6 +7,7 @@ from its last checkpoint and trains one epoch on.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from tests._launch import run_mpi
@@ -19,7 +20,7 @@ def _digits(out, *args: str) -> list[str]:
 
 
 def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
-  out, result = digits_4_ranks  # run_mpi(4, _digits(out)), shared with tests/test_restart.py
+  out, result = digits_4_ranks  # conftest.MAIN_JOB, shared with tests/test_restart.py
   assert result.returncode == 0, tail(result.stdout)
   summary = json.loads((out / "metrics.json").read_text())["summary"]
   assert summary["ranks"] == 4 and summary["test_accuracy"] >= 0.97, summary
@@ -38,3 +39,16 @@ def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
   assert after["summary"]["ranks"] == 2 and after["summary"]["steps"] > summary["steps"]
   assert len(after["history"]["test_accuracy"]) == summary["epochs"] + 1
   assert after["summary"]["test_accuracy"] >= 0.97, after["summary"]
+
+
+def test_rank_0_draws_the_progress_bar_under_mpijax_run(digits_4_ranks):
+  # Open MPI hands each rank a terminal 0 columns wide and passes its output on
+  # line by line: the bar comes as lines, from rank 0 only, one at least per epoch.
+  _, result = digits_4_ranks
+  bars = re.findall(r"^\[1,(\d+)\]<stdout>: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
+                    result.stdout, flags=re.M)
+  assert bars, tail(result.stdout)
+  assert {rank for rank, _, _ in bars} == {"0"}, bars
+  assert {int(epoch) for _, _, epoch in bars} == set(range(1, 13)), bars
+  finished = [bar for _, bar, _ in bars if "100%|" in bar and "23/23" in bar]
+  assert len(finished) == 12 and len(finished[0]) >= 60, finished
