@@ -15,8 +15,17 @@ from tests._launch import tail
 
 
 def _digits(out, *args: str) -> list[str]:
-  return [sys.executable, "-m", "mpijax.examples.digits", "--out", str(out), "--no-progress",
-          "--min-accuracy", "0.97", *args]
+  return [
+    sys.executable,
+    "-m",
+    "mpijax.examples.digits",
+    "--out",
+    str(out),
+    "--no-progress",
+    "--min-accuracy",
+    "0.97",
+    *args,
+  ]
 
 
 def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
@@ -33,8 +42,9 @@ def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
   # Started again with the same --out, it resumes by itself.
   resumed, _ = run_mpi(2, _digits(out, "--epochs", str(summary["epochs"] + 1)), timeout=300)
   assert resumed.returncode == 0, tail(resumed.stdout)
-  assert f"at step {summary['steps']} (epoch {summary['epochs']}, step 0 " in resumed.stdout, \
-      tail(resumed.stdout)
+  assert f"at step {summary['steps']} (epoch {summary['epochs']}, step 0 " in resumed.stdout, tail(
+    resumed.stdout
+  )
   after = json.loads((out / "metrics.json").read_text())
   assert after["summary"]["ranks"] == 2 and after["summary"]["steps"] > summary["steps"]
   assert len(after["history"]["test_accuracy"]) == summary["epochs"] + 1
@@ -45,8 +55,11 @@ def test_rank_0_draws_the_progress_bar_under_mpijax_run(digits_4_ranks):
   # Open MPI hands each rank a terminal 0 columns wide and passes its output on
   # line by line: the bar comes as lines, from rank 0 only, one at least per epoch.
   _, result = digits_4_ranks
-  bars = re.findall(r"^\[1,(\d+)\]<stdout>: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
-                    result.stdout, flags=re.M)
+  bars = re.findall(
+    r"^\[1,(\d+)\]<stdout>: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
+    result.stdout,
+    flags=re.M,
+  )
   assert bars, tail(result.stdout)
   assert {rank for rank, _, _ in bars} == {"0"}, bars
   assert {int(epoch) for _, _, epoch in bars} == set(range(1, 13)), bars
