@@ -65,3 +65,15 @@ def test_rank_0_draws_the_progress_bar_under_mpijax_run(digits_4_ranks):
   assert {int(epoch) for _, _, epoch in bars} == set(range(1, 13)), bars
   finished = [bar for _, bar, _ in bars if "100%|" in bar and "23/23" in bar]
   assert len(finished) == 12 and len(finished[0]) >= 60, finished
+
+
+def test_another_models_checkpoint_says_how_to_start_fresh(digits_4_ranks):
+  # The CNN's directory given to the Flax model: refused, naming --fresh and --out.
+  out, _ = digits_4_ranks
+  result, _ = run_mpi(2, _digits(out, "--model", "flax-bn"), timeout=300)
+  assert result.returncode != 0, tail(result.stdout)
+  assert (
+    f"{out / 'checkpoints'} holds the checkpoints of another run than --model flax-bn"
+    in result.stdout
+  ), tail(result.stdout)
+  assert "pass --fresh to start over there, or --out DIR" in result.stdout, tail(result.stdout)
