@@ -138,6 +138,8 @@ class Timing:
   per_op_divisor: int = 1    # steps count this many operations each
   best_us: float | None = None  # max over ranks of each rank's fastest trial (noise floor)
   cpu_us: float | None = None   # max over ranks of the median process CPU time (every thread) per op
+  p10_us: float | None = None   # per-call timing only: max over ranks of each rank's 10th percentile
+  p90_us: float | None = None   # per-call timing only: max over ranks of each rank's 90th percentile
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -186,6 +188,43 @@ def time_interleaved(steps: dict[str, tuple[Callable[[], Any], int]], hc: Harnes
     cpu = hc.max(statistics.median(cpu_step[key]) * 1e6 / per)
     out[key] = Timing(median_us=max(gathered), rank_medians_us=gathered, iters=iters[key],
                       trials=trials, per_op_divisor=per, best_us=best, cpu_us=cpu)
+  return out
+
+
+def time_calls(steps: dict[str, tuple[Callable[[], Any], int]], hc: HarnessComm, *, calls: int,
+               warmup: int = 10, rounds: int = 10, aligned: bool = False) -> dict[str, Timing]:
+  """Times every call on its own: p10 / median / p90 over ``calls`` blocking calls per method.
+
+  For tails, which a trial's mean hides. After ``warmup`` calls of each
+  method, ``rounds`` rounds run ``calls / rounds`` calls of every method in
+  turn, each method's run behind a barrier (interleaved for the reason given
+  in :func:`time_interleaved`). With ``aligned`` every call has its own
+  barrier first (not timed): each call starts with the ranks together and
+  nothing of the previous call in flight. Each percentile is the max over
+  ranks of the ranks' own percentiles; ``best_us`` is the fastest call.
+  """
+  import numpy as np
+  for step, _ in steps.values():
+    for _ in range(warmup):
+      step()
+  chunk = max(1, math.ceil(calls / rounds))
+  times: dict[str, list[float]] = {key: [] for key in steps}
+  for _ in range(rounds):
+    for key, (step, _) in steps.items():
+      hc.barrier()
+      for _ in range(chunk):
+        if aligned:
+          hc.barrier()
+        t0 = time.perf_counter()
+        step()
+        times[key].append(time.perf_counter() - t0)
+  out: dict[str, Timing] = {}
+  for key, (_, per) in steps.items():
+    p10, p50, p90 = (float(v) * 1e6 / per for v in np.percentile(times[key], [10, 50, 90]))
+    medians = hc.comm.allgather(p50)
+    out[key] = Timing(median_us=max(medians), rank_medians_us=medians, iters=chunk, trials=rounds,
+                      per_op_divisor=per, best_us=hc.max(min(times[key]) * 1e6 / per),
+                      p10_us=hc.max(p10), p90_us=hc.max(p90))
   return out
 
 
@@ -239,12 +278,13 @@ class Row:
   note: str = ""
 
   def us(self, nbytes: int, stat: str = "median") -> float | None:
-    """The cell's figure: "median" (the reported one), "best" (fastest trial)
-    or "cpu" (the median trial's process CPU time per op)."""
+    """The cell's figure: "median" (the reported one), "best" (fastest trial),
+    "cpu" (the median trial's process CPU time per op), or "p10" / "p90"
+    (percentiles of single calls, where the row was timed call by call)."""
     c = self.cells.get(nbytes)
     if not isinstance(c, Timing):
       return None
-    return {"best": c.best_us, "cpu": c.cpu_us}.get(stat, c.median_us)
+    return {"best": c.best_us, "cpu": c.cpu_us, "p10": c.p10_us, "p90": c.p90_us}.get(stat, c.median_us)
 
   def to_json(self) -> dict[str, Any]:
     return {"key": self.key, "label": self.label, "phase": self.phase, "note": self.note,

@@ -195,11 +195,12 @@ def _mpi4jax_fn(hc: HarnessComm):
 # --- phases -------------------------------------------------------------------
 
 def _measure(hc: HarnessComm, specs: list[tuple[str, str, str, Any]], sizes: list[int],
-             args) -> list[Row]:
+             args, time_fn: Callable[..., dict[str, _common.Timing]] | None = None) -> list[Row]:
   """Builds and times rows ``(key, label, phase, factory)`` at every size.
 
-  At each size the rows' trials are interleaved (``_common.time_interleaved``)
-  so that every method sees the same machine; every rank agrees on skips.
+  At each size the rows' trials are interleaved (``_common.time_interleaved``,
+  or ``time_fn(steps, hc, nbytes)`` when given) so that every method sees the
+  same machine; every rank agrees on skips.
   """
   rows: list[Row] = []
   builds: dict[str, Any] = {}
@@ -241,8 +242,11 @@ def _measure(hc: HarnessComm, specs: list[tuple[str, str, str, Any]], sizes: lis
         _log(hc, f"{row.label} @ {_common.fmt_size(s)}: not timed: {row.cells[s]}")
         continue
       steps[row.key] = built
-    trials = args.trials or (5 if args.quick else _common.default_trials(s))
-    timings = _common.time_interleaved(steps, hc, trials=trials, trial_seconds=args.trial_seconds)
+    if time_fn is not None:
+      timings = time_fn(steps, hc, s)
+    else:
+      trials = args.trials or (5 if args.quick else _common.default_trials(s))
+      timings = _common.time_interleaved(steps, hc, trials=trials, trial_seconds=args.trial_seconds)
     for row in rows:
       if row.key in timings:
         t = row.cells[s] = timings[row.key]

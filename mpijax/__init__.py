@@ -22,11 +22,10 @@ from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
 # collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
 _jax_runtime.prepare_environment()
 
-from mpijax._src import jax_compat as _jax_compat  # noqa: E402
-
-# Before the modules that lower with JAX internals: a too old JAX fails here,
-# with the versions, instead of with a TypeError from deep inside them.
-_jax_compat.check_jax()
+# Before the modules that lower with JAX internals: a too old JAX fails here
+# (jax_compat checks the version when imported), with the versions, instead of
+# with a TypeError from deep inside them.
+from mpijax._src import jax_compat as _jax_compat  # noqa: E402, F401
 
 from mpijax._src.array_checkpoint import load as load
 from mpijax._src.array_checkpoint import save as save

@@ -6,13 +6,12 @@ executable instead (without the Python hooks). Either way the rank's
 torchrun-style variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``) are set from the launcher's first. ``mpijax-run`` runs
 programs this way; under another launcher, write it yourself: ``mpirun -n 4
-python -m mpijax train.py``. ``python -m mpijax.run`` is the same command
-under its older name.
+python -m mpijax train.py``.
 """
 
 import sys
 
-from mpijax.run import main as _main
+from mpijax._src.rank_env import main as _main
 
 if __name__ == "__main__":
   _main(sys.argv[1:])

@@ -7,15 +7,16 @@ Usage::
              [--dry-run] -- PROGRAM ARGS
 
 The console script calls ``sys.exit(main())``; :func:`main` returns the job's
-exit status. See :mod:`mpijax._src.launcher` for what the command adds and why.
+exit status. See :mod:`mpijax._src.launch` for what the command adds and why.
 """
 
 from __future__ import annotations
 
-from mpijax._src.launcher import main as main
+from mpijax._src.launch.cli import main as main
 
 __all__ = ["main"]
 
 if __name__ == "__main__":
   import sys
+
   sys.exit(main())

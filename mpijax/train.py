@@ -1,4 +1,4 @@
-"""Drop-in data-parallel training over MPI ranks (layer 6).
+"""Drop-in data-parallel training over MPI ranks (the training layer).
 
 Broadcast the initial state, all-reduce gradients inside the jitted step
 (fused into a few buckets), keep mutable model state (BatchNorm statistics)

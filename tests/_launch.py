@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,18 +15,36 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def mpirun_command(n: int, devices_per_process: int = 1, wrap: bool = True,
-                   timeout: float | None = None) -> list[str]:
+def mpirun_command(
+  n: int, devices_per_process: int = 1, wrap: bool = True, timeout: float | None = None
+) -> list[str]:
   """The command prefix that starts ``n`` ranks with ``mpijax-run``."""
-  return ([sys.executable, "-m", "mpijax.launch", "-n", str(n),
-           "--devices-per-process", str(devices_per_process)]
-          + ([] if wrap else ["--no-wrap"])
-          + ([] if timeout is None else ["--timeout", str(int(timeout))]) + ["--"])
+  return (
+    [
+      sys.executable,
+      "-m",
+      "mpijax.launch",
+      "-n",
+      str(n),
+      "--devices-per-process",
+      str(devices_per_process),
+    ]
+    + ([] if wrap else ["--no-wrap"])
+    + ([] if timeout is None else ["--timeout", str(int(timeout))])
+    + ["--"]
+  )
 
 
-def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: float = 300,
-            env: dict[str, str] | None = None, cwd: Path | None = None,
-            wrap: bool = True) -> tuple[subprocess.CompletedProcess, float]:
+def run_mpi(
+  n: int,
+  argv: list[str],
+  *,
+  devices_per_process: int = 1,
+  timeout: float = 300,
+  env: dict[str, str] | None = None,
+  cwd: Path | None = None,
+  wrap: bool = True,
+) -> tuple[subprocess.CompletedProcess, float]:
   """Runs ``argv`` on ``n`` ranks; returns the result and the wall time.
 
   ``wrap=False`` runs a Python program without the ``python -m mpijax`` wrapper.
@@ -40,8 +59,15 @@ def run_mpi(n: int, argv: list[str], *, devices_per_process: int = 1, timeout: f
   cmd = mpirun_command(n, devices_per_process, wrap, timeout) + argv
   shm_before = _shm_files()
   start = time.monotonic()
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=full_env, cwd=str(cwd or REPO), start_new_session=True)
+  proc = subprocess.Popen(
+    cmd,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=full_env,
+    cwd=str(cwd or REPO),
+    start_new_session=True,
+  )
   try:
     out, _ = proc.communicate(timeout=timeout + 30)
   except subprocess.TimeoutExpired:
@@ -103,7 +129,8 @@ def assert_failed_without_hanging(returncode: int, out: str) -> None:
   """The job ended non-zero by itself: a timeout (a hang) fails the test too."""
   assert returncode != 0, f"the job succeeded, expected a failure:\n{tail(out)}"
   assert returncode not in TIMED_OUT and "job exceeded --timeout" not in out, (
-      f"the job hung until its timeout (exit {returncode}), expected a failure:\n{tail(out)}")
+    f"the job hung until its timeout (exit {returncode}), expected a failure:\n{tail(out)}"
+  )
 
 
 def _shm_files() -> set[str]:
@@ -114,7 +141,46 @@ def tail(text: str, lines: int = 80) -> str:
   return "\n".join(text.splitlines()[-lines:])
 
 
-# Long or redundant runs kept out of CI's 15 minutes; MPIJAX_TEST_SLOW=1 runs them.
-SLOW = [pytest.mark.slow,
-        pytest.mark.skipif(os.environ.get("MPIJAX_TEST_SLOW") != "1",
-                           reason="long or covered by a faster test: set MPIJAX_TEST_SLOW=1")]
+# Lines for the session's terminal summary: the counts of the pytest runs inside
+# MPI jobs (tests/test_multirank.py), which the outer run does not collect.
+INNER_RUNS = pytest.StashKey[list]()
+
+
+def inner_counts(out: str) -> dict[int, str]:
+  """Each rank's pytest summary ("310 passed, 2 skipped") from a job's rank-tagged output."""
+  from mpijax._src.launch.joblog import split_tag
+
+  found = {}
+  for line in out.splitlines():
+    for kind in ("openmpi", "mpich", "srun"):
+      rank, text = split_tag(kind, line.encode())
+      if rank is not None:
+        break
+    m = _SUMMARY.match(text.decode(errors="replace"))
+    if rank is not None and m:
+      found[rank] = m.group(1)
+  return found
+
+
+_SUMMARY = re.compile(r"^=* ?((?:\d+ \w+(?:, )?)+) in [\d.]+s")
+
+
+def inner_summary(what: str, out: str) -> str:
+  """One line of ``what``'s count: one figure when every rank says the same."""
+  counts = inner_counts(out)
+  if not counts:
+    return f"{what}: no pytest summary in the job's output"
+  if len(set(counts.values())) == 1:
+    ranks = "1 rank" if len(counts) == 1 else f"on each of {len(counts)} ranks"
+    return f"{what}: {next(iter(counts.values()))} ({ranks})"
+  return f"{what}: " + "; ".join(f"rank {r} {c}" for r, c in sorted(counts.items()))
+
+
+# Long or redundant runs kept out of CI (25 minutes at most); MPIJAX_TEST_SLOW=1 runs them.
+SLOW = [
+  pytest.mark.slow,
+  pytest.mark.skipif(
+    os.environ.get("MPIJAX_TEST_SLOW") != "1",
+    reason="long or covered by a faster test: set MPIJAX_TEST_SLOW=1",
+  ),
+]

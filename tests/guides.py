@@ -1,11 +1,11 @@
 """The code of the JAX guides mpijax is built from, as the guides print it.
 
-Each block is copied verbatim from the guide (``shared/seeds/`` beside the
-repository; tests/unit/test_guide_copies.py checks the copies when that
-directory is there). Tests run them with :func:`run`, statement by statement
-in one namespace, as a reader runs a notebook. Where a guide's code cannot
-run as printed, :func:`adapt` changes it in plain sight: the test names the
-text it replaces and why.
+Each block is copied verbatim from the guide whose address heads its section.
+The tests in tests/mpi run every one of them (tests/unit/test_guide_examples.py
+checks that none is left out) with :func:`run`, statement by statement in one
+namespace, as a reader runs a notebook. Where a guide's code cannot run as
+printed, :func:`adapt` changes it in plain sight: the test names the text it
+replaces and why.
 """
 
 from __future__ import annotations
@@ -13,12 +13,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
-import re
-from pathlib import Path
 
 # --- 001: sharded computation (jax.readthedocs.io/en/latest/sharded-computation.html) ---
-
-SHARDED_FILE = "001_957b1ef74fc49d5f.txt"
 
 DEVICES = """\
 import jax
@@ -200,8 +196,6 @@ LAYER_SHARDED_VALUES = [0.02138914, 0.89311206, 0.5989201, 0.97742516]
 
 # --- 002: multi-process JAX (jax.readthedocs.io/en/latest/multi_process.html) ---------
 
-MULTI_PROCESS_FILE = "002_f0d3198c656c681e.txt"
-
 # The guide's session, as printed (a doctest: outputs for 4 hosts x 8 devices).
 MULTI_PROCESS_PMAP = """\
 # The following is run in parallel on each host on a GPU cluster or TPU pod slice.
@@ -217,9 +211,7 @@ MULTI_PROCESS_PMAP = """\
 ShardedDeviceArray([32., 32., 32., 32., 32., 32., 32., 32.], dtype=float32)
 """
 
-# --- 000: collectives under pmap ---------------------------------------------------
-
-PMAP_FILE = "000_e029ce6ffecd3e36.txt"
+# --- 000: collectives under pmap (a Chinese guide to jax.pmap's collectives) ----------
 
 # The guide's three functions (its usage lines are comments there: 4 devices).
 PMAP_PSUM = """\
@@ -294,24 +286,3 @@ def value(values: dict[str, object], prefix: str) -> object:
   found = [v for k, v in values.items() if k.startswith(prefix)]
   assert len(found) == 1, f"expected one expression starting with {prefix!r}, got {list(values)}"
   return found[0]
-
-
-def seeds_dir() -> Path | None:
-  """``shared/seeds`` beside the repository (or a parent of it), if present."""
-  here = Path(__file__).resolve().parent.parent
-  for d in (here, *here.parents):
-    if (d / "shared" / "seeds" / SHARDED_FILE).is_file():
-      return d / "shared" / "seeds"
-  return None
-
-
-def guide_code_blocks(filename: str) -> list[str]:
-  """The code blocks of a guide file, trailing blanks of each line removed."""
-  seeds = seeds_dir()
-  assert seeds is not None
-  text = (seeds / filename).read_text(encoding="utf-8")
-  return [normalize(b) for b in re.findall(r"```py\n(.*?)```", text, flags=re.S)]
-
-
-def normalize(code: str) -> str:
-  return "\n".join(line.rstrip() for line in code.strip("\n").splitlines())

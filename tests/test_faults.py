@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from tests._launch import REPO
-from tests._launch import SLOW
 from tests._launch import assert_failed_without_hanging
 from tests._launch import mpirun_command
 from tests._launch import run_mpi
@@ -115,15 +114,13 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
 @pytest.mark.parametrize("mode,shape,transport", [
     # 12 B messages: node-local shared memory (the default), a blocking
     # MPI_Allreduce, which the watchdog thread reports, or a polled one.
-    # (CI runs one node-local and one MPI wait; the others share their code.)
-    pytest.param("late", "3", {}, marks=SLOW),
-    pytest.param("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}, marks=SLOW),
+    ("late", "3", {}),
+    ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0"}),
     ("late", "3", {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_BLOCKING_MIN_BYTES": str(1 << 30)}),
     # 512 KiB messages: cross-memory attach (the default), or mpijax's ring,
     # whose exchanges are polled.
     ("late_large", "65536", {}),
-    pytest.param("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1", "MPIJAX_CMA_MIN_BYTES": "0"},
-                 marks=SLOW),
+    ("late_large", "65536", {"MPIJAX_RING_MIN_BYTES": "1", "MPIJAX_CMA_MIN_BYTES": "0"}),
 ], ids=["shm", "blocking", "polled", "cma", "ring"])
 def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,

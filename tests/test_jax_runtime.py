@@ -24,12 +24,12 @@ GLOO_WARNING = "XLA's cross-process collectives (jit over global jax.Arrays) use
 
 def _plain_mpirun(n: int, argv: list[str], env: dict[str, str] | None = None,
                   timeout: float = 240) -> subprocess.CompletedProcess:
-  """``mpirun -n N argv`` itself (no mpijax-run, no mpijax.run wrapper), bounded."""
-  from mpijax._src import launcher
-  info = launcher.probe_mpi()
+  """``mpirun -n N argv`` itself (no mpijax-run, no python -m mpijax wrapper), bounded."""
+  from mpijax._src.launch import mpi_probe
+  info = mpi_probe.probe_mpi()
   if info.flavor != "openmpi":
     pytest.skip(f"plain-mpirun tests use Open MPI's flags; mpi4py runs on {info.flavor}")
-  cmd = ["timeout", "-k", "10", str(int(timeout)), launcher.find_mpirun(info), "-n", str(n),
+  cmd = ["timeout", "-k", "10", str(int(timeout)), mpi_probe.find_mpirun(info), "-n", str(n),
          "--oversubscribe", "--bind-to", "none"]
   if os.geteuid() == 0:
     cmd.append("--allow-run-as-root")
@@ -49,9 +49,13 @@ def test_xla_collectives_travel_over_mpi():
   assert GLOO_WARNING not in out
 
 
-def test_jax_imported_first_under_plain_mpirun():
-  # The interpreter-start hook names the bridge before the program's `import jax`.
-  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), "--jax-first",
+@pytest.mark.parametrize("order", ["--jax-first", "--no-hook"],
+                         ids=["jax-first-the-hook-names-the-bridge", "mpijax-first-names-it-itself"])
+def test_import_order_under_plain_mpirun(order):
+  # jax first: the interpreter-start hook names the bridge before the program's
+  # `import jax`. mpijax first, with what the hook named dropped: `import mpijax`
+  # must name it before jaxlib loads.
+  r = _plain_mpirun(2, [sys.executable, str(SCRIPTS / "xla_collectives.py"), order,
                         "--expect", "mpi"])
   out = r.stdout + r.stderr
   assert r.returncode == 0, tail(out)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests._launch import INNER_RUNS
+from tests._launch import inner_summary
 from tests._launch import run_mpi
 from tests._launch import tail
 
@@ -20,43 +22,83 @@ ALL = ["tests/mpi"]
 # At 2 x 2: what several devices per rank change (mapping, device paths,
 # global arrays and JAX's own arrays, the guides, checks); rank-level ops run
 # at 4 x 1.
-DEVICES = ["tests/mpi/test_collectives.py", "tests/mpi/test_ops_multidevice.py",
-           "tests/mpi/test_device_allreduce.py", "tests/mpi/test_global_array.py",
-           "tests/mpi/test_jax_arrays.py", "tests/mpi/test_guide_sharded.py",
-           "tests/mpi/test_guide_multiprocess.py", "tests/mpi/test_docs_global_arrays.py",
-           "tests/mpi/test_readme.py", "tests/mpi/test_runtime.py", "tests/mpi/test_checks.py",
-           "tests/mpi/test_train_overlap.py", "tests/mpi/test_timeline.py"]
+DEVICES = [
+  "tests/mpi/test_collectives.py",
+  "tests/mpi/test_ops_multidevice.py",
+  "tests/mpi/test_device_allreduce.py",
+  "tests/mpi/test_global_array.py",
+  "tests/mpi/test_jax_arrays.py",
+  "tests/mpi/test_guide_sharded.py",
+  "tests/mpi/test_guide_multiprocess.py",
+  "tests/mpi/test_docs_global_arrays.py",
+  "tests/mpi/test_readme.py",
+  "tests/mpi/test_runtime.py",
+  "tests/mpi/test_checks.py",
+  "tests/mpi/test_train_overlap.py",
+  "tests/mpi/test_timeline.py",
+]
 CONFIGS = [
-    pytest.param(4, 1, {}, ALL, id="4ranks-x-1dev"),
-    pytest.param(2, 2, {}, DEVICES, id="2ranks-x-2dev"),
-    # Not a power of two: uneven ring segments, no exact division in the mean.
-    pytest.param(3, 1, {}, ["tests/mpi/test_ops.py", "tests/mpi/test_timeline.py"],
-                 id="3ranks-x-1dev"),
-    pytest.param(1, 1, {}, ["tests/mpi/test_runtime.py", "tests/mpi/test_collectives.py",
-                            "tests/mpi/test_timeline.py"], id="1rank"),
-    pytest.param(2, 1, {"MPIJAX_JAX_DISTRIBUTED": "0"},
-                 ["tests/mpi/test_runtime.py", "tests/mpi/test_jax_mixed.py",
-                  "tests/mpi/test_readme.py"],
-                 id="2ranks-without-jax-distributed"),
+  pytest.param(4, 1, {}, ALL, id="4ranks-x-1dev"),
+  pytest.param(2, 2, {}, DEVICES, id="2ranks-x-2dev"),
+  # Not a power of two: uneven ring segments, no exact division in the mean.
+  pytest.param(
+    3, 1, {}, ["tests/mpi/test_ops.py", "tests/mpi/test_timeline.py"], id="3ranks-x-1dev"
+  ),
+  pytest.param(
+    1,
+    1,
+    {},
+    ["tests/mpi/test_runtime.py", "tests/mpi/test_collectives.py", "tests/mpi/test_timeline.py"],
+    id="1rank",
+  ),
+  pytest.param(
+    2,
+    1,
+    {"MPIJAX_JAX_DISTRIBUTED": "0"},
+    ["tests/mpi/test_runtime.py", "tests/mpi/test_jax_mixed.py", "tests/mpi/test_readme.py"],
+    id="2ranks-without-jax-distributed",
+  ),
 ]
 
 
 @pytest.mark.parametrize("ranks,devices,env,files", CONFIGS)
-def test_mpi_suite(ranks, devices, env, files):
+def test_mpi_suite(ranks, devices, env, files, pytestconfig):
   # As users of MPI Python projects run their suites: pytest-mpi's --with-mpi on every rank.
-  argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-x", "-p", "no:cacheprovider", "--color=no",
-          # fd 2 uncaptured: a stall report printed by the C++ side reaches the log.
-          "--capture=sys",
-          "-W", "ignore::DeprecationWarning", *files]
+  argv = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "--with-mpi",
+    "-q",
+    "-x",
+    "-p",
+    "no:cacheprovider",
+    "--color=no",
+    # fd 2 uncaptured: a stall report printed by the C++ side reaches the log.
+    "--capture=sys",
+    "-W",
+    "ignore::DeprecationWarning",
+    *files,
+  ]
   select = os.environ.get("MPIJAX_TEST_SELECT")  # e.g. "-k allreduce" for local work
   if select:
     argv += select.split()
-  result, seconds = run_mpi(ranks, argv, devices_per_process=devices, timeout=900,
-                            env={"MPIJAX_TIMEOUT": "120", **env})
+  result, seconds = run_mpi(
+    ranks, argv, devices_per_process=devices, timeout=900, env={"MPIJAX_TIMEOUT": "120", **env}
+  )
   print(tail(result.stdout, 400))
+  what = (
+    f"tests/mpi at {ranks}x{devices}"
+    + (f" ({len(files)} files)" if files != ALL else "")
+    + "".join(f", {k}={v}" for k, v in env.items())
+  )
+  pytestconfig.stash.setdefault(INNER_RUNS, []).append(
+    inner_summary(what, result.stdout) + f", {seconds:.0f} s"
+  )
   assert result.returncode == 0, (
-      f"tests/mpi failed under {ranks} ranks x {devices} devices {env} "
-      f"(exit {result.returncode}, {seconds:.0f}s):\n{tail(result.stdout)}")
+    f"tests/mpi failed under {ranks} ranks x {devices} devices {env} "
+    f"(exit {result.returncode}, {seconds:.0f}s):\n{tail(result.stdout)}"
+  )
   # Every rank must have run tests, not skipped them all.
   summaries = re.findall(r"(\d+) passed", result.stdout)
   assert len(summaries) >= ranks and min(int(n) for n in summaries) > 0, tail(result.stdout)

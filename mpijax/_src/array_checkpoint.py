@@ -44,9 +44,9 @@ from mpijax._src.fileio import CheckpointError
 from mpijax._src.fileio import fsync_dir as _fsync_dir
 from mpijax._src.fileio import remove_stale_temps
 from mpijax._src.fileio import write_atomic as _write_atomic
+from mpijax._src.geometry import device_indices
+from mpijax._src.geometry import process_index_of
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import device_indices
-from mpijax._src.global_array import process_index_of
 
 FORMAT = "mpijax-array-checkpoint"
 VERSION = 1
@@ -57,19 +57,8 @@ def _spec_to_json(spec: PartitionSpec) -> list:
   return [e if e is None or isinstance(e, str) else list(e) for e in spec]
 
 
-def _spec_from_json(entries: list) -> PartitionSpec:
-  return PartitionSpec(*[e if e is None or isinstance(e, str) else tuple(e) for e in entries])
-
-
 def _sha256(data) -> str:
   return hashlib.sha256(data).hexdigest()
-
-
-def _agree(comm, what: str, error: str, exc=OSError) -> None:
-  """Raises ``exc`` on every rank if any rank reports an error."""
-  bad = mpi_util.rank_problems(comm, error)
-  if bad:
-    raise exc(f"{what} failed:\n" + mpi_util.rank_lines(bad))
 
 
 # --- save ------------------------------------------------------------------------------
@@ -105,8 +94,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
     try:
       if os.path.lexists(path):
         if not overwrite:
-          raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it, or save "
-                                "to a new path")
+          raise FileExistsError(
+            f"{path!r} exists; pass overwrite=True to replace it, or save to a new path"
+          )
         _check_replaceable(path)
       # A save that was killed left its '.tmp-' directory (load refuses it):
       # remove it now, or every crash would leave a checkpoint's worth of disk.
@@ -121,7 +111,8 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
   tmp = f"{path}.tmp-{status['token']}"
 
   with_paths, _ = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, GlobalArray))
+    tree, is_leaf=lambda x: isinstance(x, GlobalArray)
+  )
   leaves_meta: list[dict[str, Any]] = []
   written: list[dict[str, Any]] = []
   error = ""
@@ -133,8 +124,10 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
   except Exception as e:  # reported to every rank below, then raised
     error = f"{type(e).__name__}: {e}"
   # Also the barrier: after it every rank's shards are fsynced in tmp.
-  reports = [json.loads(r) for r in mpi_util.allgather_str(
-      comm, json.dumps({"files": written, "error": error}))]
+  reports = [
+    json.loads(r)
+    for r in mpi_util.allgather_str(comm, json.dumps({"files": written, "error": error}))
+  ]
   bad = [(r, p["error"]) for r, p in enumerate(reports) if p["error"]]
 
   error = ""
@@ -150,10 +143,17 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
         for i, meta in enumerate(leaves_meta):
           meta["files"] = sorted(shards.get(i, []), key=lambda f: f["file"])
           if meta["kind"] == "global" and len(meta["files"]) != meta["blocks"]:
-            raise RuntimeError(f"leaf {meta['path']}: {len(meta['files'])} shard files written, "
-                               f"{meta['blocks']} expected")
-        body = {"format": FORMAT, "version": VERSION, "leaves": leaves_meta,
-                "process_count": rt.size, "local_device_count": rt.local_device_count}
+            raise RuntimeError(
+              f"leaf {meta['path']}: {len(meta['files'])} shard files written, "
+              f"{meta['blocks']} expected"
+            )
+        body = {
+          "format": FORMAT,
+          "version": VERSION,
+          "leaves": leaves_meta,
+          "process_count": rt.size,
+          "local_device_count": rt.local_device_count,
+        }
         text = json.dumps(body, sort_keys=True)
         doc = json.dumps({"checkpoint": body, "sha256": _sha256(text.encode())}, sort_keys=True)
         _write_atomic(os.path.join(tmp, METADATA), [doc.encode()])
@@ -162,8 +162,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> str:
       shutil.rmtree(tmp, ignore_errors=True)
       error = f"{type(e).__name__}: {e}"
   if bad:
-    raise OSError(f"mpijax.save({path!r}) failed (nothing was published):\n" +
-                  mpi_util.rank_lines(bad))
+    raise OSError(
+      f"mpijax.save({path!r}) failed (nothing was published):\n" + mpi_util.rank_lines(bad)
+    )
   error = mpi_util.bcast_str(comm, error if rt.rank == 0 else None, 0)
   if error:
     raise OSError(f"mpijax.save({path!r}) failed on rank 0: {error}")
@@ -176,7 +177,8 @@ _CHECKPOINT_FILE = re.compile(r"(metadata\.json|a\d+\.(\d+|full))")
 def _is_partial_checkpoint(path: str) -> bool:
   """A save's '.tmp-' directory: shard files, metadata and their temporaries only."""
   return os.path.isdir(path) and all(
-      _CHECKPOINT_FILE.fullmatch(e.split(".tmp-")[0]) for e in os.listdir(path))
+    _CHECKPOINT_FILE.fullmatch(e.split(".tmp-")[0]) for e in os.listdir(path)
+  )
 
 
 def _check_replaceable(path: str) -> None:
@@ -186,17 +188,24 @@ def _check_replaceable(path: str) -> None:
   file or a directory with anything else in it (a typo'd path, a home directory).
   """
   if os.path.islink(path) or not os.path.isdir(path):
-    raise FileExistsError(f"{path!r} exists and is not a checkpoint directory; overwrite=True "
-                          "only replaces an mpijax checkpoint. Remove it yourself or save to "
-                          "another path.")
+    raise FileExistsError(
+      f"{path!r} exists and is not a checkpoint directory; overwrite=True "
+      "only replaces an mpijax checkpoint. Remove it yourself or save to "
+      "another path."
+    )
   entries = os.listdir(path)
   other = sorted(e for e in entries if not _CHECKPOINT_FILE.fullmatch(e))
   if METADATA not in entries or other:
-    what = (f"it holds {other[:5]}{' ...' if len(other) > 5 else ''}" if other
-            else f"it has no {METADATA}")
-    raise FileExistsError(f"{path!r} is not an mpijax checkpoint ({what}); overwrite=True only "
-                          "replaces an mpijax checkpoint. Remove it yourself or save to another "
-                          "path.")
+    what = (
+      f"it holds {other[:5]}{' ...' if len(other) > 5 else ''}"
+      if other
+      else f"it has no {METADATA}"
+    )
+    raise FileExistsError(
+      f"{path!r} is not an mpijax checkpoint ({what}); overwrite=True only "
+      "replaces an mpijax checkpoint. Remove it yourself or save to another "
+      "path."
+    )
 
 
 def _publish(tmp: str, path: str, token: str) -> None:
@@ -228,13 +237,27 @@ def _save_leaf(rt, tmp: str, i: int, kpath: str, leaf: Any) -> tuple[dict, list[
       raw = data.reshape(-1).view(np.uint8)
       name = f"a{i}.{k}"
       _write_atomic(os.path.join(tmp, name), [raw])  # no bytes copy of a large shard
-      files.append({"leaf": i, "file": name, "index": [list(b) for b in key],
-                    "nbytes": int(raw.size), "sha256": _sha256(raw)})
-    meta = {"path": kpath, "kind": "global", "shape": list(leaf.shape),
-            "dtype": leaf.dtype.name, "spec": _spec_to_json(leaf.spec),
-            "mesh": {"axis_names": list(mesh.axis_names),
-                     "shape": [mesh.shape[n] for n in mesh.axis_names]},
-            "blocks": len(distinct)}
+      files.append(
+        {
+          "leaf": i,
+          "file": name,
+          "index": [list(b) for b in key],
+          "nbytes": int(raw.size),
+          "sha256": _sha256(raw),
+        }
+      )
+    meta = {
+      "path": kpath,
+      "kind": "global",
+      "shape": list(leaf.shape),
+      "dtype": leaf.dtype.name,
+      "spec": _spec_to_json(leaf.spec),
+      "mesh": {
+        "axis_names": list(mesh.axis_names),
+        "shape": [mesh.shape[n] for n in mesh.axis_names],
+      },
+      "blocks": len(distinct),
+    }
     return meta, files
   arr, kind, impl = _codec.leaf_to_numpy(leaf)
   arr = np.ascontiguousarray(arr) if arr.ndim else arr.copy()
@@ -242,10 +265,23 @@ def _save_leaf(rt, tmp: str, i: int, kpath: str, leaf: Any) -> tuple[dict, list[
     raw = arr.reshape(-1).view(np.uint8)
     name = f"a{i}.full"
     _write_atomic(os.path.join(tmp, name), [raw])
-    files.append({"leaf": i, "file": name, "index": [[0, n] for n in arr.shape],
-                  "nbytes": int(raw.size), "sha256": _sha256(raw)})
-  meta = {"path": kpath, "kind": kind, "shape": list(arr.shape), "dtype": arr.dtype.name,
-          "impl": impl, "blocks": 1}
+    files.append(
+      {
+        "leaf": i,
+        "file": name,
+        "index": [[0, n] for n in arr.shape],
+        "nbytes": int(raw.size),
+        "sha256": _sha256(raw),
+      }
+    )
+  meta = {
+    "path": kpath,
+    "kind": kind,
+    "shape": list(arr.shape),
+    "dtype": arr.dtype.name,
+    "impl": impl,
+    "blocks": 1,
+  }
   return meta, files
 
 
@@ -265,8 +301,12 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     # An overwrite that died between its two renames leaves the previous
     # checkpoint complete under path.old-<token>: point at it.
     old = sorted(glob.glob(glob.escape(path) + ".old-*"), key=os.path.getmtime)
-    hint = (f"; an interrupted mpijax.save(overwrite=True) left the previous checkpoint at "
-            f"{old[-1]!r}: rename it to {path!r} to use it" if old else "")
+    hint = (
+      f"; an interrupted mpijax.save(overwrite=True) left the previous checkpoint at "
+      f"{old[-1]!r}: rename it to {path!r} to use it"
+      if old
+      else ""
+    )
     raise CheckpointError(f"no checkpoint directory at {path!r}{hint}")
   try:
     with open(meta_path, "rb") as f:
@@ -275,16 +315,20 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     digest = doc["sha256"]
   except FileNotFoundError:
     raise CheckpointError(
-        f"{path!r} has no {METADATA}: it is not a complete mpijax checkpoint (an unfinished "
-        "save leaves only a '.tmp-' directory). Refusing to load it.") from None
+      f"{path!r} has no {METADATA}: it is not a complete mpijax checkpoint (an unfinished "
+      "save leaves only a '.tmp-' directory). Refusing to load it."
+    ) from None
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f"{meta_path!r} is unreadable or corrupt ({e}); refusing to load "
-                          "the checkpoint") from None
+    raise CheckpointError(
+      f"{meta_path!r} is unreadable or corrupt ({e}); refusing to load the checkpoint"
+    ) from None
   if _sha256(json.dumps(body, sort_keys=True).encode()) != digest:
     raise CheckpointError(f"{meta_path!r} is corrupt (checksum mismatch); refusing to load")
   if body.get("format") != FORMAT or body.get("version") != VERSION:
-    raise CheckpointError(f"{path!r} is a {body.get('format')!r} v{body.get('version')} "
-                          f"checkpoint; this mpijax reads {FORMAT!r} v{VERSION}")
+    raise CheckpointError(
+      f"{path!r} is a {body.get('format')!r} v{body.get('version')} "
+      f"checkpoint; this mpijax reads {FORMAT!r} v{VERSION}"
+    )
   return body
 
 
@@ -298,9 +342,10 @@ def _read_shard(path: str, f: dict) -> np.ndarray:
     raise CheckpointError(f"cannot read shard file {file!r}: {e}") from None
   if raw.size != f["nbytes"] or _sha256(raw) != f["sha256"]:
     raise CheckpointError(
-        f"shard file {file!r} is corrupt or truncated ({raw.size} bytes, metadata says "
-        f"{f['nbytes']}; checksum {'ok' if _sha256(raw) == f['sha256'] else 'mismatch'}). "
-        "Refusing to load any of the checkpoint.")
+      f"shard file {file!r} is corrupt or truncated ({raw.size} bytes, metadata says "
+      f"{f['nbytes']}; checksum {'ok' if _sha256(raw) == f['sha256'] else 'mismatch'}). "
+      "Refusing to load any of the checkpoint."
+    )
   return raw
 
 
@@ -309,9 +354,10 @@ def _load_global(path: str, meta: dict, like: GlobalArray, rank: int) -> GlobalA
   dtype = np.dtype(like.dtype)
   if shape != like.shape or meta["dtype"] != dtype.name:
     raise CheckpointError(
-        f"leaf {meta['path']}: the checkpoint has {meta['dtype']}{list(shape)}, the target "
-        f"`like` has {dtype.name}{list(like.shape)}; load into a matching tree (and astype/"
-        "reshape after loading)")
+      f"leaf {meta['path']}: the checkpoint has {meta['dtype']}{list(shape)}, the target "
+      f"`like` has {dtype.name}{list(like.shape)}; load into a matching tree (and astype/"
+      "reshape after loading)"
+    )
   region = process_index_of(shape, like.mesh, like.spec, rank)
   out = np.empty(tuple(s.stop - s.start for s in region), dtype)
   covered = 0
@@ -328,8 +374,10 @@ def _load_global(path: str, meta: dict, like: GlobalArray, rank: int) -> GlobalA
     del block  # before the next shard is read: at most one shard in memory at a time
     covered += int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64))
   if covered != out.size:
-    raise CheckpointError(f"leaf {meta['path']}: the saved shards cover {covered} of the "
-                          f"{out.size} elements this rank needs; the checkpoint is incomplete")
+    raise CheckpointError(
+      f"leaf {meta['path']}: the saved shards cover {covered} of the "
+      f"{out.size} elements this rank needs; the checkpoint is incomplete"
+    )
   return GlobalArray.from_global_part(out, like.shape, like.mesh, like.spec)
 
 
@@ -359,27 +407,37 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     body = read_metadata(path)
     digest = _sha256(json.dumps(body, sort_keys=True).encode())
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(
-        like, is_leaf=lambda x: isinstance(x, GlobalArray))
+      like, is_leaf=lambda x: isinstance(x, GlobalArray)
+    )
     saved = [m["path"] for m in body["leaves"]]
     want = [jax.tree_util.keystr(p) for p, _ in with_paths]
     if saved != want:
-      diff = next((f"leaf {k}: checkpoint {a!r}, target {b!r}" for k, (a, b) in
-                   enumerate(zip(saved, want)) if a != b),
-                  f"checkpoint has {len(saved)} leaves, target {len(want)}")
+      diff = next(
+        (
+          f"leaf {k}: checkpoint {a!r}, target {b!r}"
+          for k, (a, b) in enumerate(zip(saved, want))
+          if a != b
+        ),
+        f"checkpoint has {len(saved)} leaves, target {len(want)}",
+      )
       raise CheckpointError(f"checkpoint {path!r} does not fit the target tree ({diff})")
     out = []
     for meta, (_, leaf) in zip(body["leaves"], with_paths):
       if isinstance(leaf, GlobalArray):
         if meta["kind"] != "global":
-          raise CheckpointError(f"leaf {meta['path']} was saved as a plain {meta['kind']} "
-                                "leaf, but the target is a GlobalArray")
+          raise CheckpointError(
+            f"leaf {meta['path']} was saved as a plain {meta['kind']} "
+            "leaf, but the target is a GlobalArray"
+          )
         out.append(_load_global(path, meta, leaf, rt.rank))
       else:
         if meta["kind"] == "global":
-          raise CheckpointError(f"leaf {meta['path']} was saved as a GlobalArray; give a "
-                                "GlobalArray in `like` for it")
-        spec = _codec.LeafSpec(meta["path"], meta["kind"], meta["dtype"], tuple(meta["shape"]),
-                               meta.get("impl", ""))
+          raise CheckpointError(
+            f"leaf {meta['path']} was saved as a GlobalArray; give a GlobalArray in `like` for it"
+          )
+        spec = _codec.LeafSpec(
+          meta["path"], meta["kind"], meta["dtype"], tuple(meta["shape"]), meta.get("impl", "")
+        )
         arr = _read_shard(path, meta["files"][0]).view(np.dtype(meta["dtype"])).reshape(spec.shape)
         out.append(_codec.rebuild(arr.copy(), spec, leaf))
     result = jax.tree_util.tree_unflatten(treedef, out)
@@ -388,10 +446,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
   except Exception as e:  # any failure must reach the other ranks, or they would hang below
     error = f"{type(e).__name__}: {e}"
   reports = mpi_util.allgather_str(rt.comm, ("error:" + error) if error else ("ok:" + digest))
-  bad = [(r, p[len("error:"):]) for r, p in enumerate(reports) if p.startswith("error:")]
+  bad = [(r, p[len("error:") :]) for r, p in enumerate(reports) if p.startswith("error:")]
   if bad:
     raise CheckpointError(f"mpijax.load({path!r}) failed:\n" + mpi_util.rank_lines(bad))
   if len(set(reports)) > 1:
-    raise CheckpointError(f"ranks read different metadata at {path!r}; put checkpoints on a "
-                          "filesystem every rank sees")
+    raise CheckpointError(
+      f"ranks read different metadata at {path!r}; put checkpoints on a filesystem every rank sees"
+    )
   return result

@@ -92,7 +92,7 @@ def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str,
   return setting
 
 
-# --- runtime (layer 2) -------------------------------------------------------
+# --- runtime -------------------------------------------------------------
 _define("devices_per_process", _parse_optional_int, None,
         "CPU devices per rank. Unset: keep the user's XLA_FLAGS / "
         "jax_num_cpu_devices, else 1.")
@@ -158,8 +158,8 @@ _define("blocking_min_bytes", int, 0,
         "measured (default 0: every call blocks). Without the stall inspector's "
         "watchdog, blocking calls start at 64 KiB and first wait for every rank "
         "in a polled MPI_Ibarrier. With several local devices per rank every "
-        "call is polled: their threads blocked in MPI together were 3-10x "
-        "slower.")
+        "call is polled: their threads blocked in MPI at once slow each other "
+        "down.")
 _define("ring_min_bytes", int, 128 * 1024,
         "From this many bytes per rank (message size / ranks) on, an all-reduce "
         "runs mpijax's ring (reduce-scatter then allgather by neighbour "
@@ -225,7 +225,7 @@ _define("timeline", str, "",
         "merged by rank 0 at exit into one Chrome-trace / Perfetto JSON (see "
         "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
 
-# --- training (layer 6) ------------------------------------------------------
+# --- training ------------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")
 _define("overlap", _parse_bool, False,

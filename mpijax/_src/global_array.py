@@ -3,22 +3,17 @@
 Each rank holds only its *process-local part*: the block of the global array
 held by its devices (the same block :func:`mpijax.shard_map` passes in and
 out). That part is a ``jax.Array`` over the rank's local devices, sharded over
-``mesh.local_mesh`` by ``mesh.local_spec(spec)``. A :class:`GlobalArray` pairs
+``mesh.local_mesh`` by ``geometry.local_spec(mesh, spec)``. A :class:`GlobalArray` pairs
 it with the global shape, dtype, :class:`~mpijax.GlobalMesh` and
 ``PartitionSpec`` so that gathering, resharding, checkpointing and
-visualizing can be done without the user doing index arithmetic.
-
-Geometry: device ``g`` (global index ``process * L + local``) sits at
-``np.unravel_index(g, mesh shape)``; along an array dimension sharded over
-axes ``(a, b)`` its block index is ``ravel((coord_a, coord_b), (size_a,
-size_b))``, exactly as in ``jax.sharding.NamedSharding``.
+visualizing can be done without the user doing index arithmetic. Which
+block each device and each rank holds is :mod:`.geometry`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -33,232 +28,22 @@ from jax.sharding import PartitionSpec
 from mpijax._src import config
 from mpijax._src import mpi_util
 from mpijax._src import runtime
+from mpijax._src.geometry import Index
+from mpijax._src.geometry import block_counts
+from mpijax._src.geometry import check_contiguous
+from mpijax._src.geometry import check_divisible
+from mpijax._src.geometry import device_indices
+from mpijax._src.geometry import index_shape
+from mpijax._src.geometry import local_shape_of
+from mpijax._src.geometry import local_sharding
+from mpijax._src.geometry import normalize_spec
+from mpijax._src.geometry import process_block_counts
+from mpijax._src.geometry import process_boxes
+from mpijax._src.geometry import process_index_of
+from mpijax._src.geometry import replicated_axes
 from mpijax._src.mesh import GlobalMesh
 
 P = PartitionSpec
-Index = tuple[slice, ...]
-
-
-# --- specs and geometry ------------------------------------------------------------
-
-
-def _as_spec(spec) -> PartitionSpec:
-  if spec is None:
-    return P()
-  if isinstance(spec, PartitionSpec):
-    return spec
-  # A tuple/list of entries is accepted as P(*spec); a bare string would be
-  # split into letters (P(*"data") names axes 'd', 'a', ...), so it is refused.
-  if isinstance(spec, (tuple, list)):
-    return P(*spec)
-  hint = f"P({spec!r})" if isinstance(spec, str) else "P('x'), P(None, 'x') or P()"
-  raise TypeError(f"expected a jax.sharding.PartitionSpec, got {type(spec).__name__} {spec!r}. "
-                  f"Pass e.g. {hint} (from jax.sharding import PartitionSpec as P).")
-
-
-def _check_mesh(mesh, what: str) -> None:
-  if not isinstance(mesh, GlobalMesh):
-    raise TypeError(f"{what} needs a mpijax.GlobalMesh (made by mpijax.make_mesh), got "
-                    f"{type(mesh).__name__}: {mesh!r}")
-
-
-def normalize_spec(spec, ndim: int, mesh: GlobalMesh) -> PartitionSpec:
-  """``spec`` with one entry per dimension; single-axis tuples become names.
-
-  Raises:
-    ValueError: ``spec`` is longer than ``ndim``, names an unknown axis, or uses
-      an axis twice.
-  """
-  _check_mesh(mesh, "GlobalArray")
-  spec = _as_spec(spec)
-  if len(spec) > ndim:
-    raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the array has {ndim} "
-                     f"dimension(s); give at most {ndim} entries.")
-  entries, used = [], []
-  for e in tuple(spec) + (None,) * (ndim - len(spec)):
-    names = mesh.spec_axes(e)
-    used += names
-    entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
-  dup = sorted({n for n in used if used.count(n) > 1})
-  if dup:
-    raise ValueError(f"PartitionSpec {spec} uses mesh axis {dup[0]!r} more than once; each "
-                     "mesh axis may shard at most one dimension.")
-  return P(*entries)
-
-
-def _names(mesh: GlobalMesh, entry) -> tuple[str, ...]:
-  return mesh.spec_axes(entry)
-
-
-def block_counts(mesh: GlobalMesh, spec: PartitionSpec) -> tuple[int, ...]:
-  """How many blocks each dimension is cut into (product of its axes' sizes)."""
-  return tuple(math.prod(mesh.shape[n] for n in _names(mesh, e)) for e in spec)
-
-
-def check_divisible(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec,
-                    what: str = "GlobalArray") -> None:
-  for d, (n, k) in enumerate(zip(shape, block_counts(mesh, spec))):
-    if n % k:
-      raise ValueError(
-          f"{what}: dimension {d} of the global shape {tuple(shape)} has size {n}, which is not "
-          f"divisible by the {k} devices sharding it (PartitionSpec {spec} over mesh axes "
-          f"{dict(mesh.shape)}). Pad dimension {d} to a multiple of {k}, or shard it over fewer "
-          "devices (e.g. None in that entry of the spec).")
-
-
-@functools.lru_cache(maxsize=256)
-def _device_blocks(mesh: GlobalMesh, spec: PartitionSpec) -> np.ndarray:
-  """[global device, dim] -> block index of that device along dim."""
-  coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
-  out = np.zeros((mesh.size, len(spec)), dtype=np.int64)
-  for d, e in enumerate(spec):
-    names = _names(mesh, e)
-    if names:
-      pos = [mesh.axis_names.index(n) for n in names]
-      out[:, d] = np.ravel_multi_index([coords[:, p] for p in pos],
-                                       [mesh.shape[n] for n in names])
-  return out
-
-
-def device_indices(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec) -> list[Index]:
-  """The index (tuple of slices into the global array) of every global device."""
-  counts = block_counts(mesh, spec)
-  sizes = [n // k for n, k in zip(shape, counts)]
-  blocks = _device_blocks(mesh, spec)
-  return [tuple(slice(int(b) * s, (int(b) + 1) * s) for b, s in zip(row, sizes)) for row in blocks]
-
-
-def process_index_of(shape: Sequence[int], mesh: GlobalMesh, spec: PartitionSpec,
-                     process: int) -> Index:
-  """The process-local part of rank ``process``: the bounding box of its devices' blocks."""
-  L = mesh.local_device_count
-  idx = device_indices(shape, mesh, spec)[process * L:(process + 1) * L]
-  return tuple(slice(min(i[d].start for i in idx), max(i[d].stop for i in idx))
-               for d in range(len(shape)))
-
-
-def _index_shape(index: Index) -> tuple[int, ...]:
-  return tuple(s.stop - s.start for s in index)
-
-
-@functools.lru_cache(maxsize=1024)
-def local_shape_of(shape: tuple[int, ...], mesh: GlobalMesh, spec: PartitionSpec,
-                   process: int) -> tuple[int, ...]:
-  """The shape of rank ``process``'s part (cached: checked on every pytree rebuild)."""
-  return _index_shape(process_index_of(shape, mesh, spec, process))
-
-
-def _local_sharding(mesh: GlobalMesh, spec: PartitionSpec) -> NamedSharding:
-  return NamedSharding(mesh.local_mesh, mesh.local_spec(spec))
-
-
-def check_contiguous(mesh: GlobalMesh, spec: PartitionSpec) -> None:
-  for d in range(len(spec)):
-    mesh.process_block(spec, d)  # raises for a strided (non-contiguous) part
-
-
-# --- cross-rank value checks -----------------------------------------------------------
-#
-# Ranks that hold the same block of a global array must pass equal copies of it.
-# With MPIJAX_CHECK=1 every byte of every copy is hashed and the hashes compared.
-# Without it, a few sampled elements of each copy are hashed instead: that costs
-# nothing measurable, rides in the constructors' existing collective, and catches
-# the usual mistake (each rank passing its own data under a spec that says the
-# ranks hold copies), which differs nearly everywhere. A difference in sampled
-# bytes proves the copies differ, so it never raises for equal copies.
-
-_SAMPLE_ELEMENTS = 64
-
-
-def sample_positions(size: int) -> np.ndarray:
-  """The flat (C order) positions compared without MPIJAX_CHECK: evenly spaced, both ends."""
-  if size <= _SAMPLE_ELEMENTS:
-    return np.arange(size, dtype=np.int64)
-  return np.unique(np.linspace(0, size - 1, _SAMPLE_ELEMENTS).round().astype(np.int64))
-
-
-def _bytes_of(array: np.ndarray) -> np.ndarray:
-  # Bytes, not values: NaN payloads and -0.0 compare as stored, as the copies would be read.
-  return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-
-def value_digest(array: Any) -> str | None:
-  """blake2b of every byte of ``array`` in C order (hex); None for object arrays."""
-  array = np.asarray(array)
-  if array.dtype.hasobject:
-    return None
-  return hashlib.blake2b(_bytes_of(array), digest_size=16).hexdigest()
-
-
-def sample_digest(array: np.ndarray) -> str | None:
-  """blake2b of the elements at :func:`sample_positions` only (hex); None for object arrays."""
-  if array.dtype.hasobject:
-    return None
-  pos = sample_positions(array.size)
-  picked = array.reshape(1)[pos] if array.ndim == 0 else array[np.unravel_index(pos, array.shape)]
-  return hashlib.blake2b(_bytes_of(picked), digest_size=8).hexdigest()
-
-
-def differing_copies(keys: Sequence[Any],
-                     digests: Sequence[str | None]) -> list[tuple[Any, list[list[int]]]]:
-  """Groups of ranks with equal ``keys`` whose ``digests`` differ: (key, ranks per distinct copy).
-
-  Ranks and copies are listed in rank order; a rank whose digest is None is
-  not compared.
-  """
-  groups: dict[Any, dict[str, list[int]]] = {}
-  for r, (key, digest) in enumerate(zip(keys, digests)):
-    if digest is not None:
-      groups.setdefault(key, {}).setdefault(digest, []).append(r)
-  return [(key, list(copies.values())) for key, copies in groups.items() if len(copies) > 1]
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-  ranks = list(ranks)
-  head = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
-  return ("rank " if len(ranks) == 1 else "ranks ") + head
-
-
-def _copies_text(diffs: list[tuple[Any, list[list[int]]]], blocks: bool) -> str:
-  parts = []
-  for key, copies in diffs[:8]:
-    where = ("block [" + ", ".join(f"{a}:{b}" for a, b in key) + "]: ") if blocks else ""
-    parts.append(where + " vs ".join(_ranks_text(c) for c in copies))
-  return "; ".join(parts) + (f"; and {len(diffs) - 8} more blocks" if len(diffs) > 8 else "")
-
-
-def _how_compared(check: bool) -> str:
-  if check:
-    return "every byte compared, MPIJAX_CHECK=1"
-  return (f"found by comparing up to {_SAMPLE_ELEMENTS} sampled elements; MPIJAX_CHECK=1 compares "
-          "every byte")
-
-
-def _mixed_check(what: str, flags: Sequence[bool]) -> None:
-  """Raises (on every rank: ``flags`` are the same everywhere) if MPIJAX_CHECK differs."""
-  on = [r for r, f in enumerate(flags) if f]
-  if on and len(on) < len(flags):
-    off = [r for r, f in enumerate(flags) if not f]
-    raise ValueError(
-        f"{what}: MPIJAX_CHECK is on for {_ranks_text(on)} but off for {_ranks_text(off)}, so "
-        "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
-        "...)) the same way on every rank.")
-
-
-def _process_boxes(shape: Sequence[int], mesh: GlobalMesh,
-                   spec: PartitionSpec) -> list[tuple[tuple[int, int], ...]]:
-  """Every rank's part as ((start, stop) per dimension): equal for ranks holding copies."""
-  L = mesh.local_device_count
-  idx = device_indices(shape, mesh, spec)
-  return [tuple((min(i[d].start for i in idx[p * L:(p + 1) * L]),
-                 max(i[d].stop for i in idx[p * L:(p + 1) * L])) for d in range(len(shape)))
-          for p in range(mesh.process_count)]
-
-
-def _replicated_axes(mesh: GlobalMesh, spec: PartitionSpec) -> list[str]:
-  """Mesh axes across processes that ``spec`` does not name: ranks along them hold copies."""
-  used = {n for e in spec for n in _names(mesh, e)}
-  return [n for n in mesh.axis_names if n not in used and mesh.axes[n].proc_size > 1]
 
 
 # --- the array ---------------------------------------------------------------------
@@ -267,6 +52,7 @@ def _replicated_axes(mesh: GlobalMesh, spec: PartitionSpec) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Shard:
   """One block held by one of this rank's devices."""
+
   index: Index  # into the global array
   device: Any  # the jax device
   global_device_index: int  # process_index * local_device_count + local index
@@ -292,8 +78,9 @@ class GlobalArray:
     120.0
   """
 
-  def __init__(self, local: Any, shape: Sequence[int], dtype: Any, mesh: GlobalMesh,
-               spec: PartitionSpec):
+  def __init__(
+    self, local: Any, shape: Sequence[int], dtype: Any, mesh: GlobalMesh, spec: PartitionSpec
+  ):
     self._local = local
     self._shape = tuple(int(s) for s in shape)
     self._dtype = np.dtype(dtype)
@@ -321,12 +108,13 @@ class GlobalArray:
       got = tuple(local.shape) if isinstance(local.shape, (tuple, list)) else None
       if got is not None and got != want:
         raise ValueError(
-            f"jax.tree.map/jax.jit on a GlobalArray (global shape {shape}, spec {spec}) gave "
-            f"this rank's part shape {got}, but it must keep shape {want}: a GlobalArray "
-            "leaf only takes shape-preserving (element-wise) functions, e.g. "
-            "jax.tree.map(jnp.tanh, ga). For reductions, reshapes or indexing use "
-            "mpijax.shard_map (with mpijax.lax collectives), mpijax.reshard, or work on "
-            "ga.local (this rank's part) or ga.gather() (NumPy, collective).")
+          f"jax.tree.map/jax.jit on a GlobalArray (global shape {shape}, spec {spec}) gave "
+          f"this rank's part shape {got}, but it must keep shape {want}: a GlobalArray "
+          "leaf only takes shape-preserving (element-wise) functions, e.g. "
+          "jax.tree.map(jnp.tanh, ga). For reductions, reshapes or indexing use "
+          "mpijax.shard_map (with mpijax.lax collectives), mpijax.reshard, or work on "
+          "ga.local (this rank's part) or ga.gather() (NumPy, collective)."
+        )
     return cls(local, shape, dtype, mesh, spec)
 
   # --- attributes ---
@@ -363,7 +151,7 @@ class GlobalArray:
   @property
   def sharding(self) -> NamedSharding:
     """The sharding of ``.local`` over this rank's devices."""
-    return _local_sharding(self._mesh, self._spec)
+    return local_sharding(self._mesh, self._spec)
 
   @property
   def local_index(self) -> Index:
@@ -378,10 +166,13 @@ class GlobalArray:
     local_pos = {d: i for i, d in enumerate(rt.local_devices)}
     out = []
     for s in self._local.addressable_shards:
-      index = tuple(slice(o + (sl.start or 0), o + (sl.stop if sl.stop is not None else n))
-                    for o, sl, n in zip(offset, s.index, self._local.shape))
-      out.append(Shard(index, s.device, rt.rank * rt.local_device_count + local_pos[s.device],
-                       s.data))
+      index = tuple(
+        slice(o + (sl.start or 0), o + (sl.stop if sl.stop is not None else n))
+        for o, sl, n in zip(offset, s.index, self._local.shape)
+      )
+      out.append(
+        Shard(index, s.device, rt.rank * rt.local_device_count + local_pos[s.device], s.data)
+      )
     return sorted(out, key=lambda sh: sh.global_device_index)
 
   @property
@@ -394,14 +185,17 @@ class GlobalArray:
     return all(k == 1 for k in block_counts(self._mesh, self._spec))
 
   def __repr__(self) -> str:
-    return (f"GlobalArray(shape={self._shape}, dtype={self._dtype.name}, spec={self._spec}, "
-            f"mesh={self._mesh!r})")
+    return (
+      f"GlobalArray(shape={self._shape}, dtype={self._dtype.name}, spec={self._spec}, "
+      f"mesh={self._mesh!r})"
+    )
 
   def __array__(self, *args, **kwargs):
     raise TypeError(
-        "a GlobalArray cannot be turned into a NumPy array implicitly: each rank holds only its "
-        "part. Call ga.gather() on every rank (collective) for the whole array, or use ga.local "
-        "for this rank's part.")
+      "a GlobalArray cannot be turned into a NumPy array implicitly: each rank holds only its "
+      "part. Call ga.gather() on every rank (collective) for the whole array, or use ga.local "
+      "for this rank's part."
+    )
 
   def __len__(self) -> int:
     if not self._shape:
@@ -410,13 +204,16 @@ class GlobalArray:
 
   def __getitem__(self, index):
     raise TypeError(
-        f"a GlobalArray cannot be indexed (ga[{index!r}]): each rank holds only its part. "
-        "Index ga.local (this rank's part; ga.local_index says where it sits), ga.gather() "
-        "(NumPy, collective), or slice inside mpijax.shard_map.")
+      f"a GlobalArray cannot be indexed (ga[{index!r}]): each rank holds only its part. "
+      "Index ga.local (this rank's part; ga.local_index says where it sits), ga.gather() "
+      "(NumPy, collective), or slice inside mpijax.shard_map."
+    )
 
   def __iter__(self):
-    raise TypeError("a GlobalArray cannot be iterated over: each rank holds only its part. "
-                    "Iterate over ga.local or ga.gather() (collective).")
+    raise TypeError(
+      "a GlobalArray cannot be iterated over: each rank holds only its part. "
+      "Iterate over ga.local or ga.gather() (collective)."
+    )
 
   def __copy__(self) -> GlobalArray:
     return GlobalArray(self._local, self._shape, self._dtype, self._mesh, self._spec)
@@ -428,9 +225,10 @@ class GlobalArray:
 
   def __reduce__(self):
     raise TypeError(
-        "a GlobalArray cannot be pickled: it is one rank's part of an array spread over MPI "
-        "ranks, tied to the job's devices and communicators. Save it with mpijax.save(path, "
-        "tree) (collective), or pickle ga.local (this rank's part) or ga.gather() (NumPy).")
+      "a GlobalArray cannot be pickled: it is one rank's part of an array spread over MPI "
+      "ranks, tied to the job's devices and communicators. Save it with mpijax.save(path, "
+      "tree) (collective), or pickle ga.local (this rank's part) or ga.gather() (NumPy)."
+    )
 
   def block_until_ready(self) -> GlobalArray:
     """Waits until this rank's part is computed (local only: no communication)."""
@@ -451,13 +249,14 @@ class GlobalArray:
     The dtype follows ``local``; it is moved to the expected sharding if needed.
     """
     local = jnp.asarray(local)
-    want = _index_shape(self.local_index)
+    want = index_shape(self.local_index)
     if tuple(local.shape) != want:
       raise ValueError(
-          f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "
-          f"the global {self._shape} array (spec {self._spec}) has shape {want}. Only "
-          "shape-preserving (element-wise) results can replace the local part; use reshard or "
-          "mpijax.shard_map for anything else.")
+        f"with_local got a local part of shape {tuple(local.shape)}, but this rank's part of "
+        f"the global {self._shape} array (spec {self._spec}) has shape {want}. Only "
+        "shape-preserving (element-wise) results can replace the local part; use reshard or "
+        "mpijax.shard_map for anything else."
+      )
     sharding = self.sharding
     if not local.sharding.is_equivalent_to(sharding, local.ndim):
       local = jax.device_put(local, sharding)
@@ -503,55 +302,61 @@ class GlobalArray:
     try:
       nspec = normalize_spec(spec, np.ndim(data), mesh)
       check_contiguous(mesh, nspec)
-      counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
+      counts = process_block_counts(mesh, nspec)
       lshape = tuple(np.shape(data))
       for d, (n, k, c) in enumerate(zip(lshape, block_counts(mesh, nspec), counts)):
         per_rank = k // c  # devices of one rank along d
         if n % per_rank:
           raise ValueError(
-              f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
-              f"{per_rank} local devices sharding it (PartitionSpec {nspec})")
-      status = {"shape": [n * c for n, c in zip(lshape, counts)],
-                "dtype": np.dtype(data.dtype).name}
+            f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
+            f"{per_rank} local devices sharding it (PartitionSpec {nspec})"
+          )
+      status = {
+        "shape": [n * c for n, c in zip(lshape, counts)],
+        "dtype": np.dtype(data.dtype).name,
+      }
     except (ValueError, TypeError) as e:
       status = {"error": str(e)}
     if "error" not in status and rt.size > 1:  # one rank: nothing to compare with
       if check:
-        status.update(check=1, digest=value_digest(data))
+        status.update(check=1, digest=mpi_util.value_digest(data))
       elif not isinstance(data, jax.Array):
-        status["sample"] = sample_digest(data)
+        status["sample"] = mpi_util.sample_digest(data)
     reports = [json.loads(s) for s in mpi_util.allgather_str(rt.comm, json.dumps(status))]
     errors = [(r, s["error"]) for r, s in enumerate(reports) if "error" in s]
     if errors:
-      raise ValueError("GlobalArray.from_process_local: " + "; ".join(
-          f"rank {r}: {e}" for r, e in errors[:8]))
+      raise ValueError(
+        "GlobalArray.from_process_local: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:8])
+      )
     keys = [(tuple(s["shape"]), s["dtype"]) for s in reports]
     # Ties (e.g. two ranks) go to the lowest rank's view.
     majority = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
     odd = [r for r, k in enumerate(keys) if k != majority]
     if odd:
       raise ValueError(
-          "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
-          f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
-          f"{majority[0]} dtype {majority[1]}, but " + ", ".join(
-              f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
-          + " does not. Give every rank the block mesh and spec assign to it "
-          "(global shape divided by the number of process blocks along each dimension).")
-    _mixed_check("GlobalArray.from_process_local", [bool(s.get("check")) for s in reports])
+        "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
+        f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
+        f"{majority[0]} dtype {majority[1]}, but "
+        + ", ".join(f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
+        + " does not. Give every rank the block mesh and spec assign to it "
+        "(global shape divided by the number of process blocks along each dimension)."
+      )
+    mpi_util.mixed_check("GlobalArray.from_process_local", [bool(s.get("check")) for s in reports])
     digests = [s.get("digest" if check else "sample") for s in reports]
     if rt.size > 1 and any(d is not None for d in digests):
-      diffs = differing_copies(_process_boxes(majority[0], mesh, nspec), digests)
+      diffs = mpi_util.differing_copies(process_boxes(majority[0], mesh, nspec), digests)
       if diffs:
-        axes = _replicated_axes(mesh, nspec)
+        axes = replicated_axes(mesh, nspec)
         raise ValueError(
-            f"GlobalArray.from_process_local: ranks that hold the same block of the global "
-            f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
-            f"only along mesh axes {axes}, which the spec does not name) passed different "
-            f"values ({_how_compared(check)}): {_copies_text(diffs, blocks=True)}. Pass equal "
-            "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
-            f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
-            "each rank holds its own block.")
-    local = jax.device_put(data, _local_sharding(mesh, nspec))
+          f"GlobalArray.from_process_local: ranks that hold the same block of the global "
+          f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
+          f"only along mesh axes {axes}, which the spec does not name) passed different "
+          f"values ({mpi_util.how_compared(check)}): {mpi_util.copies_text(diffs, blocks=True)}. Pass equal "
+          "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
+          f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
+          "each rank holds its own block."
+        )
+    local = jax.device_put(data, local_sharding(mesh, nspec))
     return cls(local, majority[0], local.dtype, mesh, nspec)
 
   @classmethod
@@ -591,40 +396,44 @@ class GlobalArray:
     status: dict[str, Any] = {"shape": shape_text, "check": check}
     if rt.size > 1 and error is None:  # one rank: nothing to compare with
       if check:
-        status["digest"] = value_digest(host)
+        status["digest"] = mpi_util.value_digest(host)
       else:
-        status["sample"] = sample_digest(host[box])
+        status["sample"] = mpi_util.sample_digest(host[box])
     reports = [json.loads(t) for t in mpi_util.allgather_str(rt.comm, json.dumps(status))]
     rank = next((r for r, t in enumerate(reports) if t["shape"] != reports[0]["shape"]), None)
     if rank is not None:
       raise ValueError(
-          f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-          f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
-          "the same array everywhere, or each rank's own block with "
-          "GlobalArray.from_process_local.")
+        f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
+        f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
+        "the same array everywhere, or each rank's own block with "
+        "GlobalArray.from_process_local."
+      )
     if error is not None:
       raise error
-    _mixed_check("GlobalArray.from_global", [t["check"] for t in reports])
+    mpi_util.mixed_check("GlobalArray.from_global", [t["check"] for t in reports])
     if check:  # the whole array, compared between all ranks
-      diffs = differing_copies([None] * rt.size, [t.get("digest") for t in reports])
+      diffs = mpi_util.differing_copies([None] * rt.size, [t.get("digest") for t in reports])
     else:  # the sampled part, compared between ranks that keep the same part
-      diffs = differing_copies(_process_boxes(host.shape, mesh, nspec),
-                               [t.get("sample") for t in reports])
+      diffs = mpi_util.differing_copies(
+        process_boxes(host.shape, mesh, nspec), [t.get("sample") for t in reports]
+      )
     if diffs:
       raise ValueError(
-          f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
-          f"passed {shape_text} arrays with different values ({_how_compared(check)}): "
-          f"{_copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
-          "random data the same way on every rank), or give each rank's own block to "
-          "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
-          "data differs along.")
+        f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
+        f"passed {shape_text} arrays with different values ({mpi_util.how_compared(check)}): "
+        f"{mpi_util.copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
+        "random data the same way on every rank), or give each rank's own block to "
+        "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
+        "data differs along."
+      )
     part = host[box]
-    local = jax.device_put(part, _local_sharding(mesh, nspec))
+    local = jax.device_put(part, local_sharding(mesh, nspec))
     return cls(local, host.shape, local.dtype, mesh, nspec)
 
   @classmethod
-  def from_global_part(cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh,
-                       spec) -> GlobalArray:
+  def from_global_part(
+    cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh, spec
+  ) -> GlobalArray:
     """From this rank's part when the global shape is known on every rank (no communication)."""
     shape = tuple(int(s) for s in global_shape)
     nspec = normalize_spec(spec, len(shape), mesh)
@@ -632,26 +441,36 @@ class GlobalArray:
     check_contiguous(mesh, nspec)
     want = local_shape_of(tuple(shape), mesh, nspec, runtime.get("GlobalArray").rank)
     if tuple(np.shape(part)) != want:
-      raise ValueError(f"GlobalArray.from_global_part: this rank's part of the global {shape} "
-                       f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}")
-    local = jax.device_put(part, _local_sharding(mesh, nspec))
+      raise ValueError(
+        f"GlobalArray.from_global_part: this rank's part of the global {shape} "
+        f"array (spec {nspec}) has shape {want}, got {tuple(np.shape(part))}"
+      )
+    local = jax.device_put(part, local_sharding(mesh, nspec))
     return cls(local, shape, local.dtype, mesh, nspec)
 
   @classmethod
-  def zeros(cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
-            spec=None) -> GlobalArray:
+  def zeros(
+    cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh, spec=None
+  ) -> GlobalArray:
     """A GlobalArray of zeros (see :func:`full`)."""
     return full(shape, 0, dtype, mesh=mesh, spec=spec)
 
   @classmethod
-  def full(cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *,
-           mesh: GlobalMesh, spec=None) -> GlobalArray:
+  def full(
+    cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh, spec=None
+  ) -> GlobalArray:
     """A GlobalArray filled with ``fill_value``, made on the devices."""
     return full(shape, fill_value, dtype, mesh=mesh, spec=spec)
 
   @classmethod
-  def from_callback(cls, global_shape: Sequence[int], dtype: Any, mesh: GlobalMesh, spec,
-                    data_callback: Callable[[Index], Any]) -> GlobalArray:
+  def from_callback(
+    cls,
+    global_shape: Sequence[int],
+    dtype: Any,
+    mesh: GlobalMesh,
+    spec,
+    data_callback: Callable[[Index], Any],
+  ) -> GlobalArray:
     """Like ``jax.make_array_from_callback``: ``data_callback(index)`` gives one block.
 
     Called once per distinct block held by this rank's devices, with the
@@ -664,9 +483,9 @@ class GlobalArray:
     check_divisible(shape, mesh, nspec, "GlobalArray.from_callback")
     check_contiguous(mesh, nspec)
     L = mesh.local_device_count
-    indices = device_indices(shape, mesh, nspec)[rt.rank * L:(rt.rank + 1) * L]
+    indices = device_indices(shape, mesh, nspec)[rt.rank * L : (rt.rank + 1) * L]
     offset = [s.start for s in process_index_of(shape, mesh, nspec, rt.rank)]
-    sharding = _local_sharding(mesh, nspec)
+    sharding = local_sharding(mesh, nspec)
     local_shape = local_shape_of(tuple(shape), mesh, nspec, rt.rank)
     cache: dict[Any, np.ndarray] = {}
     arrays = []
@@ -674,9 +493,11 @@ class GlobalArray:
       key = tuple((s.start, s.stop) for s in index)
       if key not in cache:
         block = np.asarray(data_callback(index), dtype=dtype)
-        if block.shape != _index_shape(index):
-          raise ValueError(f"GlobalArray.from_callback: the callback returned shape {block.shape} "
-                           f"for index {index}, expected {_index_shape(index)}")
+        if block.shape != index_shape(index):
+          raise ValueError(
+            f"GlobalArray.from_callback: the callback returned shape {block.shape} "
+            f"for index {index}, expected {index_shape(index)}"
+          )
         cache[key] = block
       arrays.append(jax.device_put(cache[key], rt.local_devices[l]))
     # Put the blocks in the order jax expects: per device of the local sharding.
@@ -688,12 +509,12 @@ class GlobalArray:
       if got != tuple(s.start for s in want):
         raise AssertionError(f"mpijax geometry mismatch on {dev}: {got} vs {want}")
     local = jax.make_array_from_single_device_arrays(
-        local_shape, sharding, [by_device[d] for d in local_map])
+      local_shape, sharding, [by_device[d] for d in local_map]
+    )
     return cls(local, shape, dtype, mesh, nspec)
 
   @classmethod
-  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None,
-               spec=None) -> GlobalArray:
+  def from_jax(cls, array: jax.Array, mesh: GlobalMesh | None = None, spec=None) -> GlobalArray:
     """From a global ``jax.Array`` (sharded over every rank's devices); no copy if it can.
 
     JAX must know every rank (``mpijax.init()`` with JAX's distributed
@@ -713,16 +534,21 @@ class GlobalArray:
     sharding = array.sharding
     if spec is None or mesh is None:
       if not isinstance(sharding, NamedSharding):
-        raise TypeError(f"GlobalArray.from_jax needs an array with a NamedSharding, got "
-                        f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding "
-                        "first, or pass mesh= and spec=.")
+        raise TypeError(
+          f"GlobalArray.from_jax needs an array with a NamedSharding, got "
+          f"{type(sharding).__name__}; jax.device_put it onto a NamedSharding "
+          "first, or pass mesh= and spec=."
+        )
       jmesh = sharding.mesh
       if mesh is None:
         mesh = GlobalMesh(tuple(jmesh.shape.values()), tuple(jmesh.axis_names))
-      elif spec is None and (tuple(jmesh.axis_names) != mesh.axis_names
-                             or dict(jmesh.shape) != mesh.shape):
-        raise ValueError(f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
-                         f"match the given {mesh}; pass spec= to lay it out on that mesh.")
+      elif spec is None and (
+        tuple(jmesh.axis_names) != mesh.axis_names or dict(jmesh.shape) != mesh.shape
+      ):
+        raise ValueError(
+          f"GlobalArray.from_jax: the array's mesh {dict(jmesh.shape)} does not "
+          f"match the given {mesh}; pass spec= to lay it out on that mesh."
+        )
     nspec = normalize_spec(sharding.spec if spec is None else spec, array.ndim, mesh)
     check_divisible(array.shape, mesh, nspec, "GlobalArray.from_jax")
     check_contiguous(mesh, nspec)
@@ -730,11 +556,12 @@ class GlobalArray:
     if not sharding.is_equivalent_to(want, array.ndim):
       array = jax.device_put(array, want)  # another layout: JAX moves the data
     by_device = {s.device: s.data for s in array.addressable_shards}
-    local_sharding = _local_sharding(mesh, nspec)
+    part_sharding = local_sharding(mesh, nspec)
     local_shape = local_shape_of(tuple(array.shape), mesh, nspec, rt.rank)
-    local_map = local_sharding.addressable_devices_indices_map(local_shape)
+    local_map = part_sharding.addressable_devices_indices_map(local_shape)
     local = jax.make_array_from_single_device_arrays(
-        local_shape, local_sharding, [by_device[d] for d in local_map])
+      local_shape, part_sharding, [by_device[d] for d in local_map]
+    )
     return cls(local, array.shape, array.dtype, mesh, nspec)
 
   # --- leaving ---
@@ -755,22 +582,27 @@ class GlobalArray:
     keys = [tuple((s.start, s.stop) for s in b) for b in boxes]
     senders = [r for r in range(rt.size) if keys[r] not in keys[:r]]
     item = self._dtype.itemsize
-    counts = [math.prod(_index_shape(boxes[r])) * item if r in senders else 0
-              for r in range(rt.size)]
+    counts = [
+      math.prod(index_shape(boxes[r])) * item if r in senders else 0 for r in range(rt.size)
+    ]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
     if root is not None and not 0 <= root < rt.size:
       raise ValueError(f"gather(root={root}) but the job has ranks 0..{rt.size - 1}")
-    if tuple(np.shape(self._local)) != _index_shape(boxes[rt.rank]):
+    if tuple(np.shape(self._local)) != index_shape(boxes[rt.rank]):
       # Sending it would make MPI read past it or mix up the ranks' bytes.
       raise ValueError(
-          f"GlobalArray.gather: this rank's part has shape {tuple(np.shape(self._local))}, but "
-          f"its part of the global {self._shape} array (spec {self._spec}) is "
-          f"{_index_shape(boxes[rt.rank])}; the GlobalArray was built around a local array of "
-          "the wrong shape")
+        f"GlobalArray.gather: this rank's part has shape {tuple(np.shape(self._local))}, but "
+        f"its part of the global {self._shape} array (spec {self._spec}) is "
+        f"{index_shape(boxes[rt.rank])}; the GlobalArray was built around a local array of "
+        "the wrong shape"
+      )
     # A zero-size part is never read from the devices (JAX may hold it in shards
     # of the wrong shape, see full()).
-    mine = (np.ascontiguousarray(np.asarray(self._local))
-            if rt.rank in senders and counts[rt.rank] else None)
+    mine = (
+      np.ascontiguousarray(np.asarray(self._local))
+      if rt.rank in senders and counts[rt.rank]
+      else None
+    )
     send = mine.reshape(-1).view(np.uint8) if mine is not None else np.zeros(0, np.uint8)
     want = root is None or rt.rank == root
     buf = np.empty(int(sum(counts)), np.uint8) if want else None
@@ -783,8 +615,8 @@ class GlobalArray:
       return None
     out = np.empty(self._shape, self._dtype)
     for r in senders:
-      chunk = buf[displs[r]:displs[r] + counts[r]]
-      out[boxes[r]] = chunk.view(self._dtype).reshape(_index_shape(boxes[r]))
+      chunk = buf[displs[r] : displs[r] + counts[r]]
+      out[boxes[r]] = chunk.view(self._dtype).reshape(index_shape(boxes[r]))
     return out
 
   def to_jax(self) -> jax.Array:
@@ -801,22 +633,26 @@ class GlobalArray:
     sharding = NamedSharding(jax_mesh(self._mesh), self._spec)
     shards = {s.device: s.data for s in self._local.addressable_shards}
     return jax.make_array_from_single_device_arrays(
-        self._shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(
-            self._shape)])
+      self._shape,
+      sharding,
+      [shards[d] for d in sharding.addressable_devices_indices_map(self._shape)],
+    )
 
 
 def _require_distributed(rt, what: str) -> None:
   if jax.process_count() != rt.size:
     raise RuntimeError(
-        f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
-        f"in this {rt.size}-rank job: call mpijax.init() before anything else uses JAX, and "
-        "without jax_distributed=False or MPIJAX_JAX_DISTRIBUTED=0. Without it, use .gather() "
-        "or .local.")
+      f"{what} needs JAX to know every rank, but JAX sees {jax.process_count()} process(es) "
+      f"in this {rt.size}-rank job: call mpijax.init() before anything else uses JAX, and "
+      "without jax_distributed=False or MPIJAX_JAX_DISTRIBUTED=0. Without it, use .gather() "
+      "or .local."
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _jax_mesh(axis_shapes: tuple[int, ...], axis_names: tuple[str, ...], L: int):
   from jax.sharding import Mesh
+
   rt = runtime.get("mpijax.GlobalArray.to_jax")
   per_process: dict[int, list[Any]] = {}
   for d in jax.devices():
@@ -831,36 +667,71 @@ def _jax_mesh(axis_shapes: tuple[int, ...], axis_names: tuple[str, ...], L: int)
       raise RuntimeError(f"JAX sees {len(devs)} devices of process {p}, mpijax expects {L}")
     ordered += devs
   if sorted(rt.local_devices, key=lambda d: d.id) != list(rt.local_devices):
-    raise RuntimeError("this rank's local devices are not in id order; cannot map mpijax's "
-                       "global device order onto JAX's devices")
+    raise RuntimeError(
+      "this rank's local devices are not in id order; cannot map mpijax's "
+      "global device order onto JAX's devices"
+    )
   return Mesh(np.array(ordered, dtype=object).reshape(axis_shapes), axis_names)
 
 
 def jax_mesh(mesh: GlobalMesh):
   """A ``jax.sharding.Mesh`` over JAX's global devices laid out like ``mesh``."""
-  return _jax_mesh(tuple(mesh.shape[n] for n in mesh.axis_names), mesh.axis_names,
-                   mesh.local_device_count)
+  return _jax_mesh(
+    tuple(mesh.shape[n] for n in mesh.axis_names), mesh.axis_names, mesh.local_device_count
+  )
 
 
 def _unsupported_operator(name: str):
   def op(self, *args, **kwargs):
     raise TypeError(
-        f"GlobalArray does not implement {name}: each rank holds only its part, so NumPy-style "
-        "operators on the global array are not defined. For element-wise math use "
-        "jax.tree.map(f, ga) or jax.tree.map(jnp.add, a, b) (same mesh and spec; inside "
-        "jax.jit too); for reductions or anything that mixes blocks use mpijax.shard_map with "
-        "mpijax.lax collectives; ga.local is this rank's part, ga.gather() the whole array "
-        "(collective).")
+      f"GlobalArray does not implement {name}: each rank holds only its part, so NumPy-style "
+      "operators on the global array are not defined. For element-wise math use "
+      "jax.tree.map(f, ga) or jax.tree.map(jnp.add, a, b) (same mesh and spec; inside "
+      "jax.jit too); for reductions or anything that mixes blocks use mpijax.shard_map with "
+      "mpijax.lax collectives; ga.local is this rank's part, ga.gather() the whole array "
+      "(collective)."
+    )
+
   op.__name__ = name
   return op
 
 
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-              "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__",
-              "__pos__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__",
-              "__xor__", "__rxor__", "__lt__", "__le__", "__gt__", "__ge__", "__float__",
-              "__int__", "__complex__", "__index__"):
+for _name in (
+  "__add__",
+  "__radd__",
+  "__sub__",
+  "__rsub__",
+  "__mul__",
+  "__rmul__",
+  "__truediv__",
+  "__rtruediv__",
+  "__floordiv__",
+  "__rfloordiv__",
+  "__mod__",
+  "__rmod__",
+  "__pow__",
+  "__rpow__",
+  "__matmul__",
+  "__rmatmul__",
+  "__neg__",
+  "__pos__",
+  "__abs__",
+  "__invert__",
+  "__and__",
+  "__rand__",
+  "__or__",
+  "__ror__",
+  "__xor__",
+  "__rxor__",
+  "__lt__",
+  "__le__",
+  "__gt__",
+  "__ge__",
+  "__float__",
+  "__int__",
+  "__complex__",
+  "__index__",
+):
   setattr(GlobalArray, _name, _unsupported_operator(_name))
 del _name
 
@@ -868,17 +739,19 @@ del _name
 # --- constructors ---------------------------------------------------------------------
 
 
-def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh,
-         spec=None) -> GlobalArray:
+def full(
+  shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh, spec=None
+) -> GlobalArray:
   """A GlobalArray filled with ``fill_value`` (made on the devices, no host copy)."""
   shape = tuple(int(s) for s in shape)
-  dtype = np.dtype(jax.dtypes.canonicalize_dtype(
-      dtype if dtype is not None else np.asarray(fill_value).dtype))
+  dtype = np.dtype(
+    jax.dtypes.canonicalize_dtype(dtype if dtype is not None else np.asarray(fill_value).dtype)
+  )
   nspec = normalize_spec(spec, len(shape), mesh)
   check_divisible(shape, mesh, nspec, "mpijax full/zeros")
   check_contiguous(mesh, nspec)
   local_shape = local_shape_of(tuple(shape), mesh, nspec, runtime.get("mpijax.zeros/full").rank)
-  sharding = _local_sharding(mesh, nspec)
+  sharding = local_sharding(mesh, nspec)
   if math.prod(local_shape) == 0:
     # jax.jit gives each device a zero-size output of the *whole* local shape
     # (jax 0.10: shards (0, 4) for a (0, 4) array split over 2 devices), which
@@ -889,7 +762,8 @@ def full(shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: Glob
   return GlobalArray(local, shape, dtype, mesh, nspec)
 
 
-def zeros(shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh,
-          spec=None) -> GlobalArray:
+def zeros(
+  shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh, spec=None
+) -> GlobalArray:
   """A GlobalArray of zeros."""
   return full(shape, 0, dtype, mesh=mesh, spec=spec)

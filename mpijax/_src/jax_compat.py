@@ -1,17 +1,22 @@
-"""Every difference between the JAX versions mpijax supports, in one place.
+"""Every difference between the JAX versions mpijax supports, and every JAX
+internal it uses, in one place.
 
 mpijax lowers its calls with a few JAX internals, and some of them changed
 between JAX 0.7.2 (the oldest supported) and today's JAX. The rest of mpijax
-imports the version-dependent pieces from here instead of testing versions
-itself:
+imports the internals and the version-dependent pieces from here instead of
+importing ``jax._src`` or testing versions itself
+(``tests/unit/test_jax_internals.py`` checks it):
 
-* :func:`check_jax`: the oldest jax and jaxlib mpijax runs on.
+* :func:`check_jax`: the oldest jax and jaxlib mpijax runs on; run when this
+  module is imported, before the internals below.
+* the ``jax._src`` modules mpijax uses, each with what it is used for.
 * :func:`guarded`: runs one replacement of a JAX lowering rule and, where a
   JAX lacks the internals it needs, says what is lost instead of failing.
 * ``jaxprs_in_params``, :func:`subcomp_kwargs`, :func:`newly_manual_axes`:
   what the lowering of nested calls and ``shard_map`` bodies needs.
 * :func:`typed_varying`, :func:`all_gather`: ``shard_map``'s varying-axes
   types and ``jax.lax.all_gather(..., to=...)``.
+* :func:`backends_started`: whether JAX's backends are up.
 """
 
 from __future__ import annotations
@@ -37,21 +42,82 @@ MIN_JAX = (0, 7, 2)
 
 def _version_tuple(version: str) -> tuple[int, ...]:
   """(0, 10, 2) from '0.10.2' (also from '0.10.2.dev20260101' or '0.10.2rc1')."""
-  return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:3]
-               if re.match(r"\d+", part))
+  return tuple(
+    int(re.match(r"\d+", part).group()) for part in version.split(".")[:3] if re.match(r"\d+", part)
+  )
 
 
 def check_jax() -> None:
   """Raises ImportError naming the installed and the required version if jax
   or jaxlib is older than :data:`MIN_JAX` (e.g. installed with --no-deps)."""
   import jaxlib
+
   need = ".".join(map(str, MIN_JAX))
   for module in (jax, jaxlib):
     if _version_tuple(module.__version__) < MIN_JAX:
       raise ImportError(
-          f"mpijax needs {module.__name__}>={need}, but {module.__name__} "
-          f"{module.__version__} is installed ({os.path.dirname(module.__file__)}). "
-          f"Upgrade both: pip install -U 'jax>={need}' 'jaxlib>={need}'")
+        f"mpijax needs {module.__name__}>={need}, but {module.__name__} "
+        f"{module.__version__} is installed ({os.path.dirname(module.__file__)}). "
+        f"Upgrade both: pip install -U 'jax>={need}' 'jaxlib>={need}'"
+      )
+
+
+# A too old JAX stops here, naming both versions, before an internal below is missing.
+check_jax()
+
+# --- JAX internals ---------------------------------------------------------------------
+#
+# Every jax._src module mpijax uses, and what for. Most serve the lowering-rule
+# replacements of ops/jax_rules.py, which keep every MPI call in the order-token
+# chain; those read the modules' attributes inside guarded(), so a JAX that lacks
+# one loses that replacement with a warning.
+
+# remat_p: a checkpointed body that makes MPI calls is kept whole and lowered inline.
+from jax._src import ad_checkpoint as ad_checkpoint
+
+# call_p, closed_call_p, Jaxpr, ClosedJaxpr, Var, new_jaxpr_eqn: nested calls, token threading.
+from jax._src import core as core
+
+# custom_jvp_call_p, custom_vjp_call_p: as remat_p.
+from jax._src import custom_derivatives as custom_derivatives
+
+# global_state: whether jax.distributed is up, and whether mpijax started it.
+from jax._src import distributed as distributed
+
+# jit_p, _pjit_lowering: nested jax.jit bodies that make MPI calls are lowered inline.
+from jax._src import pjit as pjit
+
+# shard_map_p, _shard_map_lowering: the order token threaded through shard_map bodies.
+from jax._src import shard_map as shard_map
+
+# ShardingContext, SPMDAxisContext, UnspecifiedValue: which devices a lowering spans.
+from jax._src import sharding_impls as sharding_impls
+
+# _backends: whether JAX's backends have started (see backends_started).
+from jax._src import xla_bridge as xla_bridge
+
+# lower_jaxpr_to_module, jaxpr_subcomp, custom_call, the lowering tables: the order-token chain.
+from jax._src.interpreters import mlir as mlir
+
+# dce_rules, _default_dce_rule: calls and control flow that make MPI calls are never dead code.
+from jax._src.interpreters import partial_eval as partial_eval
+
+# XLA's collective primitives (psum_p, all_gather_p, ...), ordered against MPI calls.
+from jax._src.lax import parallel as parallel
+
+# cond_p: branches that make MPI calls are kept whole and lowered inline.
+from jax._src.lax.control_flow import conditionals as conditionals
+
+# while_p, scan_p: loop bodies that make MPI calls are kept whole and lowered inline.
+from jax._src.lax.control_flow import loops as loops
+
+# MLIR's Python API: blocks, insertion points and types of the custom calls.
+from jax._src.lib.mlir import ir as ir
+
+
+def backends_started() -> bool:
+  """Whether JAX's backends have started (its CPU device count is then fixed)."""
+  return bool(getattr(xla_bridge, "_backends", {}))
 
 
 def guarded(install: Callable[[], None], lost: str) -> bool:
@@ -73,7 +139,7 @@ def guarded(install: Callable[[], None], lost: str) -> bool:
 try:
   from jax.extend.core import jaxprs_in_params as jaxprs_in_params
 except ImportError:  # JAX < 0.10 exports it only from its internals
-  from jax._src.core import jaxprs_in_params as jaxprs_in_params
+  jaxprs_in_params = core.jaxprs_in_params
 
 
 def subcomp_kwargs(jaxpr_subcomp: Callable, ctx: Any) -> dict[str, Any]:
@@ -117,8 +183,9 @@ def typed_varying(x: Any) -> bool:
   return bool(getattr(mat, "varying", None))
 
 
-def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
-               to: str = "varying"):
+def all_gather(
+  x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False, to: str = "varying"
+):
   """``jax.lax.all_gather(..., to=to)``, also on JAX < 0.10.
 
   JAX 0.10 added ``to='invarying'``; before, the same gather is
@@ -128,8 +195,8 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
   if to == "invarying" and jax.__version_info__ < (0, 10):
     if axis_index_groups is not None:
       raise NotImplementedError("all_gather with axis_index_groups and to='invarying'")
-    from jax._src.lax.parallel import all_gather_invariant
-    return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+    return parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
   kw = {} if to == "varying" else {"to": to}
-  return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
-                            tiled=tiled, **kw)
+  return jax.lax.all_gather(
+    x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, **kw
+  )

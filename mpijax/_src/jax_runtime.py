@@ -97,11 +97,6 @@ class Started:
   collectives: str  # 'mpi' (through the bridge), 'gloo', or the user's own choice
 
 
-def _backends_initialized() -> bool:
-  from jax._src import xla_bridge
-  return bool(getattr(xla_bridge, "_backends", {}))
-
-
 def _users_collectives() -> str | None:
   """The CPU collectives the user chose for JAX, if any (env or jax.config)."""
   import jax
@@ -120,8 +115,10 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
   found a problem (runtime._raise_on_every_rank).
   """
   import jax
-  from jax._src import distributed
-  state = distributed.global_state
+
+  # Imported here: this module is imported before JAX (see prepare_environment).
+  from mpijax._src import jax_compat
+  state = jax_compat.distributed.global_state
   problems = []
   adopted = state.client is not None
   if adopted:  # the user's own jax.distributed.initialize()
@@ -131,7 +128,7 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
           f"process_id={state.process_id}, num_processes={state.num_processes}, but MPI says "
           f"rank {rank} of {size}. Drop that call (mpijax.init() starts JAX's distributed "
           "runtime itself) or pass it process_id=MPI rank and num_processes=MPI size.")
-  elif _backends_initialized():
+  elif jax_compat.backends_started():
     problems.append(
         "mpijax.init(): JAX's backend already started in this process (jax.devices(), an "
         "array or a jit call ran before mpijax.init()), so JAX's distributed runtime can no "
@@ -142,7 +139,7 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
   setting = config.get("xla_collectives")
   users = _users_collectives()
   library = None
-  if _backends_initialized():
+  if jax_compat.backends_started():
     chosen = "started"  # adopted with its backend running: its choice stands
   elif users is not None:
     chosen = users

@@ -23,8 +23,12 @@ from mpijax._src import lax_routing
 from mpijax._src import replication
 from mpijax._src import runtime
 from mpijax._src.axes import bind_axes
+from mpijax._src.geometry import local_spec
+from mpijax._src.geometry import normalize_spec
+from mpijax._src.geometry import process_block_counts
+from mpijax._src.geometry import replicated_axes
+from mpijax._src.geometry import spec_axes
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import normalize_spec
 from mpijax._src.mesh import GlobalMesh
 
 P = PartitionSpec
@@ -51,8 +55,7 @@ def _expand_prefix(prefix, tree, is_leaf):
   """``prefix`` (a pytree prefix of ``tree``) with each of its leaves repeated on every
   leaf of the subtree of ``tree`` it stands for (as jax.shard_map/jax.pmap read specs
   and axes)."""
-  return jax.tree.map(lambda p, sub: jax.tree.map(lambda _: p, sub), prefix, tree,
-                      is_leaf=is_leaf)
+  return jax.tree.map(lambda p, sub: jax.tree.map(lambda _: p, sub), prefix, tree, is_leaf=is_leaf)
 
 
 def _broadcast_specs(specs, tree, what: str):
@@ -72,8 +75,9 @@ def _broadcast_specs(specs, tree, what: str):
     raise ValueError(f"shard_map {what} do not match the arguments' structure: {e}") from None
 
 
-def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
-              check_vma: bool = False) -> Callable:
+def shard_map(
+  f: Callable, *, mesh: GlobalMesh, in_specs, out_specs, check_vma: bool = False
+) -> Callable:
   """Maps ``f`` over every device of every rank, like ``jax.shard_map``.
 
   Specs refer to global shapes. Each rank passes (and gets back) its own part:
@@ -88,36 +92,50 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
     Array(496, dtype=int32)
   """
   if not isinstance(mesh, GlobalMesh):
-    raise TypeError(f"mpijax.shard_map needs a mpijax.GlobalMesh (mpijax.make_mesh), got "
-                    f"{type(mesh).__name__}")
+    raise TypeError(
+      f"mpijax.shard_map needs a mpijax.GlobalMesh (mpijax.make_mesh), got {type(mesh).__name__}"
+    )
 
   def local_body(*args):
     ins = _in_specs_tree(in_specs, args)
-    args = jax.tree.map(lambda s, x: replication.mark_input(x, mesh, _unmentioned(mesh, s)),
-                        ins, tuple(args), is_leaf=_is_pspec)
+    args = jax.tree.map(
+      lambda s, x: replication.mark_input(x, mesh, tuple(replicated_axes(mesh, s))),
+      ins,
+      tuple(args),
+      is_leaf=_is_pspec,
+    )
     with bind_axes(mesh, mesh.axis_names), lax_routing.mesh_axes("mpijax.shard_map"):
       out = f(*args)
     specs = _broadcast_specs(out_specs, out, "out_specs")
-    return jax.tree.map(lambda s, y: replication.mark_output(y, _copies(mesh, s)),
-                        specs, out, is_leaf=_is_pspec)
+    return jax.tree.map(
+      lambda s, y: replication.mark_output(y, _copies(mesh, s)), specs, out, is_leaf=_is_pspec
+    )
 
   @functools.wraps(f)
   def wrapped(*args):
     args, metas, any_ga = _unwrap_args(args)
     ins = _in_specs_tree(in_specs, args)
     # Global jax.Arrays in: their parts go in, global jax.Arrays come out.
-    args, metas, jax_in = _take_jax_arrays(mesh, args, jax.tree.leaves(ins, is_leaf=_is_pspec),
-                                           metas)
+    args, metas, jax_in = _take_jax_arrays(
+      mesh, args, jax.tree.leaves(ins, is_leaf=_is_pspec), metas
+    )
     any_ga = any_ga or jax_in
     if any_ga:
       _check_arg_specs("mpijax.shard_map", mesh, metas, jax.tree.leaves(ins, is_leaf=_is_pspec))
-    local_ins = jax.tree.map(lambda s: mesh.local_spec(s, keep_size_one=True), ins,
-                             is_leaf=_is_pspec)
-    local_outs = jax.tree.map(lambda s: mesh.local_spec(_as_spec(s), keep_size_one=True),
-                              out_specs, is_leaf=_is_spec)
+    local_ins = jax.tree.map(
+      lambda s: local_spec(mesh, s, keep_size_one=True), ins, is_leaf=_is_pspec
+    )
+    local_outs = jax.tree.map(
+      lambda s: local_spec(mesh, _as_spec(s), keep_size_one=True), out_specs, is_leaf=_is_spec
+    )
     _check_local_shapes(mesh, ins, args)
-    mapped = jax.shard_map(local_body, mesh=mesh.local_mesh, in_specs=local_ins,
-                           out_specs=local_outs, check_vma=check_vma)
+    mapped = jax.shard_map(
+      local_body,
+      mesh=mesh.local_mesh,
+      in_specs=local_ins,
+      out_specs=local_outs,
+      check_vma=check_vma,
+    )
     out = mapped(*args)
     if any_ga:
       specs = jax.tree.leaves(_broadcast_specs(out_specs, out, "out_specs"), is_leaf=_is_pspec)
@@ -129,23 +147,19 @@ def shard_map(f: Callable, *, mesh: GlobalMesh, in_specs, out_specs,
   return wrapped
 
 
-def _unmentioned(mesh: GlobalMesh, spec: PartitionSpec) -> tuple[str, ...]:
-  """Axes spanning processes that ``spec`` does not shard over (replicated there)."""
-  used = {n for entry in spec for n in mesh.spec_axes(entry)}
-  return tuple(n for n in mesh.axis_names if n not in used and mesh.axes[n].proc_size > 1)
-
-
 def _copies(mesh: GlobalMesh, spec: PartitionSpec) -> int:
   """How many processes hold the same block of an output with ``spec``."""
-  return math.prod(mesh.axes[n].proc_size for n in _unmentioned(mesh, spec))
+  return math.prod(mesh.axes[n].proc_size for n in replicated_axes(mesh, spec))
 
 
 def _in_specs_tree(in_specs, args):
   if _is_spec(in_specs):
     return tuple(_broadcast_specs(in_specs, a, "in_specs") for a in args)
   if not isinstance(in_specs, (tuple, list)) or len(in_specs) != len(args):
-    raise ValueError(f"shard_map got {len(args)} arguments but in_specs={in_specs!r}; give one "
-                     "spec per argument (a tuple), or one spec for all.")
+    raise ValueError(
+      f"shard_map got {len(args)} arguments but in_specs={in_specs!r}; give one "
+      "spec per argument (a tuple), or one spec for all."
+    )
   return tuple(_broadcast_specs(s, a, "in_specs") for s, a in zip(in_specs, args))
 
 
@@ -153,25 +167,34 @@ def _check_local_shapes(mesh: GlobalMesh, specs, args) -> None:
   def check(spec, x):
     shape = np.shape(x)
     for d, entry in enumerate(spec):
-      names = mesh.spec_axes(entry)
+      names = spec_axes(mesh, entry)
       n_local = math.prod(mesh.axes[n].local_size for n in names)
       if d >= len(shape):
-        raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries but the argument "
-                         f"has shape {shape}")
+        raise ValueError(
+          f"PartitionSpec {spec} has {len(spec)} entries but the argument has shape {shape}"
+        )
       if shape[d] % n_local:
         raise ValueError(
-            f"dimension {d} of this rank's part (shape {shape}) is sharded by {spec} over "
-            f"{n_local} local devices, but {shape[d]} is not divisible by {n_local}. "
-            "Pad the data or choose another spec.")
+          f"dimension {d} of this rank's part (shape {shape}) is sharded by {spec} over "
+          f"{n_local} local devices, but {shape[d]} is not divisible by {n_local}. "
+          "Pad the data or choose another spec."
+        )
+
   jax.tree.map(check, specs, tuple(args), is_leaf=_is_pspec)
 
 
 # --- pmap ---------------------------------------------------------------------------
 
 
-def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
-         static_broadcasted_argnums: int | Sequence[int] = (),
-         donate_argnums: int | Sequence[int] = ()) -> Callable:
+def pmap(
+  fun: Callable,
+  axis_name: str = "i",
+  *,
+  in_axes=0,
+  out_axes=0,
+  static_broadcasted_argnums: int | Sequence[int] = (),
+  donate_argnums: int | Sequence[int] = (),
+) -> Callable:
   """``jax.pmap`` whose axis spans every device of every rank.
 
   Inputs and outputs have leading dimension ``local_device_count`` (this
@@ -213,9 +236,13 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
       sub = with_keywords.get((n, names))
       if sub is None:
         sub = with_keywords[(n, names)] = pmap(
-            lambda *a: fun(*a[:n], **dict(zip(names, a[n:]))), axis_name,
-            in_axes=tuple(axes) + (0,) * len(names), out_axes=out_axes,
-            static_broadcasted_argnums=static, donate_argnums=donate_argnums)
+          lambda *a: fun(*a[:n], **dict(zip(names, a[n:]))),
+          axis_name,
+          in_axes=tuple(axes) + (0,) * len(names),
+          out_axes=out_axes,
+          static_broadcasted_argnums=static,
+          donate_argnums=donate_argnums,
+        )
       return sub(*args, *(kwargs[k] for k in names))
     mesh = _mesh()
     L = mesh.local_device_count
@@ -224,32 +251,49 @@ def pmap(fun: Callable, axis_name: str = "i", *, in_axes=0, out_axes=0,
     treedef = jax.tree.structure(tuple(dyn))
     # One mapped axis (made non-negative) or None per leaf; in_axes may be a
     # pytree prefix of each argument, as in jax.pmap.
-    leaf_axes = tuple(_mapped_axis(ax, leaf, L, "in_axes")
-                      for i, x in zip(dyn_idx, dyn)
-                      for ax, leaf in zip(_per_leaf(axes[i], x, "in_axes"), jax.tree.leaves(x)))
+    leaf_axes = tuple(
+      _mapped_axis(ax, leaf, L, "in_axes")
+      for i, x in zip(dyn_idx, dyn)
+      for ax, leaf in zip(_per_leaf(axes[i], x, "in_axes"), jax.tree.leaves(x))
+    )
     # A global jax.Array (all devices' rows) in: its part goes in, global jax.Arrays come out.
     dyn, metas, jax_in = _take_jax_arrays(
-        mesh, tuple(dyn), [_pmap_global_spec(ax, axis_name) for ax in leaf_axes], metas)
+      mesh, tuple(dyn), [_pmap_global_spec(ax, axis_name) for ax in leaf_axes], metas
+    )
     any_ga = any_ga or jax_in
     if any_ga:  # a GlobalArray must be sharded over the pmap axis along its mapped axis
-      _check_arg_specs("mpijax.pmap", mesh, metas,
-                         [_pmap_global_spec(ax, axis_name) for ax in leaf_axes])
+      _check_arg_specs(
+        "mpijax.pmap", mesh, metas, [_pmap_global_spec(ax, axis_name) for ax in leaf_axes]
+      )
     for ax, leaf in zip(leaf_axes, jax.tree.leaves(tuple(dyn))):
       if ax is not None and np.shape(leaf)[ax] != L:
         raise ValueError(
-            f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
-            f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
-            f"has size local_device_count() = {L}.")
+          f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
+          f"argument has shape {np.shape(leaf)}. Give each rank arrays whose axis {ax} "
+          f"has size local_device_count() = {L}."
+        )
     static_vals = tuple((i, args[i]) for i in static)
     key = (static_vals, treedef, leaf_axes)
     fn = cache.get(key)
     if fn is None:
-      fn = cache[key] = _build_pmap(fun, mesh, axis_name, dyn_idx, treedef, leaf_axes,
-                                    static_vals, out_axes, len(args), donate_argnums)
+      fn = cache[key] = _build_pmap(
+        fun,
+        mesh,
+        axis_name,
+        dyn_idx,
+        treedef,
+        leaf_axes,
+        static_vals,
+        out_axes,
+        len(args),
+        donate_argnums,
+      )
     out = fn(*dyn)
     if any_ga:
-      specs = [_pmap_global_spec(None if ax is None else ax % np.ndim(leaf), axis_name)
-               for ax, leaf in zip(_per_leaf(out_axes, out, "out_axes"), jax.tree.leaves(out))]
+      specs = [
+        _pmap_global_spec(None if ax is None else ax % np.ndim(leaf), axis_name)
+        for ax, leaf in zip(_per_leaf(out_axes, out, "out_axes"), jax.tree.leaves(out))
+      ]
       out = _wrap_outputs(mesh, out, specs)
       if jax_in:
         out = _to_jax_outputs(out)
@@ -264,12 +308,13 @@ _pmap_meshes: dict[Any, GlobalMesh] = {}
 def _per_leaf(axes, tree, what: str) -> list:
   """``axes`` (an int, None, or a pytree prefix of ``tree``) as a list, one per leaf."""
   try:
-    return jax.tree.structure(tree).flatten_up_to(
-        _expand_prefix(axes, tree, lambda v: v is None))
+    return jax.tree.structure(tree).flatten_up_to(_expand_prefix(axes, tree, lambda v: v is None))
   except (ValueError, TypeError) as e:
-    raise ValueError(f"mpijax.pmap got {what}={axes!r}, which is not an int, None or a pytree "
-                     f"prefix of the {'arguments' if what == 'in_axes' else 'outputs'}: "
-                     f"{e}") from None
+    raise ValueError(
+      f"mpijax.pmap got {what}={axes!r}, which is not an int, None or a pytree "
+      f"prefix of the {'arguments' if what == 'in_axes' else 'outputs'}: "
+      f"{e}"
+    ) from None
 
 
 def _mapped_axis(ax, leaf, L: int, what: str) -> int | None:
@@ -281,9 +326,10 @@ def _mapped_axis(ax, leaf, L: int, what: str) -> int | None:
   shape = np.shape(leaf)
   if not -len(shape) <= ax < len(shape):
     raise ValueError(
-        f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
-        f"argument has shape {shape}. Give each rank arrays whose axis {ax} "
-        f"has size local_device_count() = {L}.")
+      f"mpijax.pmap maps axis {ax} over this rank's {L} local devices, but an "
+      f"argument has shape {shape}. Give each rank arrays whose axis {ax} "
+      f"has size local_device_count() = {L}."
+    )
   return int(ax) % len(shape)
 
 
@@ -291,8 +337,18 @@ def _pmap_global_spec(ax: int | None, axis_name) -> PartitionSpec:
   return P() if ax is None else P(*([None] * ax + [axis_name]))
 
 
-def _build_pmap(fun, mesh: GlobalMesh, axis_name, dyn_idx, treedef, leaf_axes, static_vals,
-                out_axes, nargs, donate_argnums):
+def _build_pmap(
+  fun,
+  mesh: GlobalMesh,
+  axis_name,
+  dyn_idx,
+  treedef,
+  leaf_axes,
+  static_vals,
+  out_axes,
+  nargs,
+  donate_argnums,
+):
   local = mesh.axes[axis_name].local_name
   statics = dict(static_vals)
   none_leaf = lambda v: v is None
@@ -311,22 +367,30 @@ def _build_pmap(fun, mesh: GlobalMesh, axis_name, dyn_idx, treedef, leaf_axes, s
     with bind_axes(mesh, (axis_name,)), lax_routing.mesh_axes("mpijax.pmap"):
       out = fun(*full)
     # out_axes None: a replicated result, returned once, not per device.
-    return jax.tree.map(lambda ax, sub: sub if ax is None else jax.tree.map(
-        lambda a: jnp.expand_dims(a, 0), sub), out_axes, out, is_leaf=none_leaf)
+    return jax.tree.map(
+      lambda ax, sub: sub if ax is None else jax.tree.map(lambda a: jnp.expand_dims(a, 0), sub),
+      out_axes,
+      out,
+      is_leaf=none_leaf,
+    )
 
   in_specs = treedef.unflatten([P() if ax is None else P(local) for ax in leaf_axes])
-  out_specs = jax.tree.map(lambda ax: P() if ax is None else P(local), out_axes,
-                           is_leaf=none_leaf)
-  mapped = jax.shard_map(body, mesh=mesh.local_mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+  out_specs = jax.tree.map(lambda ax: P() if ax is None else P(local), out_axes, is_leaf=none_leaf)
+  mapped = jax.shard_map(
+    body, mesh=mesh.local_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
 
   def run(*dyn):
-    leaves = [a if not ax else jnp.moveaxis(a, ax, 0)
-              for a, ax in zip(jax.tree.leaves(dyn), leaf_axes)]
+    leaves = [
+      a if not ax else jnp.moveaxis(a, ax, 0) for a, ax in zip(jax.tree.leaves(dyn), leaf_axes)
+    ]
     out = mapped(*treedef.unflatten(leaves))
-    return jax.tree.map(lambda ax, sub: jax.tree.map(
-        lambda a: a if not ax else jnp.moveaxis(a, 0, ax), sub), out_axes, out,
-        is_leaf=none_leaf)
+    return jax.tree.map(
+      lambda ax, sub: jax.tree.map(lambda a: a if not ax else jnp.moveaxis(a, 0, ax), sub),
+      out_axes,
+      out,
+      is_leaf=none_leaf,
+    )
 
   donate = tuple(dyn_idx.index(i) for i in donate_argnums if i in dyn_idx)
   return jax.jit(run, donate_argnums=donate)
@@ -355,12 +419,14 @@ def _is_global_jax_array(x) -> bool:
   Under a trace (``jax.jit`` around the map) the arguments are this rank's
   parts, as always: global arrays are taken at the outermost call only.
   """
-  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-          and not x.is_fully_addressable)
+  return (
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable
+  )
 
 
-def _take_jax_arrays(mesh: GlobalMesh, args: tuple, specs: list,
-                     metas: list) -> tuple[tuple, list, bool]:
+def _take_jax_arrays(
+  mesh: GlobalMesh, args: tuple, specs: list, metas: list
+) -> tuple[tuple, list, bool]:
   """Global ``jax.Array`` leaves of ``args`` as this rank's parts on ``mesh`` by ``specs``.
 
   ``specs`` and ``metas`` (from :func:`_unwrap_args`) have one entry per leaf;
@@ -381,8 +447,9 @@ def _take_jax_arrays(mesh: GlobalMesh, args: tuple, specs: list,
 
 def _to_jax_outputs(out: Any) -> Any:
   """Each GlobalArray of ``out`` as a global ``jax.Array`` (no copy)."""
-  return jax.tree.map(lambda x: x.to_jax() if _is_global_array(x) else x, out,
-                      is_leaf=_is_global_array)
+  return jax.tree.map(
+    lambda x: x.to_jax() if _is_global_array(x) else x, out, is_leaf=_is_global_array
+  )
 
 
 def _check_arg_specs(what: str, mesh: GlobalMesh, metas: list, specs: list) -> None:
@@ -391,14 +458,17 @@ def _check_arg_specs(what: str, mesh: GlobalMesh, metas: list, specs: list) -> N
     if ga is None:
       continue
     if ga.mesh != mesh:
-      raise ValueError(f"{what}: GlobalArray argument {k} lives on {ga.mesh}, but the map runs "
-                       f"over {mesh}. Reshard it or build it on the same mesh.")
+      raise ValueError(
+        f"{what}: GlobalArray argument {k} lives on {ga.mesh}, but the map runs "
+        f"over {mesh}. Reshard it or build it on the same mesh."
+      )
     want = normalize_spec(spec, ga.ndim, mesh)
     if want != ga.spec:
       raise ValueError(
-          f"{what}: GlobalArray argument {k} (shape {ga.shape}) has spec {ga.spec}, but the "
-          f"in_specs give {want}. Pass in_specs={ga.spec} for it, or mpijax.reshard(x, {want}) "
-          "first.")
+        f"{what}: GlobalArray argument {k} (shape {ga.shape}) has spec {ga.spec}, but the "
+        f"in_specs give {want}. Pass in_specs={ga.spec} for it, or mpijax.reshard(x, {want}) "
+        "first."
+      )
 
 
 def _wrap_outputs(mesh: GlobalMesh, out: Any, specs: list) -> Any:
@@ -407,7 +477,7 @@ def _wrap_outputs(mesh: GlobalMesh, out: Any, specs: list) -> Any:
   wrapped = []
   for x, spec in zip(leaves, specs):
     nspec = normalize_spec(spec, np.ndim(x), mesh)
-    counts = [mesh.process_block(nspec, d)[0] for d in range(len(nspec))]
+    counts = process_block_counts(mesh, nspec)
     shape = tuple(n * c for n, c in zip(np.shape(x), counts))
     wrapped.append(GlobalArray(x, shape, x.dtype, mesh, nspec))
   return jax.tree.unflatten(treedef, wrapped)

@@ -9,7 +9,8 @@ An axis can be purely local, purely across processes, or both (the process
 part is then the outer factor of the axis index).
 
 :mod:`mpijax._src.mapping` runs functions over a mesh (``shard_map``,
-``pmap``); :mod:`mpijax._src.axes` holds the per-axis description.
+``pmap``); :mod:`mpijax._src.axes` holds the per-axis description and
+:mod:`mpijax._src.geometry` what a ``PartitionSpec`` over a mesh lays out.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def _factor(shape: Sequence[int], names: Sequence[str], L: int) -> tuple[list[in
       remaining = 1
     else:
       raise ValueError(
-          f"mesh axis {names[k]!r} of size {s} cannot be laid over {L} local devices per "
-          f"process (mesh shape {tuple(shape)}, axes {tuple(names)}): an axis must cover "
-          "whole groups of a process's local devices or divide them. Choose sizes such "
-          f"that the innermost axes multiply to {L} or a divisor/multiple of it.")
+        f"mesh axis {names[k]!r} of size {s} cannot be laid over {L} local devices per "
+        f"process (mesh shape {tuple(shape)}, axes {tuple(names)}): an axis must cover "
+        "whole groups of a process's local devices or divide them. Choose sizes such "
+        f"that the innermost axes multiply to {L} or a divisor/multiple of it."
+      )
   return proc, loc
 
 
@@ -80,15 +82,17 @@ class GlobalMesh:
     axis_shapes = tuple(int(s) for s in axis_shapes)
     axis_names = tuple(axis_names)
     if len(axis_shapes) != len(axis_names):
-      raise ValueError(f"mesh got {len(axis_shapes)} sizes {axis_shapes} but "
-                       f"{len(axis_names)} names {axis_names}")
+      raise ValueError(
+        f"mesh got {len(axis_shapes)} sizes {axis_shapes} but {len(axis_names)} names {axis_names}"
+      )
     if len(set(axis_names)) != len(axis_names):
       raise ValueError(f"mesh axis names must be distinct, got {axis_names}")
     Pn, L = rt.size, rt.local_device_count
     if math.prod(axis_shapes) != Pn * L:
       raise ValueError(
-          f"mesh shape {axis_shapes} has {math.prod(axis_shapes)} devices, but the job has "
-          f"{Pn} processes x {L} local devices = {Pn * L}. Pick sizes whose product is {Pn * L}.")
+        f"mesh shape {axis_shapes} has {math.prod(axis_shapes)} devices, but the job has "
+        f"{Pn} processes x {L} local devices = {Pn * L}. Pick sizes whose product is {Pn * L}."
+      )
     proc, loc = _factor(axis_shapes, axis_names, L)
     self.axis_names = axis_names
     self.shape = dict(zip(axis_names, axis_shapes))
@@ -98,11 +102,14 @@ class GlobalMesh:
     self._proc_sizes = proc
     self._proc_coords = tuple(int(c) for c in proc_coords)
     self.axes = {
-        n: AxisInfo(n, s, p, l, _local_axis_name(n, p == 1), int(c))
-        for n, s, p, l, c in zip(axis_names, axis_shapes, proc, loc, self._proc_coords)}
+      n: AxisInfo(n, s, p, l, _local_axis_name(n, p == 1), int(c))
+      for n, s, p, l, c in zip(axis_names, axis_shapes, proc, loc, self._proc_coords)
+    }
     local_shape = tuple(loc)
-    self.local_mesh = Mesh(np.array(rt.local_devices).reshape(local_shape),
-                           tuple(self.axes[n].local_name for n in axis_names))
+    self.local_mesh = Mesh(
+      np.array(rt.local_devices).reshape(local_shape),
+      tuple(self.axes[n].local_name for n in axis_names),
+    )
     self._comms: dict[tuple[str, ...], Any] = {}
     # Splitting is collective: make every process-group communicator now, in the
     # same order on every rank, rather than lazily at trace time.
@@ -114,10 +121,18 @@ class GlobalMesh:
   def _split(self, comm, group: tuple[str, ...]):
     idx = [self.axis_names.index(n) for n in group]
     rest = [k for k in range(len(self.axis_names)) if k not in idx]
-    color = int(np.ravel_multi_index([self._proc_coords[k] for k in rest],
-                                     [self._proc_sizes[k] for k in rest])) if rest else 0
-    key = int(np.ravel_multi_index([self._proc_coords[k] for k in idx],
-                                   [self._proc_sizes[k] for k in idx]))
+    color = (
+      int(
+        np.ravel_multi_index(
+          [self._proc_coords[k] for k in rest], [self._proc_sizes[k] for k in rest]
+        )
+      )
+      if rest
+      else 0
+    )
+    key = int(
+      np.ravel_multi_index([self._proc_coords[k] for k in idx], [self._proc_sizes[k] for k in idx])
+    )
     sub = comm.Split(color, key)
     sub.Set_name("mpijax-mesh-" + "-".join(group))
     return sub
@@ -137,60 +152,14 @@ class GlobalMesh:
     return f"GlobalMesh({axes}; process x local: {parts})"
 
   def __eq__(self, other) -> bool:
-    return (isinstance(other, GlobalMesh) and self.axis_names == other.axis_names
-            and self.shape == other.shape)
+    return (
+      isinstance(other, GlobalMesh)
+      and self.axis_names == other.axis_names
+      and self.shape == other.shape
+    )
 
   def __hash__(self) -> int:
     return hash((self.axis_names, tuple(self.shape.items())))
-
-  # --- specs --------------------------------------------------------------------
-
-  def spec_axes(self, entry) -> tuple[str, ...]:
-    if entry is None:
-      return ()
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
-    for n in names:
-      if n not in self.axes:
-        raise ValueError(f"PartitionSpec names axis {n!r}, but the mesh has axes "
-                         f"{self.axis_names}")
-    return names
-
-  def local_spec(self, spec: PartitionSpec, *, keep_size_one: bool = False) -> PartitionSpec:
-    """The spec of this rank's part over the local mesh.
-
-    ``keep_size_one`` keeps the axes of global size 1 (local axes of the local
-    mesh, as in the global spec): under ``check_vma=True`` a collective over
-    one types its result varying there, and JAX then needs the spec to name it.
-    """
-    out = []
-    for entry in spec:
-      local = tuple(self.axes[n].local_name for n in self.spec_axes(entry)
-                    if self.axes[n].local_size > 1 or (keep_size_one and self.axes[n].size == 1))
-      out.append(None if not local else (local[0] if len(local) == 1 else local))
-    return P(*out)
-
-  def process_block(self, spec: PartitionSpec, dim: int) -> tuple[int, int]:
-    """(number of process blocks, this rank's block index) along ``dim``.
-
-    Raises if this rank's part along ``dim`` is not one contiguous block.
-    """
-    names = self.spec_axes(spec[dim]) if dim < len(spec) else ()
-    if not names:
-      return 1, 0
-    seen_local = False
-    for n in names:
-      a = self.axes[n]
-      if a.proc_size > 1 and seen_local:
-        raise ValueError(
-            f"PartitionSpec {spec} shards dimension {dim} over {names}: a process axis after "
-            "a local one gives each rank a strided part. Put the axes that span processes "
-            "first, e.g. " + repr(tuple(sorted(names, key=lambda m: self.axes[m].proc_size == 1))))
-      if a.local_size > 1:
-        seen_local = True
-    count = math.prod(self.axes[n].proc_size for n in names)
-    index = int(np.ravel_multi_index([self.axes[n].proc_index for n in names],
-                                     [self.axes[n].proc_size for n in names]))
-    return count, index
 
 
 def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str]) -> GlobalMesh:

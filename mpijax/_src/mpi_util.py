@@ -1,4 +1,5 @@
-"""Small host-side MPI helpers shared by the runtime and the checks.
+"""Small host-side MPI helpers shared by the runtime and the checks, and the
+digests that compare the copies of an array block that ranks hold.
 
 Everything here moves plain bytes or NumPy buffers with mpi4py's upper-case
 (buffer) methods: nothing received from another rank is ever unpickled.
@@ -13,6 +14,8 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,9 +29,11 @@ def import_mpi():
   the thread level must be set before mpi4py initializes MPI.
   """
   import mpi4py
+
   if "mpi4py.MPI" not in sys.modules:
     mpi4py.rc.thread_level = "multiple"
   from mpi4py import MPI
+
   _clean_singleton_segments_at_exit(MPI)
   return MPI
 
@@ -142,7 +147,11 @@ def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
   MPI = import_mpi()
   n = np.array([len(data) if comm.rank == root else 0], dtype=np.int64)
   comm.Bcast([n, MPI.INT64_T], root=root)
-  buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.rank == root else np.empty(int(n[0]), np.uint8)
+  buf = (
+    np.frombuffer(data, dtype=np.uint8).copy()
+    if comm.rank == root
+    else np.empty(int(n[0]), np.uint8)
+  )
   comm.Bcast([buf, MPI.BYTE], root=root)
   return buf.tobytes()
 
@@ -158,9 +167,10 @@ def allgather_bytes(comm, data: bytes) -> list[bytes]:
   comm.Allgather([np.array([len(data)], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
   displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
   out = np.empty(int(counts.sum()), np.uint8)
-  comm.Allgatherv([np.frombuffer(data, np.uint8), MPI.BYTE],
-                  [out, (counts.tolist(), displs.tolist()), MPI.BYTE])
-  return [out[d:d + c].tobytes() for d, c in zip(displs, counts)]
+  comm.Allgatherv(
+    [np.frombuffer(data, np.uint8), MPI.BYTE], [out, (counts.tolist(), displs.tolist()), MPI.BYTE]
+  )
+  return [out[d : d + c].tobytes() for d, c in zip(displs, counts)]
 
 
 def allgather_str(comm, text: str) -> list[str]:
@@ -202,8 +212,10 @@ def rank_lines(bad: list[tuple[int, str]], limit: int = 8) -> str:
   by_text: dict[str, list[int]] = {}
   for r, text in bad:
     by_text.setdefault(text, []).append(r)
-  lines = [f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
-           for text, rs in list(by_text.items())[:limit]]
+  lines = [
+    f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
+    for text, rs in list(by_text.items())[:limit]
+  ]
   if len(by_text) > limit:
     lines.append(f"  ... and {len(by_text) - limit} more different problems")
   return "\n".join(lines)
@@ -225,3 +237,96 @@ def first_difference(comm, text: str) -> tuple[str, int, str] | None:
   other = next(r for r, t in enumerate(texts) if t != texts[0])
   return texts[0], other, texts[other]
 
+
+# --- copies of array blocks -----------------------------------------------------------
+#
+# Ranks that hold the same block of a global array must pass equal copies of it.
+# With MPIJAX_CHECK=1 every byte of every copy is hashed and the hashes compared.
+# Without it, a few sampled elements of each copy are hashed instead: that costs
+# nothing measurable, rides in the constructors' existing collective, and catches
+# the usual mistake (each rank passing its own data under a spec that says the
+# ranks hold copies), which differs nearly everywhere. A difference in sampled
+# bytes proves the copies differ, so it never raises for equal copies.
+
+_SAMPLE_ELEMENTS = 64
+
+
+def sample_positions(size: int) -> np.ndarray:
+  """The flat (C order) positions compared without MPIJAX_CHECK: evenly spaced, both ends."""
+  if size <= _SAMPLE_ELEMENTS:
+    return np.arange(size, dtype=np.int64)
+  return np.unique(np.linspace(0, size - 1, _SAMPLE_ELEMENTS).round().astype(np.int64))
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+  # Bytes, not values: NaN payloads and -0.0 compare as stored, as the copies would be read.
+  return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def value_digest(array: Any) -> str | None:
+  """blake2b of every byte of ``array`` in C order (hex); None for object arrays."""
+  array = np.asarray(array)
+  if array.dtype.hasobject:
+    return None
+  return hashlib.blake2b(_bytes_of(array), digest_size=16).hexdigest()
+
+
+def sample_digest(array: np.ndarray) -> str | None:
+  """blake2b of the elements at :func:`sample_positions` only (hex); None for object arrays."""
+  if array.dtype.hasobject:
+    return None
+  pos = sample_positions(array.size)
+  picked = array.reshape(1)[pos] if array.ndim == 0 else array[np.unravel_index(pos, array.shape)]
+  return hashlib.blake2b(_bytes_of(picked), digest_size=8).hexdigest()
+
+
+def differing_copies(
+  keys: Sequence[Any], digests: Sequence[str | None]
+) -> list[tuple[Any, list[list[int]]]]:
+  """Groups of ranks with equal ``keys`` whose ``digests`` differ: (key, ranks per distinct copy).
+
+  Ranks and copies are listed in rank order; a rank whose digest is None is
+  not compared.
+  """
+  groups: dict[Any, dict[str, list[int]]] = {}
+  for r, (key, digest) in enumerate(zip(keys, digests)):
+    if digest is not None:
+      groups.setdefault(key, {}).setdefault(digest, []).append(r)
+  return [(key, list(copies.values())) for key, copies in groups.items() if len(copies) > 1]
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+  ranks = list(ranks)
+  head = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+  return ("rank " if len(ranks) == 1 else "ranks ") + head
+
+
+def copies_text(diffs: list[tuple[Any, list[list[int]]]], blocks: bool) -> str:
+  """The ranks holding each distinct copy (from :func:`differing_copies`), block by block."""
+  parts = []
+  for key, copies in diffs[:8]:
+    where = ("block [" + ", ".join(f"{a}:{b}" for a, b in key) + "]: ") if blocks else ""
+    parts.append(where + " vs ".join(_ranks_text(c) for c in copies))
+  return "; ".join(parts) + (f"; and {len(diffs) - 8} more blocks" if len(diffs) > 8 else "")
+
+
+def how_compared(check: bool) -> str:
+  """How the copies were compared, for the error message."""
+  if check:
+    return "every byte compared, MPIJAX_CHECK=1"
+  return (
+    f"found by comparing up to {_SAMPLE_ELEMENTS} sampled elements; MPIJAX_CHECK=1 compares "
+    "every byte"
+  )
+
+
+def mixed_check(what: str, flags: Sequence[bool]) -> None:
+  """Raises (on every rank: ``flags`` are the same everywhere) if MPIJAX_CHECK differs."""
+  on = [r for r, f in enumerate(flags) if f]
+  if on and len(on) < len(flags):
+    off = [r for r, f in enumerate(flags) if not f]
+    raise ValueError(
+      f"{what}: MPIJAX_CHECK is on for {_ranks_text(on)} but off for {_ranks_text(off)}, so "
+      "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
+      "...)) the same way on every rank."
+    )

@@ -56,8 +56,12 @@ def torchrun_env(info: cluster.LaunchInfo | None) -> dict[str, str]:
   """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (those the launcher says)."""
   if info is None:
     return {}
-  values = {"RANK": info.rank, "WORLD_SIZE": info.size, "LOCAL_RANK": info.local_rank,
-            "LOCAL_WORLD_SIZE": info.local_size}
+  values = {
+    "RANK": info.rank,
+    "WORLD_SIZE": info.size,
+    "LOCAL_RANK": info.local_rank,
+    "LOCAL_WORLD_SIZE": info.local_size,
+  }
   return {name: str(value) for name, value in values.items() if value is not None}
 
 
@@ -74,8 +78,7 @@ def apply(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
 
 
 def main(argv: Sequence[str]) -> None:
-  """``python -m mpijax`` (alias ``python -m mpijax.run``): set the rank's variables,
-  then run the program.
+  """``python -m mpijax``: set the rank's variables, then run the program.
 
   ``--exec PROGRAM ARGS`` replaces this process with PROGRAM (any executable);
   otherwise PROGRAM is Python (``script.py``, ``-m module``, ``-c code``) and
@@ -91,4 +94,5 @@ def main(argv: Sequence[str]) -> None:
     except OSError as e:
       sys.exit(f"python -m mpijax: cannot run {argv[1]!r}: {e}")
   from mpijax._src.failure import run_main
+
   run_main(argv)

@@ -9,10 +9,11 @@ import jax
 from jax.sharding import PartitionSpec
 
 from mpijax._src import collectives as mlax
+from mpijax._src.geometry import check_contiguous
+from mpijax._src.geometry import check_divisible
+from mpijax._src.geometry import normalize_spec
+from mpijax._src.geometry import spec_axes
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import check_contiguous
-from mpijax._src.global_array import check_divisible
-from mpijax._src.global_array import normalize_spec
 from mpijax._src.mapping import shard_map
 from mpijax._src.mesh import GlobalMesh
 
@@ -44,8 +45,8 @@ def reshard(array: GlobalArray, spec) -> GlobalArray:
 
 @functools.lru_cache(maxsize=64)
 def _reshard_fn(mesh: GlobalMesh, old: PartitionSpec, new: PartitionSpec):
-  O = [mesh.spec_axes(e) for e in old]
-  N = [mesh.spec_axes(e) for e in new]
+  O = [spec_axes(mesh, e) for e in old]
+  N = [spec_axes(mesh, e) for e in new]
 
   def body(x):
     o, n = list(O), list(N)

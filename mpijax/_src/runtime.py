@@ -146,22 +146,19 @@ def _user_cpu_device_count() -> int | None:
   return n if n and n > 0 else None
 
 
-def _backends_initialized() -> bool:
-  from jax._src import xla_bridge
-  return bool(getattr(xla_bridge, "_backends", {}))
-
-
 def _configure_devices(devices_per_process: int | None, local_rank: int, local_size: int) -> int:
   """Sets JAX's local device count / GPU choice before JAX's backend starts.
 
   Returns the number of local CPU devices JAX will have (or has).
   """
   import jax
+
+  from mpijax._src import jax_compat
   requested = devices_per_process if devices_per_process is not None else config.get("devices_per_process")
   if requested is not None and requested < 1:
     raise ValueError(f"devices_per_process must be >= 1, got {requested}")
   user = _user_cpu_device_count()
-  if _backends_initialized():
+  if jax_compat.backends_started():
     if requested is not None and jax.local_device_count() != requested and jax.default_backend() == "cpu":
       raise RuntimeError(
           f"devices_per_process={requested} was requested but JAX already started with "
@@ -438,9 +435,10 @@ def init(*, launcher: str | None = None,
     else:
       use_dist = bool(jax_distributed)
     import jax
-    from jax._src import distributed as jax_distributed_state
+
+    from mpijax._src import jax_compat
     started = None
-    if use_dist or jax_distributed_state.global_state.client is not None:
+    if use_dist or jax_compat.distributed.global_state.client is not None:
       try:
         # Before JAX's runtime spans the ranks: an uneven job stops here, clearly.
         _check_device_counts(private, n_local)

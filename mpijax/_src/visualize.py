@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mpijax._src import runtime
+from mpijax._src.geometry import device_indices
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.global_array import device_indices
 
 
 def _labels(array: GlobalArray) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict]:
@@ -23,8 +23,9 @@ def _labels(array: GlobalArray) -> tuple[list[tuple[int, int]], list[tuple[int, 
   return sorted(rows), sorted(cols), holders
 
 
-def visualize_sharding(array: GlobalArray, *, use_rich: bool | None = None,
-                       print_it: bool = True) -> str:
+def visualize_sharding(
+  array: GlobalArray, *, use_rich: bool | None = None, print_it: bool = True
+) -> str:
   """A text picture of which process (P) and local device (D) holds each block.
 
   Like ``jax.debug.visualize_array_sharding``, for 1-D and 2-D arrays. Rank 0
@@ -41,8 +42,10 @@ def visualize_sharding(array: GlobalArray, *, use_rich: bool | None = None,
   if not isinstance(array, GlobalArray):
     raise TypeError(f"visualize_sharding needs a GlobalArray, got {type(array).__name__}")
   if array.ndim not in (1, 2):
-    raise ValueError(f"visualize_sharding draws 1-D and 2-D arrays; this one has shape "
-                     f"{array.shape}. Visualize a 2-D reshape or slice of it instead.")
+    raise ValueError(
+      f"visualize_sharding draws 1-D and 2-D arrays; this one has shape "
+      f"{array.shape}. Visualize a 2-D reshape or slice of it instead."
+    )
   rows, cols, holders = _labels(array)
   cells = [[", ".join(holders[(r, c)]) for c in cols] for r in rows]
   text = _draw(cells)

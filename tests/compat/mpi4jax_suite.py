@@ -8,8 +8,9 @@ Takes the tests and examples of mpi4jax's source distribution (downloaded with
 ``mpijax-run`` with a shim first on PYTHONPATH (tests/compat/shim) in which
 ``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
 mpi4jax_deviations.py are left out, each with its reason; every other test
-must pass (or be skipped by the suite itself for the rank count) on every
-rank. Each job is bounded by a timeout. Exits non-zero on any failure.
+must pass on every rank, except the ones the suite itself skips at that rank
+and rank count (:func:`expected_skips`): a skip more or less is a failure.
+Each job is bounded by a timeout. Exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -40,13 +41,27 @@ def download(version: str, dest: Path) -> Path:
     return found[0]
   # --no-build-isolation: pip reads the sdist's metadata with this environment's
   # setuptools and wheel instead of installing mpi4jax's build requirements.
-  cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-         "--no-build-isolation", "-q", "-d", str(dest), f"mpi4jax=={version}"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "pip",
+    "download",
+    "--no-binary",
+    ":all:",
+    "--no-deps",
+    "--no-build-isolation",
+    "-q",
+    "-d",
+    str(dest),
+    f"mpi4jax=={version}",
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   found = sorted(dest.glob(f"mpi4jax-{version}.tar.gz"))
   if proc.returncode != 0 or not found:
-    sys.exit(f"mpi4jax_suite: could not download mpi4jax {version}: {' '.join(cmd)}\n"
-             f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nGive a local copy with --sdist.")
+    sys.exit(
+      f"mpi4jax_suite: could not download mpi4jax {version}: {' '.join(cmd)}\n"
+      f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nGive a local copy with --sdist."
+    )
   return found[0]
 
 
@@ -80,17 +95,50 @@ def run(ranks: int, suite: Path, timeout: float, results: Path) -> tuple[int, st
   results.mkdir(parents=True)
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(HERE / "shim"), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-  env.update(MPIJAX_SUITE_RESULTS=str(results), JAX_PLATFORMS="cpu",
-             MPIJAX_TIMEOUT=env.get("MPIJAX_TIMEOUT", "120"),
-             MPIJAX_DEVICES_PER_PROCESS="1")
-  cmd = [sys.executable, "-m", "mpijax.launch", "-n", str(ranks), "--timeout", str(int(timeout)),
-         "--no-wrap", "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-p", "no:pytest_mpi", "-p", "mpi4jax_suite_plugin", "--color=no", "-rfE",
-         "-W", "ignore::DeprecationWarning", "tests"]
+    [str(HERE / "shim"), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+  )
+  env.update(
+    MPIJAX_SUITE_RESULTS=str(results),
+    JAX_PLATFORMS="cpu",
+    MPIJAX_TIMEOUT=env.get("MPIJAX_TIMEOUT", "120"),
+    MPIJAX_DEVICES_PER_PROCESS="1",
+  )
+  cmd = [
+    sys.executable,
+    "-m",
+    "mpijax.launch",
+    "-n",
+    str(ranks),
+    "--timeout",
+    str(int(timeout)),
+    "--no-wrap",
+    "--",
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:pytest_mpi",
+    "-p",
+    "mpi4jax_suite_plugin",
+    "--color=no",
+    "-rfE",
+    "-W",
+    "ignore::DeprecationWarning",
+    "tests",
+  ]
   start = time.monotonic()
-  proc = subprocess.Popen(cmd, cwd=suite, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  proc = subprocess.Popen(
+    cmd,
+    cwd=suite,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
   try:
     out, _ = proc.communicate(timeout=timeout + 60)
   except subprocess.TimeoutExpired:
@@ -104,6 +152,71 @@ def run(ranks: int, suite: Path, timeout: float, results: Path) -> tuple[int, st
   return proc.returncode, out, time.monotonic() - start
 
 
+# The tests mpi4jax's suite skips itself, by its own conditions (test ids as in
+# mpi4jax_deviations.py: a file::test covers its parametrizations).
+_SEND_RECV = "tests/collective_ops/test_send_and_recv.py::"
+_SENDRECV = "tests/collective_ops/test_sendrecv.py::"
+# "need at least 2 processes to test send/recv"
+NEED_TWO_RANKS = {
+  _SEND_RECV + t
+  for t in (
+    "test_send_recv",
+    "test_send_recv_jit",
+    "test_send_recv_scalar",
+    "test_send_recv_scalar_jit",
+    "test_send_recv_status",
+    "test_send_recv_status_jit",
+  )
+}
+# "Runs only on rank 0 and 1" (of two ranks or more)
+ON_RANKS_0_AND_1 = {_SEND_RECV + "test_send_recv_deadlock"} | {
+  _SENDRECV + t
+  for t in (
+    "test_sendrecv",
+    "test_sendrecv_grad",
+    "test_sendrecv_grad_2",
+    "test_sendrecv_jacrev",
+    "test_sendrecv_jit",
+    "test_sendrecv_scalar",
+    "test_sendrecv_scalar_jit",
+    "test_sendrecv_status",
+    "test_sendrecv_status_jit",
+    "test_sendrecv_vmap",
+  )
+}
+# "Runs only on rank 0", "Only runs on root process"
+ON_RANK_0 = {
+  "tests/collective_ops/test_common.py::test_deadlock_on_exit",
+  "tests/collective_ops/test_scatter.py::test_scatter_wrong_size",
+}
+
+
+def expected_skips(rank: int, ranks: int) -> set[str]:
+  """The tests mpi4jax's suite skips on ``rank`` of a ``ranks``-rank job."""
+  skips = set()
+  if ranks < 2:
+    skips |= NEED_TWO_RANKS
+  if ranks < 2 or rank > 1:
+    skips |= ON_RANKS_0_AND_1
+  if rank != 0:
+    skips |= ON_RANK_0
+  return skips
+
+
+def _covers(test_id: str, nodeid: str) -> bool:
+  return nodeid == test_id or nodeid.startswith(test_id + "[")
+
+
+def skip_problems(rank: int, ranks: int, skipped: set[str]) -> list[str]:
+  """Skips of ``rank`` that mpi4jax's suite would not make, and the expected ones missing."""
+  expected = expected_skips(rank, ranks)
+  extra = sorted(n for n in skipped if not any(_covers(t, n) for t in expected))
+  missing = sorted(t for t in expected if not any(_covers(t, n) for n in skipped))
+  return [
+    f"rank {rank}: skipped, but mpi4jax's suite runs it at {ranks} ranks: {n}" for n in extra
+  ] + [f"rank {rank}: ran, but mpi4jax's suite skips it at {ranks} ranks: {t}" for t in missing]
+
+
 def check(ranks: int, code: int, results: Path) -> tuple[list[str], list[str]]:
   """Problems found in one job's per-rank results, and each rank's counts."""
   problems, counts = [], []
@@ -112,6 +225,7 @@ def check(ranks: int, code: int, results: Path) -> tuple[list[str], list[str]]:
     problems.append(f"{len(files)} of {ranks} ranks wrote results (exit {code})")
   for f in files:
     data = json.loads(f.read_text())
+    rank = int(f.stem.split("-")[1])
     mine: dict[str, int] = {}
     for nodeid, entry in sorted(data["outcomes"].items()):
       mine[entry["outcome"]] = mine.get(entry["outcome"], 0) + 1
@@ -119,8 +233,11 @@ def check(ranks: int, code: int, results: Path) -> tuple[list[str], list[str]]:
         problems.append(f"{f.stem}: {entry['outcome']} {nodeid}\n{entry['detail']}")
     if not mine.get("passed"):
       problems.append(f"{f.stem}: no test passed")
-    counts.append(f"{f.stem.replace('-', ' ')} " + ", ".join(
-        f"{v} {k}" for k, v in sorted(mine.items())))
+    skipped = {n for n, e in data["outcomes"].items() if e["outcome"] == "skipped"}
+    problems += skip_problems(rank, ranks, skipped)
+    counts.append(
+      f"{f.stem.replace('-', ' ')} " + ", ".join(f"{v} {k}" for k, v in sorted(mine.items()))
+    )
   if code != 0 and not problems:
     problems.append(f"the job exited {code}")
   return problems, counts
@@ -131,23 +248,30 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--ranks", default="1,2,4", help="rank counts, e.g. 1,2,4")
   ap.add_argument("--version", default=MPI4JAX_VERSION, help="mpi4jax release to download")
   ap.add_argument("--sdist", type=Path, help="a local mpi4jax sdist instead of downloading")
-  ap.add_argument("--workdir", type=Path,
-                  default=Path(tempfile.gettempdir()) / "mpijax-mpi4jax-suite")
+  ap.add_argument(
+    "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mpijax-mpi4jax-suite"
+  )
   ap.add_argument("--timeout", type=float, default=420, help="seconds per job")
   args = ap.parse_args(argv)
 
   args.workdir.mkdir(parents=True, exist_ok=True)
   sdist = args.sdist or download(args.version, args.workdir)
   suite = unpack(sdist, args.workdir)
-  print(f"mpi4jax's suite from {sdist.name}: every test but the {len(DEVIATIONS)} "
-        "deviations of tests/compat/mpi4jax_deviations.py, which are left out", flush=True)
+  print(
+    f"mpi4jax's suite from {sdist.name}: every test but the {len(DEVIATIONS)} "
+    "deviations of tests/compat/mpi4jax_deviations.py, which are left out",
+    flush=True,
+  )
   failed = False
   for ranks in (int(r) for r in args.ranks.split(",")):
     results = args.workdir / f"results-{ranks}"
     code, out, seconds = run(ranks, suite, args.timeout, results)
     problems, counts = check(ranks, code, results)
-    print(f"{ranks} rank{'s' if ranks > 1 else ''}: {'FAIL' if problems else 'ok'} in "
-          f"{seconds:.0f} s ({'; '.join(counts)})", flush=True)
+    print(
+      f"{ranks} rank{'s' if ranks > 1 else ''}: {'FAIL' if problems else 'ok'} in "
+      f"{seconds:.0f} s ({'; '.join(counts)})",
+      flush=True,
+    )
     if problems:
       failed = True
       print("\n".join(problems) + "\n--- job output (tail) ---\n" + out[-6000:], flush=True)

@@ -35,9 +35,12 @@ def test_shapes_differing_across_ranks_raise_on_every_rank(rt):
   if rt.size == 1:
     assert f(x).shape == (3,)
     return
-  with pytest.raises(Exception, match=r"collective mismatch on communicator \d+ \(call #\d+\): "
-                     r"ranks? [\d,]+ runs? allreduce\(float32\[3\], sum\) at test_checks.py:\d+"
-                     r".* but ranks? [\d,]+ runs? allreduce\(float32\[4\], sum\).*same shapes and dtypes"):
+  with pytest.raises(
+    Exception,
+    match=r"collective mismatch on communicator \d+ \(call #\d+\): "
+    r"ranks? [\d,]+ runs? allreduce\(float32\[3\], sum\) at test_checks.py:\d+"
+    r".* but ranks? [\d,]+ runs? allreduce\(float32\[4\], sum\).*same shapes and dtypes",
+  ):
     f(x).block_until_ready()
   # The job goes on: nothing is left half-done on any rank.
   assert float(mpijax.ops.allreduce(jnp.ones(())).block_until_ready()) == rt.size
@@ -55,8 +58,11 @@ def test_check_every_call_catches_a_divergence_after_the_first_run(rt):
   settings.push_settings()
   try:
     prog = a if rt.rank == 0 else b  # rank 0 runs max, the others min
-    with pytest.raises(Exception, match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
-                       r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)"):
+    with pytest.raises(
+      Exception,
+      match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
+      r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)",
+    ):
       prog(x).block_until_ready()
   finally:
     config.reset("check")
@@ -77,8 +83,11 @@ def test_shared_memory_catches_a_divergence_without_the_check(rt):
   if rt.size == 1 or len(rt.local_devices) > 1:
     return
   prog = a if rt.rank == 0 else b
-  with pytest.raises(Exception, match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
-                     r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)"):
+  with pytest.raises(
+    Exception,
+    match=r"rank 0 runs allreduce\(float32\[5\], max\).*"
+    r"ranks? [\d,]+ runs? allreduce\(float32\[5\], min\)",
+  ):
     prog(x).block_until_ready()
   # The job goes on.
   np.testing.assert_array_equal(a(jnp.full(5, float(rt.rank))), np.full(5, rt.size - 1.0))
@@ -126,9 +135,6 @@ def test_truncated_checkpoint_is_refused_never_half_loaded(rt, tmp_path_factory)
   assert not like["w"].any() and like["step"] == 0
 
 
-
-
-
 # --- found by the bad-input audit -------------------------------------------------
 
 
@@ -137,8 +143,11 @@ def test_ppermute_permutations_differing_across_ranks_raise_on_every_rank(rt):
     return
   swap = [(0, 1), (1, 0)]
   perm = swap if rt.rank == 0 else [(1, 0)]  # rank 0 also sends to rank 1
-  with pytest.raises(Exception, match=r"collective mismatch.*ppermute\(float32\[4\], perm=\[\(0, 1\), "
-                     r"\(1, 0\)\]\).*ppermute\(float32\[4\], perm=\[\(1, 0\)\]\)"):
+  with pytest.raises(
+    Exception,
+    match=r"collective mismatch.*ppermute\(float32\[4\], perm=\[\(0, 1\), "
+    r"\(1, 0\)\]\).*ppermute\(float32\[4\], perm=\[\(1, 0\)\]\)",
+  ):
     mpijax.ops.ppermute(jnp.full(4, 100.0 + rt.rank), perm).block_until_ready()
 
 
@@ -157,14 +166,19 @@ def test_mean_metrics_of_different_trees_raise_on_every_rank(rt):
   if rt.size == 1:
     return
   tree = {"loss": 1.0} if rt.rank == 0 else {"loss": 1.0, "acc": 0.5}
-  with pytest.raises(ValueError, match=r"same tree on every rank.*rank 0 passed.*'loss'.*rank 1 "
-                     r"passed.*'acc'"):
+  with pytest.raises(
+    ValueError,
+    match=r"same tree on every rank.*rank 0 passed.*'loss'.*rank 1 "
+    r"passed.*'acc'",
+  ):
     mt.mean_metrics(tree)
   assert mt.mean_metrics({"loss": float(rt.rank)})["loss"] == (rt.size - 1) / 2
 
 
 def test_broadcast_of_a_string_leaf_raises_on_every_rank(rt):
-  with pytest.raises(ValueError, match=r"leaf \['meta'\] has dtype str.*cannot send.*np.frombuffer"):
+  with pytest.raises(
+    ValueError, match=r"leaf \['meta'\] has dtype str.*cannot send.*np.frombuffer"
+  ):
     mt.broadcast({"w": np.ones(2), "meta": np.array(["ab", "cd"])})
   assert mt.broadcast({"w": np.full(2, float(rt.rank))})["w"][0] == 0.0  # nothing left pending
 
@@ -175,7 +189,9 @@ def test_replicated_batches_of_different_sizes_raise_on_every_rank(rt):
   if rt.size == 1:
     assert len(list(batches)) == 25
     return
-  with pytest.raises(ValueError, match=r"same full dataset on every rank.*\[100, 140.*replicated=False"):
+  with pytest.raises(
+    ValueError, match=r"same full dataset on every rank.*\[100, 140.*replicated=False"
+  ):
     next(iter(batches))
 
 
@@ -184,8 +200,11 @@ def test_replicated_batches_unusable_on_one_rank_raise_on_every_rank(rt):
   # forever in the size check of their first batch.
   bad = rt.size - 1
   data = {"x": np.zeros(8), "y": np.zeros(7 if rt.rank == bad else 8)}
-  match = r"different numbers of samples" if rt.rank == bad else \
-      rf"failed on other ranks.*\n  rank {bad}: ValueError: .*different numbers of samples"
+  match = (
+    r"different numbers of samples"
+    if rt.rank == bad
+    else rf"failed on other ranks.*\n  rank {bad}: ValueError: .*different numbers of samples"
+  )
   with pytest.raises(ValueError, match=match):  # alone: at construction, else at the first batch
     next(iter(mt.shard_batches(data, 2 * rt.size, seed=0, epoch=0)))
   assert mt.broadcast({"n": np.array(rt.rank)})["n"] == 0  # nothing left pending
@@ -193,6 +212,7 @@ def test_replicated_batches_unusable_on_one_rank_raise_on_every_rank(rt):
 
 def test_a_problem_found_on_one_rank_raises_on_every_rank(rt):
   from mpijax._src import runtime
+
   problem = "mpijax.init(): something is off here" if rt.rank == rt.size - 1 else ""
   with pytest.raises(RuntimeError, match=rf"something is off here \(found on rank {rt.size - 1}\)"):
     runtime._raise_on_every_rank(rt.comm, [problem])
@@ -218,17 +238,22 @@ def test_global_array_from_global_with_different_arrays_raises_on_every_rank(rt)
   if rt.size == 1:
     assert mpijax.GlobalArray.from_global(whole, mesh, P("x")).shape == (n,)
     return
-  with pytest.raises(ValueError, match=rf"same whole array on every rank, but rank 0 passed "
-                     rf"float32\[{n}\] and rank 1 passed float32\[{2 * n}\]"):
+  with pytest.raises(
+    ValueError,
+    match=rf"same whole array on every rank, but rank 0 passed "
+    rf"float32\[{n}\] and rank 1 passed float32\[{2 * n}\]",
+  ):
     mpijax.GlobalArray.from_global(whole, mesh, P("x"))
 
 
 def test_data_parallel_has_aux_without_aux_says_so(rt):
   import optax
+
   dp = mt.DataParallel(lambda p, d: (d[0] @ p) ** 2, optax.sgd(0.1), has_aux=True)
   state = dp.init(jnp.ones(3))
-  batch = next(iter(mt.shard_batches((np.ones((4 * rt.size, 3), np.float32),), 4 * rt.size,
-                                     seed=0, epoch=0)))
+  batch = next(
+    iter(mt.shard_batches((np.ones((4 * rt.size, 3), np.float32),), 4 * rt.size, seed=0, epoch=0))
+  )
   with pytest.raises(TypeError, match=r"has_aux=True.*must return \(losses, aux\).*has_aux=False"):
     dp.step(state, batch)
 
@@ -251,18 +276,25 @@ def _x_mesh(rt):
 
 
 def test_sampled_positions_and_grouping_of_copies():
-  from mpijax._src import global_array as ga
-  assert ga.sample_positions(5).tolist() == [0, 1, 2, 3, 4]
-  pos = ga.sample_positions(1000)
+  from mpijax._src import mpi_util
+
+  assert mpi_util.sample_positions(5).tolist() == [0, 1, 2, 3, 4]
+  pos = mpi_util.sample_positions(1000)
   assert len(pos) == 64 and pos[0] == 0 and pos[-1] == 999 and 1 not in pos
   a = np.full((3, 4), np.nan, np.float32)
   b = a.copy()
   b.view(np.uint32)[0, 0] ^= 1  # another NaN payload: other bytes
-  assert ga.value_digest(a) == ga.value_digest(np.asfortranarray(a)) != ga.value_digest(b)
-  assert ga.sample_digest(a) != ga.sample_digest(b)
-  assert ga.sample_digest(np.float32(2)) == ga.sample_digest(np.array(2, np.float32))
-  assert ga.differing_copies(["a", "b", "a", "a"], ["1", "2", "1", "3"]) == [("a", [[0, 2], [3]])]
-  assert ga.differing_copies(["a", "a"], ["1", None]) == []
+  assert (
+    mpi_util.value_digest(a)
+    == mpi_util.value_digest(np.asfortranarray(a))
+    != mpi_util.value_digest(b)
+  )
+  assert mpi_util.sample_digest(a) != mpi_util.sample_digest(b)
+  assert mpi_util.sample_digest(np.float32(2)) == mpi_util.sample_digest(np.array(2, np.float32))
+  assert mpi_util.differing_copies(["a", "b", "a", "a"], ["1", "2", "1", "3"]) == [
+    ("a", [[0, 2], [3]])
+  ]
+  assert mpi_util.differing_copies(["a", "a"], ["1", None]) == []
 
 
 def test_global_array_equal_copies_pass_the_value_check(rt, value_check):
@@ -279,8 +311,9 @@ def test_global_array_equal_copies_pass_the_value_check(rt, value_check):
   # Each rank's own block: nothing to compare, different values are fine.
   own = np.full((2 * L, 3), float(rt.rank), np.float32)
   c = mpijax.GlobalArray.from_process_local(own, mesh, P("x"))
-  np.testing.assert_array_equal(c.gather(), np.repeat(np.arange(rt.size), 2 * L)[:, None]
-                                * np.ones(3, np.float32))
+  np.testing.assert_array_equal(
+    c.gather(), np.repeat(np.arange(rt.size), 2 * L)[:, None] * np.ones(3, np.float32)
+  )
 
 
 def _one_rank_differs(rt):
@@ -303,23 +336,29 @@ def test_global_array_different_copies_raise_on_every_rank_with_the_check(rt, va
   if rt.size == 1:  # one rank: no other copy to compare with
     assert mpijax.GlobalArray.from_process_local(x, mesh, P()).shape == (840,)
     pytest.skip("comparing copies needs at least 2 ranks")
-  with pytest.raises(ValueError, match=r"from_process_local: ranks that hold the same block of "
-                     r"the global \(840,\) float32 array .*differ only along mesh axes \['x'\].*"
-                     r"passed different values \(every byte compared, MPIJAX_CHECK=1\): block "
-                     rf"\[0:840\]: {_copies(rt)}\. Pass equal copies.*name 'x' in the spec"):
+  with pytest.raises(
+    ValueError,
+    match=r"from_process_local: ranks that hold the same block of "
+    r"the global \(840,\) float32 array .*differ only along mesh axes \['x'\].*"
+    r"passed different values \(every byte compared, MPIJAX_CHECK=1\): block "
+    rf"\[0:840\]: {_copies(rt)}\. Pass equal copies.*name 'x' in the spec",
+  ):
     mpijax.GlobalArray.from_process_local(x, mesh, P())
-  with pytest.raises(ValueError, match=r"from_process_local: .*block \[0:840\]: "
-                     + _copies(rt)):
+  with pytest.raises(ValueError, match=r"from_process_local: .*block \[0:840\]: " + _copies(rt)):
     mpijax.GlobalArray.from_process_local(jnp.asarray(x), mesh, P())
   # from_global compares the whole array, also where each rank keeps only its own part.
   for spec in (P(), P("x")):
-    with pytest.raises(ValueError, match=r"from_global needs the same whole array on every rank, "
-                       r"but the ranks passed float32\[840\] arrays with different values "
-                       rf"\(every byte compared, MPIJAX_CHECK=1\): {_copies(rt)}\. Pass the same"):
+    with pytest.raises(
+      ValueError,
+      match=r"from_global needs the same whole array on every rank, "
+      r"but the ranks passed float32\[840\] arrays with different values "
+      rf"\(every byte compared, MPIJAX_CHECK=1\): {_copies(rt)}\. Pass the same",
+    ):
       mpijax.GlobalArray.from_global(x, mesh, spec)
   # Nothing is left pending: the next collective works.
-  np.testing.assert_array_equal(mpijax.GlobalArray.from_global(np.ones(4), mesh, P()).gather(),
-                                np.ones(4))
+  np.testing.assert_array_equal(
+    mpijax.GlobalArray.from_global(np.ones(4), mesh, P()).gather(), np.ones(4)
+  )
 
 
 @pytest.mark.parametrize("value_check", [False], indirect=True)
@@ -334,19 +373,26 @@ def test_global_array_copies_without_the_check(rt, value_check):
   # ... and so do jax.Array parts (not sampled) and parts only one rank keeps.
   mine = np.full(840, float(rt.rank), np.float32)
   mpijax.GlobalArray.from_process_local(jnp.asarray(mine), mesh, P())
-  mpijax.GlobalArray.from_global(np.full(rt.size * mpijax.local_device_count(), float(rt.rank)),
-                                 mesh, P("x"))
+  mpijax.GlobalArray.from_global(
+    np.full(rt.size * mpijax.local_device_count(), float(rt.rank)), mesh, P("x")
+  )
   if rt.size == 1:
     mpijax.GlobalArray.from_process_local(mine, mesh, P())
     pytest.skip("comparing copies needs at least 2 ranks")
   # Each rank's own data where the spec says copies: caught by the sample.
   ranks = ", ".join(map(str, range(rt.size)))
   sample = r"found by comparing up to 64 sampled elements; MPIJAX_CHECK=1 compares every byte"
-  with pytest.raises(ValueError, match=rf"from_process_local: .*passed different values \({sample}"
-                     rf"\): block \[0:840\]: rank {' vs rank '.join(ranks.split(', '))}\."):
+  with pytest.raises(
+    ValueError,
+    match=rf"from_process_local: .*passed different values \({sample}"
+    rf"\): block \[0:840\]: rank {' vs rank '.join(ranks.split(', '))}\.",
+  ):
     mpijax.GlobalArray.from_process_local(mine, mesh, P())
-  with pytest.raises(ValueError, match=rf"from_global needs .*different values \({sample}\): "
-                     r"block \[0:840\]: rank 0 vs rank 1"):
+  with pytest.raises(
+    ValueError,
+    match=rf"from_global needs .*different values \({sample}\): "
+    r"block \[0:840\]: rank 0 vs rank 1",
+  ):
     mpijax.GlobalArray.from_global(mine, mesh, P())
 
 
@@ -357,8 +403,11 @@ def test_global_array_check_on_some_ranks_only_raises_on_every_rank(rt):
   config.update("check", rt.rank == 0)
   try:
     for make in (mpijax.GlobalArray.from_process_local, mpijax.GlobalArray.from_global):
-      with pytest.raises(ValueError, match=r"MPIJAX_CHECK is on for rank 0 but off for ranks? 1"
-                         r".*the same way on every rank"):
+      with pytest.raises(
+        ValueError,
+        match=r"MPIJAX_CHECK is on for rank 0 but off for ranks? 1"
+        r".*the same way on every rank",
+      ):
         make(np.ones(4, np.float32), mesh, P())
   finally:
     config.reset("check")

@@ -1,11 +1,15 @@
 """Every kind of collective XLA itself inserts, across ranks, checked against NumPy.
 
-Usage: xla_collectives.py [--jax-first] [--expect mpi|gloo]
+Usage: xla_collectives.py [--jax-first | --no-hook] [--expect mpi|gloo]
 Prints "XLA_COLLECTIVES rank <r> <transport> ok" per rank. With one device
 per rank they must travel through mpijax's MPI bridge (its call counters
-move); --jax-first imports jax before mpijax, as isort orders it.
+move). mpijax is imported before jax, unless --jax-first imports jax first,
+as isort orders them (then the interpreter-start hook or mpijax-run must
+have named the bridge). --no-hook drops what the launcher or the hook named,
+so that importing mpijax first must name the bridge itself.
 """
 
+import os
 import sys
 
 if "--jax-first" in sys.argv:
@@ -13,9 +17,12 @@ if "--jax-first" in sys.argv:
 
   import mpijax
 else:
-  import jax
-
+  if "--no-hook" in sys.argv:
+    os.environ.pop("MPITRAMPOLINE_LIB", None)
   import mpijax
+
+  # isort: split
+  import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding

@@ -9,6 +9,9 @@ machine's own /etc/hosts is never touched.
 
 ``rsh_agent()`` writes an rsh-style agent (``agent HOST CMD...``) that enters
 HOST's namespace and hostname and runs CMD there, as ``ssh HOST CMD`` would.
+``shape_link()`` limits both veth ends with a token-bucket qdisc (tc tbf), so
+the pair behaves like a link of a given rate. benchmarks/multinode.py uses
+this module too, with its own name prefix and subnet.
 """
 
 from __future__ import annotations
@@ -51,17 +54,27 @@ class Host:
 
 @dataclasses.dataclass
 class TwoHosts:
-  """hA and hB: namespaces, veth pair, addresses, /etc/netns hosts files. Use as a context manager."""
+  """hA and hB: namespaces, veth pair, addresses, /etc/netns hosts files. Use as a context manager.
+
+  Names are ``{prefix}A{tag}`` (namespaces), ``{prefix}a{tag}`` (veth ends) and
+  ``{host_prefix}a{tag}`` (hostnames); the subnet is ``{net}.{subnet_octet}.0/24``.
+  Users that may run at the same time need distinct prefixes and nets.
+  """
   tag: str
   subnet_octet: int
+  prefix: str = "mjx"
+  host_prefix: str = "h"
+  net: str = "10.231"
   hosts: list[Host] = dataclasses.field(default_factory=list)
+  veths: list[tuple[Host, str]] = dataclasses.field(default_factory=list)
   _created_netns: list[str] = dataclasses.field(default_factory=list)
   _created_dirs: list[str] = dataclasses.field(default_factory=list)
   _made_netns_etc: bool = False
+  _qdiscs: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
   @property
   def subnet(self) -> str:
-    return f"10.231.{self.subnet_octet}.0/24"
+    return f"{self.net}.{self.subnet_octet}.0/24"
 
   def __enter__(self) -> TwoHosts:
     try:
@@ -75,17 +88,19 @@ class TwoHosts:
     self.cleanup()
 
   def _setup(self) -> None:
-    a = Host(f"ha{self.tag}", f"mjxA{self.tag}", f"10.231.{self.subnet_octet}.1")
-    b = Host(f"hb{self.tag}", f"mjxB{self.tag}", f"10.231.{self.subnet_octet}.2")
+    hp, p, net = self.host_prefix, self.prefix, f"{self.net}.{self.subnet_octet}"
+    a = Host(f"{hp}a{self.tag}", f"{p}A{self.tag}", f"{net}.1")
+    b = Host(f"{hp}b{self.tag}", f"{p}B{self.tag}", f"{net}.2")
     self.hosts = [a, b]
     for h in self.hosts:
       _ip("netns", "add", h.netns)
       self._created_netns.append(h.netns)
       _ip("-n", h.netns, "link", "set", "lo", "up")
-    va, vb = f"mjxa{self.tag}"[:15], f"mjxb{self.tag}"[:15]
+    va, vb = f"{p}a{self.tag}"[:15], f"{p}b{self.tag}"[:15]
     # Created inside namespace A so no veth end ever appears in the host's namespace by name.
     _ip("-n", a.netns, "link", "add", va, "type", "veth", "peer", "name", vb, "netns", b.netns)
-    for h, dev in ((a, va), (b, vb)):
+    self.veths = [(a, va), (b, vb)]
+    for h, dev in self.veths:
       _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", dev)
       _ip("-n", h.netns, "link", "set", dev, "up")
     if not os.path.isdir(NETNS_ETC):
@@ -127,6 +142,32 @@ exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' 
     os.chmod(path, 0o755)
     return path
 
+  def shape_link(self, rate: str, burst: str, latency: str) -> list[str]:
+    """Puts ``tc qdisc ... root tbf`` on both veth ends (both directions); returns the commands.
+
+    The qdiscs go with the veth when the namespaces are deleted; ``cleanup()``
+    also removes them first, explicitly.
+    """
+    cmds = []
+    for h, dev in self.veths:
+      argv = ["tc", "-n", h.netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+              burst, "latency", latency]
+      r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+      if r.returncode != 0:
+        raise RuntimeError(f"{shlex.join(argv)} failed: {r.stderr.strip()}")
+      self._qdiscs.append((h.netns, dev))
+      cmds.append(shlex.join(argv))
+    return cmds
+
+  def qdiscs(self) -> list[str]:
+    """``tc qdisc show`` of each veth end, one line per qdisc."""
+    out = []
+    for h, dev in self.veths:
+      r = subprocess.run(["tc", "-n", h.netns, "qdisc", "show", "dev", dev], capture_output=True,
+                         text=True, timeout=20)
+      out += [f"{h.netns}/{dev}: {line}" for line in r.stdout.splitlines() if line.strip()]
+    return out
+
   def pids(self) -> list[int]:
     out = []
     for ns in self._created_netns:
@@ -135,7 +176,8 @@ exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' 
     return out
 
   def cleanup(self) -> None:
-    """Kills what still runs in the namespaces, deletes them (and the veth) and the hosts files."""
+    """Kills what still runs in the namespaces, deletes their qdiscs, them (and the veth) and the
+    hosts files."""
     for _ in range(3):
       pids = self.pids()
       if not pids:
@@ -146,6 +188,10 @@ exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' 
         except ProcessLookupError:
           pass
       time.sleep(0.3)
+    for ns, dev in self._qdiscs:
+      subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True,
+                     timeout=20)
+    self._qdiscs.clear()
     for ns in self._created_netns:
       subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
     self._created_netns.clear()

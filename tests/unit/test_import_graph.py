@@ -1,4 +1,5 @@
-"""The modules of mpijax/ import each other without a cycle, and downwards only.
+"""The modules of mpijax/ import each other without a cycle, and downwards only:
+each has a layer of docs/architecture.md, and imports its own layer and those below.
 
 Every import in a file counts, also one inside a function: a function-local
 import that breaks a cycle at run time still ties the two modules together.
@@ -8,8 +9,66 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mpijax"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "mpijax"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+# docs/architecture.md's table of layers, from the ground up, as data. A module
+# imports modules of its own layer and of the layers below. Paths are under
+# mpijax/; one ending in "/" is a directory. A new module goes into a row here
+# and in the table (test_the_table_in_the_docs_is_this_one).
+LAYERS: dict[str, list[str]] = {
+  "base": [
+    "_src/config.py",
+    "_src/log.py",
+    "_src/jax_compat.py",
+    "_src/mpi_util.py",
+    "_src/fileio.py",
+    "_src/heap.py",
+    "_src/tree_codec.py",
+  ],
+  "environment": ["_src/cluster/"],
+  "extension": ["_src/ffi/"],
+  "runtime": [
+    "_src/runtime.py",
+    "_src/jax_runtime.py",
+    "_src/bridge_env.py",
+    "_src/multihost.py",
+    "_src/inspector.py",
+    "_src/failure.py",
+    "_src/timeline/",
+  ],
+  "transport": ["_src/ops/"],
+  "collectives": ["_src/collectives.py", "_src/axes.py", "_src/lax_routing.py"],
+  "mapping and arrays": [
+    "_src/mesh.py",
+    "_src/geometry.py",
+    "_src/mapping.py",
+    "_src/replication.py",
+    "_src/global_array.py",
+    "_src/reshard.py",
+    "_src/visualize.py",
+    "_src/array_checkpoint.py",
+  ],
+  "training": ["_src/train/"],
+  "mpi4jax's API": ["_src/mpi4jax/"],
+  "entry points": ["_src/launch/", "_src/rank_env.py"],
+  "public API": [
+    "__init__.py",
+    "lax.py",
+    "ops.py",
+    "train.py",
+    "timeline.py",
+    "compat/",
+    "launch.py",
+    "__main__.py",
+  ],
+  "examples": ["examples/"],
+}
+# The private package's empty marker: it holds and imports nothing.
+UNPLACED = {"mpijax._src"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -32,7 +91,7 @@ def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> se
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
       # `from p import m` uses module p.m; `from p import name` uses p itself.
       targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
     else:
@@ -55,7 +114,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     path.append(m)
     for n in sorted(graph[m]):
       if state.get(n) == 1:
-        return path[path.index(n):] + [n]
+        return path[path.index(n) :] + [n]
       if n not in state and (found := visit(n)):
         return found
     state[m] = 2
@@ -84,6 +143,83 @@ def test_mpijax_has_no_import_cycle():
 def test_private_modules_import_only_private_modules():
   mods = _modules()
   public = {m for m in mods if not m.startswith("mpijax._src")}
-  upward = {name: sorted(_imports(name, path, mods) & public)
-            for name, path in mods.items() if name.startswith("mpijax._src.")}
+  upward = {
+    name: sorted(_imports(name, path, mods) & public)
+    for name, path in mods.items()
+    if name.startswith("mpijax._src.")
+  }
   assert not any(upward.values()), {k: v for k, v in upward.items() if v}
+
+
+# --- layers ---------------------------------------------------------------------------
+
+
+def _layer_of(path: pathlib.Path) -> list[int]:
+  """The index of every layer whose paths cover ``path`` (one, if the table is right)."""
+  rel = path.relative_to(PACKAGE).as_posix()
+  return [
+    i
+    for i, paths in enumerate(LAYERS.values())
+    if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in paths)
+  ]
+
+
+def _upward(graph: dict[str, set[str]], layer: dict[str, int]) -> list[str]:
+  """Every import of ``graph`` from a module to one of a higher layer."""
+  names = list(LAYERS)
+  return [
+    f"{m} ({names[layer[m]]}) imports {t} ({names[layer[t]]})"
+    for m in sorted(graph)
+    for t in sorted(graph[m])
+    if layer[t] > layer[m]
+  ]
+
+
+def test_the_checker_finds_an_import_up_the_layers():
+  layer = {"low": 0, "mid": 1, "high": 2}
+  assert _upward({"low": set(), "mid": {"low"}, "high": {"mid", "low"}}, layer) == []
+  assert _upward({"low": {"high"}, "mid": {"mid"}, "high": set()}, layer) == [
+    "low (base) imports high (extension)"
+  ]
+
+
+def test_every_module_has_exactly_one_layer():
+  mods = _modules()
+  wrong = {
+    name: [list(LAYERS)[i] for i in _layer_of(path)]
+    for name, path in sorted(mods.items())
+    if name not in UNPLACED and len(_layer_of(path)) != 1
+  }
+  assert not wrong, (
+    "each module needs exactly one layer: add it to a row of docs/architecture.md's "
+    f"table and of LAYERS here (module: layers now) {wrong}"
+  )
+  for paths in LAYERS.values():
+    for p in paths:
+      assert (PACKAGE / p).exists(), f"LAYERS names mpijax/{p}, which does not exist"
+
+
+def test_imports_go_down_the_layers():
+  mods = _modules()
+  # A module without exactly one layer fails test_every_module_has_exactly_one_layer.
+  layer = {name: found[0] for name, path in mods.items() if len(found := _layer_of(path)) == 1}
+  graph = {name: _imports(name, mods[name], mods) & set(layer) for name in layer}
+  upward = _upward(graph, layer)
+  assert not upward, (
+    "an import against the layer order of docs/architecture.md; move the "
+    "code to the layer it needs, or pass it in from above:\n" + "\n".join(upward)
+  )
+
+
+def _table_in_docs() -> dict[str, list[str]]:
+  """The layer table of docs/architecture.md: layer name -> the paths of its "where" cell."""
+  rows = re.findall(r"^\| (\d+)\. ([^|]+?) \| ([^|]+?) \| .* \|$", ARCHITECTURE.read_text(), re.M)
+  assert [int(n) for n, _, _ in rows] == list(range(len(rows))), rows
+  return {name: re.findall(r"`([^`]+)`", where) for _, name, where in rows}
+
+
+def test_the_table_in_the_docs_is_this_one():
+  table = _table_in_docs()
+  assert list(table) == list(LAYERS), "the docs' layers, in order, are this test's"
+  for name, paths in LAYERS.items():
+    assert table[name] == paths, f"layer {name!r}: docs/architecture.md has {table[name]}"

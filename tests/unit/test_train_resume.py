@@ -89,7 +89,7 @@ def test_signal_requests_preemption_and_a_second_sigterm_falls_back():
 def test_preempted_exits_75_through_mpijax_run_without_abort(tmp_path):
   script = tmp_path / "p.py"
   script.write_text("import mpijax.train as t\nraise t.Preempted(5, 'x')\n")
-  result = subprocess.run([sys.executable, "-m", "mpijax.run", str(script)], capture_output=True,
+  result = subprocess.run([sys.executable, "-m", "mpijax", str(script)], capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 75, result.stderr
   assert "aborting" not in result.stderr, result.stderr

@@ -1,4 +1,4 @@
-"""Layer 1, the environment: which launcher started this process, and where
+"""The environment layer: which launcher started this process, and where
 this process sits in the job. See `base` for the registry and `detect()`.
 
 Detection order is the import order below: Open MPI 4 before Open MPI 5 (both

@@ -1,9 +1,10 @@
-"""Layer 3, transport: mpijax's MPI operations as JAX primitives.
+"""The transport layer: mpijax's MPI operations as JAX primitives.
 
 One module per primitive (``allreduce``, ``allgather``, ``reduce_scatter``,
 ``alltoall``, ``bcast``, ``ppermute``, ``barrier``), on shared machinery:
 
 * ``dtypes``: the dtypes and reduction ops the primitives accept.
+* ``reduce_ops``: mpi4py ``MPI.Op`` objects as those reduction ops.
 * ``settings``: the transport's settings, sent to the C++ side.
 * ``communicators``: the registry of private communicator clones.
 * ``primitive``: the primitive factory (eager and dead-code rules) and

@@ -20,8 +20,8 @@ from mpijax._src import config
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
-from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
+from mpijax._src.ops import reduce_ops
 from mpijax._src.ops.allgather import allgather_p
 
 allreduce_p = primitive.make_primitive("mpijax_allreduce")
@@ -60,7 +60,7 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
                         f"dtype, got {x.dtype.name}; use op='sum' and divide, or cast "
                         f"x to a float first")
       op, divisor = "sum", info.size
-  return mpi_ops.run_reduction(
+  return reduce_ops.run_reduction(
       "mpijax.ops.allreduce", op, x, info.size,
       lambda x, op: allreduce_p.bind(x, comm_id=info.id, op=op, divisor=divisor))
 
@@ -160,10 +160,10 @@ def allreduce_many(xs, op: str = "sum", *, comm: Any = None) -> list[jax.Array]:
   if not xs:
     raise ValueError("mpijax allreduce_many got an empty list; pass at least one array.")
   info = communicators.resolve_comm(comm, "mpijax allreduce_many")
-  ops = [mpi_ops.resolve(op, x.dtype, "mpijax allreduce_many", info.size) for x in xs]
+  ops = [reduce_ops.resolve(op, x.dtype, "mpijax allreduce_many", info.size) for x in xs]
   op = ops[0].name
   dtypes_in = [x.dtype for x in xs]
-  xs = [mpi_ops.as_logical(x) if r.logical else x for x, r in zip(xs, ops)]
+  xs = [reduce_ops.as_logical(x) if r.logical else x for x, r in zip(xs, ops)]
   for x in xs:
     dtypes.check_reduce_op("mpijax allreduce_many", op, x.dtype)
   outs = allreduce_many_p.bind(*xs, comm_id=info.id, op=op)

@@ -17,8 +17,8 @@ from jax.interpreters import batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
-from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
+from mpijax._src.ops import reduce_ops
 
 bcast_p = primitive.make_primitive("mpijax_bcast")
 reduce_p = primitive.make_primitive("mpijax_reduce")
@@ -77,7 +77,7 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
     _check_root("mpijax.ops.reduce", root, info.size)
     return reduce_p.bind(x, comm_id=info.id, op=op, root=root)
 
-  return mpi_ops.run_reduction("mpijax.ops.reduce", op, x, info.size, run)
+  return reduce_ops.run_reduction("mpijax.ops.reduce", op, x, info.size, run)
 
 
 def _same(x, **params):

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax._src.lib.mlir import ir
 from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
+from mpijax._src.jax_compat import ir
 from mpijax._src.ops import ordering
 from mpijax._src.ops import primitive
 

@@ -28,13 +28,23 @@ from __future__ import annotations
 import functools
 import math
 
-from jax._src.interpreters import mlir as mlir_internal
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
 from mpijax._src import jax_compat
+from mpijax._src.jax_compat import ad_checkpoint
+from mpijax._src.jax_compat import conditionals
+from mpijax._src.jax_compat import core as core_internal
+from mpijax._src.jax_compat import custom_derivatives
+from mpijax._src.jax_compat import ir
+from mpijax._src.jax_compat import loops
+from mpijax._src.jax_compat import mlir as mlir_internal
+from mpijax._src.jax_compat import parallel
+from mpijax._src.jax_compat import partial_eval as pe
+from mpijax._src.jax_compat import pjit
+from mpijax._src.jax_compat import shard_map
+from mpijax._src.jax_compat import sharding_impls
 from mpijax._src.ops import ordering
 from mpijax._src.ops.lowering import auto_devices
 
@@ -48,21 +58,31 @@ def install() -> None:
     return
   _installed = True
   jax_compat.guarded(
-      track_programs, "cannot tell which programs make mpijax calls; XLA collectives join "
-      "the order-token chain in every program")
+    track_programs,
+    "cannot tell which programs make mpijax calls; XLA collectives join "
+    "the order-token chain in every program",
+  )
   jax_compat.guarded(
-      order_xla_collectives, "XLA collectives are not ordered against mpijax calls; "
-      "independent local and cross-rank collectives in one program can deadlock with "
-      "several devices per process")
+    order_xla_collectives,
+    "XLA collectives are not ordered against mpijax calls; "
+    "independent local and cross-rank collectives in one program can deadlock with "
+    "several devices per process",
+  )
   jax_compat.guarded(
-      inline_calls, "nested jax.jit calls are not lowered inline; an mpijax call inside one "
-      "is ordered only by data dependencies against the mpijax calls outside it")
+    inline_calls,
+    "nested jax.jit calls are not lowered inline; an mpijax call inside one "
+    "is ordered only by data dependencies against the mpijax calls outside it",
+  )
   jax_compat.guarded(
-      thread_shard_maps, "the order token does not enter multi-device shard_map bodies; two "
-      "independent such bodies in one jitted function are ordered only by data dependencies")
+    thread_shard_maps,
+    "the order token does not enter multi-device shard_map bodies; two "
+    "independent such bodies in one jitted function are ordered only by data dependencies",
+  )
   jax_compat.guarded(
-      keep_calls_with_mpi, "a nested jax.jit, loop or branch whose results are unused is "
-      "dropped with the mpijax calls inside it")
+    keep_calls_with_mpi,
+    "a nested jax.jit, loop or branch whose results are unused is "
+    "dropped with the mpijax calls inside it",
+  )
 
 
 def keep_calls_with_mpi() -> None:
@@ -75,19 +95,18 @@ def keep_calls_with_mpi() -> None:
   never sent, and its receiver waited forever. Such an equation now counts
   all its results as used.
   """
-  from jax._src import ad_checkpoint
-  from jax._src import core as core_internal
-  from jax._src import custom_derivatives
-  from jax._src import pjit
-  from jax._src import shard_map
-  from jax._src.interpreters import partial_eval as pe
-  from jax._src.lax.control_flow import conditionals
-  from jax._src.lax.control_flow import loops
-
-  for prim in (pjit.jit_p, core_internal.closed_call_p, core_internal.call_p,
-               conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
-               custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
-               shard_map.shard_map_p):
+  for prim in (
+    pjit.jit_p,
+    core_internal.closed_call_p,
+    core_internal.call_p,
+    conditionals.cond_p,
+    loops.while_p,
+    loops.scan_p,
+    ad_checkpoint.remat_p,
+    custom_derivatives.custom_jvp_call_p,
+    custom_derivatives.custom_vjp_call_p,
+    shard_map.shard_map_p,
+  ):
     default = pe.dce_rules.get(prim, pe._default_dce_rule)
 
     def rule(used_outputs, eqn, default=default):
@@ -131,19 +150,17 @@ def inline_calls() -> None:
     use, which would also cut its ops from the caller's chain. The price is
     that identical loops or branches in one program are lowered once each.
   """
-  from jax._src import ad_checkpoint
-  from jax._src import core as core_internal
-  from jax._src import custom_derivatives
-  from jax._src import pjit
-  from jax._src import shard_map
-  from jax._src import sharding_impls
-  from jax._src.lax.control_flow import conditionals
-  from jax._src.lax.control_flow import loops
-
-  mlir_internal._uncacheable_primitives.update((
-      conditionals.cond_p, loops.while_p, loops.scan_p, ad_checkpoint.remat_p,
-      custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
-      shard_map.shard_map_p))
+  mlir_internal._uncacheable_primitives.update(
+    (
+      conditionals.cond_p,
+      loops.while_p,
+      loops.scan_p,
+      ad_checkpoint.remat_p,
+      custom_derivatives.custom_jvp_call_p,
+      custom_derivatives.custom_vjp_call_p,
+      shard_map.shard_map_p,
+    )
+  )
 
   def make_rule(default, jaxpr_param, plain):
     def rule(ctx, *args, **params):
@@ -154,27 +171,46 @@ def inline_calls() -> None:
         closed = core_internal.ClosedJaxpr(closed, ())
       consts = mlir_internal.ir_consts(closed.consts, [v.aval for v in closed.jaxpr.constvars])
       out, tokens = mlir_internal.jaxpr_subcomp(
-          ctx.module_context, closed.jaxpr, ctx.name_stack, ctx.tokens_in, consts, *args,
-          dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
-          **jax_compat.subcomp_kwargs(mlir_internal.jaxpr_subcomp, ctx))
+        ctx.module_context,
+        closed.jaxpr,
+        ctx.name_stack,
+        ctx.tokens_in,
+        consts,
+        *args,
+        dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering,
+        **jax_compat.subcomp_kwargs(mlir_internal.jaxpr_subcomp, ctx),
+      )
       ctx.set_tokens_out(tokens)
       return out
+
     return rule
 
   def unsharded(params):
-    return (all(isinstance(s, sharding_impls.UnspecifiedValue)
-                for s in (*params["in_shardings"], *params["out_shardings"]))
-            and all(layout is None for layout in (*params["in_layouts"], *params["out_layouts"]))
-            and not params.get("compiler_options_kvs"))
+    return (
+      all(
+        isinstance(s, sharding_impls.UnspecifiedValue)
+        for s in (*params["in_shardings"], *params["out_shardings"])
+      )
+      and all(layout is None for layout in (*params["in_layouts"], *params["out_layouts"]))
+      and not params.get("compiler_options_kvs")
+    )
 
   targets = [(pjit.jit_p, pjit._pjit_lowering, "jaxpr", unsharded)]
-  for prim, name in ((core_internal.closed_call_p, "closed_call"),
-                     (core_internal.call_p, "core_call")):  # JAX's own names for them
-    targets.append((prim, functools.partial(mlir_internal.core_call_lowering, name=name),
-                    "call_jaxpr", lambda params: True))
+  for prim, name in (
+    (core_internal.closed_call_p, "closed_call"),
+    (core_internal.call_p, "core_call"),
+  ):  # JAX's own names for them
+    targets.append(
+      (
+        prim,
+        functools.partial(mlir_internal.core_call_lowering, name=name),
+        "call_jaxpr",
+        lambda params: True,
+      )
+    )
   for prim, default, param, plain in targets:
-    mlir.register_lowering(prim, make_rule(default, param, plain), platform="cpu",
-                           cacheable=False)
+    mlir.register_lowering(prim, make_rule(default, param, plain), platform="cpu", cacheable=False)
 
 
 def thread_shard_maps() -> None:
@@ -192,8 +228,6 @@ def thread_shard_maps() -> None:
   and single-device ones (lowered inline, already in the caller's chain),
   keep JAX's lowering unchanged.
   """
-  from jax._src import core as core_internal
-  from jax._src import shard_map
   from jax.sharding import PartitionSpec
 
   default = shard_map._shard_map_lowering
@@ -218,25 +252,43 @@ def thread_shard_maps() -> None:
   def rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma, **params):
     manual = math.prod(mesh.shape[a] for a in jax_compat.newly_manual_axes(params))
     if manual == 1 or not ordering.needs_chain(jaxpr):
-      return default(ctx, *args, jaxpr=jaxpr, mesh=mesh, in_specs=in_specs,
-                     out_specs=out_specs, check_vma=check_vma, **params)
+      return default(
+        ctx,
+        *args,
+        jaxpr=jaxpr,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=check_vma,
+        **params,
+      )
     chain = ordering.chain_for(ctx)
     block = ir.InsertionPoint.current.block
     token = ordering.token_for(chain, block)
     mpi_before = chain[block].mpi_before
     tok_in, tok_out = core_internal.Var(token_aval), core_internal.Var(token_aval)
-    eqns = [core_internal.new_jaxpr_eqn([tok_in], [], token_in_p, {"mpi_before": mpi_before},
-                                        core_internal.no_effects),
-            *jaxpr.eqns,
-            core_internal.new_jaxpr_eqn([], [tok_out], token_out_p, {},
-                                        core_internal.no_effects)]
-    threaded = jaxpr.replace(invars=[*jaxpr.invars, tok_in],
-                             outvars=[*jaxpr.outvars, tok_out], eqns=eqns)
-    sub = ctx.replace(avals_in=[*ctx.avals_in, token_aval],
-                      avals_out=[*ctx.avals_out, token_aval])
-    outs = default(sub, *args, token, jaxpr=threaded, mesh=mesh,
-                   in_specs=(*in_specs, PartitionSpec()),
-                   out_specs=(*out_specs, PartitionSpec()), check_vma=check_vma, **params)
+    eqns = [
+      core_internal.new_jaxpr_eqn(
+        [tok_in], [], token_in_p, {"mpi_before": mpi_before}, core_internal.no_effects
+      ),
+      *jaxpr.eqns,
+      core_internal.new_jaxpr_eqn([], [tok_out], token_out_p, {}, core_internal.no_effects),
+    ]
+    threaded = jaxpr.replace(
+      invars=[*jaxpr.invars, tok_in], outvars=[*jaxpr.outvars, tok_out], eqns=eqns
+    )
+    sub = ctx.replace(avals_in=[*ctx.avals_in, token_aval], avals_out=[*ctx.avals_out, token_aval])
+    outs = default(
+      sub,
+      *args,
+      token,
+      jaxpr=threaded,
+      mesh=mesh,
+      in_specs=(*in_specs, PartitionSpec()),
+      out_specs=(*out_specs, PartitionSpec()),
+      check_vma=check_vma,
+      **params,
+    )
     if sub.tokens_out is not None:
       ctx.set_tokens_out(sub.tokens_out)
     outs = list(outs)
@@ -265,18 +317,27 @@ def order_xla_collectives() -> None:
   collective has finished): one order on every device. Programs without
   mpijax calls lower as JAX lowers them.
   """
-  from jax._src.lax import parallel
-
-  names = ("psum_p", "pmax_p", "pmin_p", "ppermute_p", "all_to_all_p",
-           "ragged_all_to_all_p", "all_gather_p", "all_gather_invariant_p",
-           "reduce_scatter_p", "psum_invariant_p", "all_gather_reduced_p",
-           "unreduced_reduce_scatter_p", "unreduced_psum_p", "pbroadcast_p")
+  names = (
+    "psum_p",
+    "pmax_p",
+    "pmin_p",
+    "ppermute_p",
+    "all_to_all_p",
+    "ragged_all_to_all_p",
+    "all_gather_p",
+    "all_gather_invariant_p",
+    "reduce_scatter_p",
+    "psum_invariant_p",
+    "all_gather_reduced_p",
+    "unreduced_reduce_scatter_p",
+    "unreduced_psum_p",
+    "pbroadcast_p",
+  )
   prims = [p for p in (getattr(parallel, n, None) for n in names) if p is not None]
 
   def wrap(default):
     def rule(ctx, *args, **params):
-      if (not ordering.program_calls_mpi()
-          or auto_devices(ctx.module_context.axis_context) > 1):
+      if not ordering.program_calls_mpi() or auto_devices(ctx.module_context.axis_context) > 1:
         return default(ctx, *args, **params)
       _ffi.load()  # registers mpijax_gate and mpijax_join
       chain = ordering.chain_for(ctx)
@@ -291,11 +352,13 @@ def order_xla_collectives() -> None:
       if last is not None:
         state.pending.append(last)
       return outs
+
     return rule
 
   for prim in prims:
-    entry = (mlir_internal._platform_specific_lowerings["cpu"].get(prim)
-             or mlir_internal._lowerings.get(prim))
+    entry = mlir_internal._platform_specific_lowerings["cpu"].get(
+      prim
+    ) or mlir_internal._lowerings.get(prim)
     if entry is None:
       continue
     mlir.register_lowering(prim, wrap(entry.rule), platform="cpu", cacheable=False)

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import sharding_impls
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mpijax._src import ffi as _ffi
+from mpijax._src.jax_compat import ir
+from mpijax._src.jax_compat import sharding_impls
 from mpijax._src.ops import call_sites
 from mpijax._src.ops import ordering
 from mpijax._src.ops.primitive import i64
@@ -51,10 +51,13 @@ def _reusable(value) -> bool:
   return not isinstance(value, ir.BlockArgument) or _is_donated(value)
 
 
-def register_ffi_lowering(prim: Primitive, target: str,
-                          attrs: Callable[..., dict[str, Any]],
-                          in_place_capable: bool = False,
-                          signature_avals: Callable[[Any], Any] | None = None) -> None:
+def register_ffi_lowering(
+  prim: Primitive,
+  target: str,
+  attrs: Callable[..., dict[str, Any]],
+  in_place_capable: bool = False,
+  signature_avals: Callable[[Any], Any] | None = None,
+) -> None:
   """CPU lowering of ``prim`` to FFI target ``target``, with an order token.
 
   ``attrs(**params)`` gives the custom call's named attributes. With
@@ -70,8 +73,9 @@ def register_ffi_lowering(prim: Primitive, target: str,
   def lowering(aliased: tuple[int, ...]) -> Callable:
     low = lowerings.get(aliased)
     if low is None:
-      low = jax.ffi.ffi_lowering(target, has_side_effect=True,
-                                 operand_output_aliases={i: i for i in aliased} or None)
+      low = jax.ffi.ffi_lowering(
+        target, has_side_effect=True, operand_output_aliases={i: i for i in aliased} or None
+      )
       lowerings[aliased] = low
     return low
 
@@ -84,14 +88,16 @@ def register_ffi_lowering(prim: Primitive, target: str,
     chain = ordering.chain_for(ctx)
     block = ir.InsertionPoint.current.block
     token = ordering.token_for(chain, block)
-    token_ctx = ctx.replace(avals_in=[*ctx.avals_in, ordering.TOKEN_AVAL],
-                            avals_out=[*ctx.avals_out, ordering.TOKEN_AVAL])
+    token_ctx = ctx.replace(
+      avals_in=[*ctx.avals_in, ordering.TOKEN_AVAL], avals_out=[*ctx.avals_out, ordering.TOKEN_AVAL]
+    )
     site, sig = call_sites.call_site(
-        ctx if signature_avals is None else ctx.replace(avals_in=signature_avals(ctx)),
-        kind, params)
+      ctx if signature_avals is None else ctx.replace(avals_in=signature_avals(ctx)), kind, params
+    )
     aliased = tuple(i for i, a in enumerate(args) if _reusable(a)) if in_place_capable else ()
-    outs = lowering(aliased)(token_ctx, *args, token, **attrs(**params), site=i64(site),
-                             sig=i64(sig))
+    outs = lowering(aliased)(
+      token_ctx, *args, token, **attrs(**params), site=i64(site), sig=i64(sig)
+    )
     chain[block].token = outs[-1]
     chain[block].mpi_before = True
     return list(outs[:-1])
@@ -132,16 +138,14 @@ def auto_devices(axis_context) -> int:
     # Inside a shard_map: only the axes it does not map are partitioned.
     manual = axis_context.manual_axes
     # mesh.shape (name -> size): a concrete Mesh and an AbstractMesh both have it.
-    return math.prod(size for name, size in axis_context.mesh.shape.items()
-                     if name not in manual)
+    return math.prod(size for name, size in axis_context.mesh.shape.items() if name not in manual)
   return 1  # jax.pmap replicas and other contexts: one device per computation
 
 
 def _call_name(ctx, kind: str, params: dict[str, Any]) -> str:
   """The call as the user wrote it, e.g. "mpijax.ops.allreduce(float32[4], sum)"."""
   human, _ = call_sites.describe(kind, ctx.avals_in, params)
-  return ("mpijax.train's fused " + human if kind == "allreduce_many"
-          else "mpijax.ops." + human)
+  return "mpijax.train's fused " + human if kind == "allreduce_many" else "mpijax.ops." + human
 
 
 def _platform_error(ctx, kind: str, params: dict[str, Any]) -> NotImplementedError:
@@ -149,12 +153,13 @@ def _platform_error(ctx, kind: str, params: dict[str, Any]) -> NotImplementedErr
   name = _call_name(ctx, kind, params)
   platforms = ", ".join(ctx.module_context.platforms)
   return NotImplementedError(
-      f"{name} at {call_sites.user_location(ctx)} (primitive mpijax_{kind}) is compiled for "
-      f"platform {platforms!r}, but mpijax's MPI transport has CPU handlers only (the GPU "
-      "handler is a build option that is not implemented yet; see the README, 'The "
-      "transport'). Fix: run the program on CPU devices (JAX_PLATFORMS=cpu, or "
-      "jax.config.update('jax_platforms', 'cpu') before any JAX call), or, on GPUs, use "
-      "JAX's own collectives (jax.distributed with jax.lax.psum over a global mesh).")
+    f"{name} at {call_sites.user_location(ctx)} (primitive mpijax_{kind}) is compiled for "
+    f"platform {platforms!r}, but mpijax's MPI transport has CPU handlers only (the GPU "
+    "handler is a build option that is not implemented yet; see the README, 'The "
+    "transport'). Fix: run the program on CPU devices (JAX_PLATFORMS=cpu, or "
+    "jax.config.update('jax_platforms', 'cpu') before any JAX call), or, on GPUs, use "
+    "JAX's own collectives (jax.distributed with jax.lax.psum over a global mesh)."
+  )
 
 
 def _multi_device_error(ctx, kind: str, params: dict[str, Any]) -> ValueError:
@@ -164,19 +169,24 @@ def _multi_device_error(ctx, kind: str, params: dict[str, Any]) -> ValueError:
   name = _call_name(ctx, kind, params)
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     auto = tuple(a for a in axis_context.mesh.axis_names if a not in axis_context.manual_axes)
-    where = (f"inside a shard_map that leaves mesh axes {auto} unmapped, so the call is "
-             f"partitioned over {n} devices")
+    where = (
+      f"inside a shard_map that leaves mesh axes {auto} unmapped, so the call is "
+      f"partitioned over {n} devices"
+    )
   else:
-    where = (f"in a computation partitioned over {n} devices, outside any shard_map (a "
-             "jax.jit that also contains a multi-device mpijax.pmap or shard_map, or an "
-             "argument sharded or replicated over several devices)")
+    where = (
+      f"in a computation partitioned over {n} devices, outside any shard_map (a "
+      "jax.jit that also contains a multi-device mpijax.pmap or shard_map, or an "
+      "argument sharded or replicated over several devices)"
+    )
   return ValueError(
-      f"{name} at {call_sites.user_location(ctx)} (primitive mpijax_{kind}) is called {where}. "
-      "mpijax.ops calls act on one device's rank-local array; here XLA would have to run "
-      "the MPI call once per device on one communicator, or on one device without "
-      "ordering it against the others. Fix: call it inside the mpijax.pmap / "
-      "mpijax.shard_map / jax.shard_map body (each local device then calls MPI on its own "
-      "communicator), use the mpijax.lax collectives over a mesh axis (psum, all_gather, "
-      "...), call it outside the multi-device jax.jit on an array on one device "
-      "(jax.device_put(x, mpijax.local_devices()[0])), or run one device per process "
-      "(mpijax.init(devices_per_process=1), mpijax-run --devices-per-process 1).")
+    f"{name} at {call_sites.user_location(ctx)} (primitive mpijax_{kind}) is called {where}. "
+    "mpijax.ops calls act on one device's rank-local array; here XLA would have to run "
+    "the MPI call once per device on one communicator, or on one device without "
+    "ordering it against the others. Fix: call it inside the mpijax.pmap / "
+    "mpijax.shard_map / jax.shard_map body (each local device then calls MPI on its own "
+    "communicator), use the mpijax.lax collectives over a mesh axis (psum, all_gather, "
+    "...), call it outside the multi-device jax.jit on an array on one device "
+    "(jax.device_put(x, mpijax.local_devices()[0])), or run one device per process "
+    "(mpijax.init(devices_per_process=1), mpijax-run --devices-per-process 1)."
+  )

@@ -43,12 +43,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.interpreters import mlir as mlir_internal
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from mpijax._src.jax_compat import ir
 from mpijax._src.jax_compat import jaxprs_in_params
+from mpijax._src.jax_compat import mlir as mlir_internal
 from mpijax._src.ops.primitive import PRIMITIVES
 
 # XLA's collective primitives whose lowering joins the chain (filled by
@@ -62,6 +62,7 @@ _CAPTURING_OPS = ("stablehlo.case", "stablehlo.if", "stablehlo.while")
 @dataclasses.dataclass
 class BlockChain:
   """The chain's state in one block (a function body or a region) being lowered."""
+
   token: Any = None  # the last order token produced in this block (ir.Value)
   after: list = dataclasses.field(default_factory=list)  # region ops to wait for
   # Results of XLA collectives since the token, for the next MPI call to wait for.
@@ -70,8 +71,7 @@ class BlockChain:
   mpi_before: bool = False
 
 
-_chains: collections.OrderedDict[int, tuple[Any, dict[Any, BlockChain]]] = (
-    collections.OrderedDict())
+_chains: collections.OrderedDict[int, tuple[Any, dict[Any, BlockChain]]] = collections.OrderedDict()
 
 
 def chain_for(ctx) -> dict[Any, BlockChain]:
@@ -105,9 +105,11 @@ def _is_tensor(value) -> bool:
 
 def smallest(values):
   """The smallest ranked-tensor value among ``values`` (what mpijax_join reads), or None."""
+
   def size(v):
     t = ir.RankedTensorType(v.type)
     return int(np.prod(t.shape)) if t.has_static_shape else 1 << 62
+
   return min((v for v in values if _is_tensor(v)), key=size, default=None)
 
 
@@ -121,8 +123,14 @@ def _join_value(token, after):
   if after is None:  # an op without tensor results: nothing to wait on
     return token
   i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
-  call = mlir_internal.custom_call("mpijax_join", result_types=[i32], operands=[token, after],
-                                   backend_config={}, api_version=4, has_side_effect=False)
+  call = mlir_internal.custom_call(
+    "mpijax_join",
+    result_types=[i32],
+    operands=[token, after],
+    backend_config={},
+    api_version=4,
+    has_side_effect=False,
+  )
   return call.results[0]
 
 
@@ -179,9 +187,11 @@ def _binds(prims: set[Primitive], cache, jaxpr) -> bool:
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   hit = cache.get(jaxpr)
   if hit is None:
-    hit = any(eqn.primitive in prims
-              or any(_binds(prims, cache, sub) for sub in jaxprs_in_params(eqn.params))
-              for eqn in jaxpr.eqns)
+    hit = any(
+      eqn.primitive in prims
+      or any(_binds(prims, cache, sub) for sub in jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns
+    )
     cache[jaxpr] = hit
   return hit
 
@@ -202,13 +212,15 @@ def needs_chain(jaxpr) -> bool:
   collectives (see jax_rules.order_xla_collectives).
   """
   return calls_mpi(jaxpr) or (
-      program_calls_mpi() and _binds(XLA_COLLECTIVES, _collective_cache, jaxpr))
+    program_calls_mpi() and _binds(XLA_COLLECTIVES, _collective_cache, jaxpr)
+  )
 
 
 # Whether the program being lowered makes an mpijax call (None: unknown, when
 # JAX's module lowering could not be wrapped; treated as yes).
 _lowering_mpi: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "mpijax_lowering_mpi", default=None)
+  "mpijax_lowering_mpi", default=None
+)
 
 
 def program_calls_mpi() -> bool:
@@ -242,13 +254,17 @@ def gate(args, token):
   # buffer, and the collective would read the data transposed.
   layouts = [list(reversed(range(ir.RankedTensorType(t).rank))) for t in types]
   call = mlir_internal.custom_call(
-      "mpijax_gate", result_types=types, operands=[*(args[i] for i in idx), token],
-      backend_config={}, api_version=4, has_side_effect=False,
-      operand_output_aliases={k: k for k in range(len(idx))},
-      operand_layouts=[*layouts, []], result_layouts=layouts)
+    "mpijax_gate",
+    result_types=types,
+    operands=[*(args[i] for i in idx), token],
+    backend_config={},
+    api_version=4,
+    has_side_effect=False,
+    operand_output_aliases={k: k for k in range(len(idx))},
+    operand_layouts=[*layouts, []],
+    result_layouts=layouts,
+  )
   out = list(args)
   for k, i in enumerate(idx):
     out[i] = call.results[k]
   return out
-
-

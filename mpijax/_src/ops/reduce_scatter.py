@@ -15,8 +15,8 @@ from jax.interpreters import batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
-from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
+from mpijax._src.ops import reduce_ops
 from mpijax._src.ops.allgather import allgather_p
 
 reduce_scatter_p = primitive.make_primitive("mpijax_reduce_scatter")
@@ -47,7 +47,7 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
           f"{info.size}, got shape {x.shape}; reshape to ({info.size}, ...).")
     return reduce_scatter_p.bind(x, comm_id=info.id, op=op, size=info.size)
 
-  return mpi_ops.run_reduction("mpijax.ops.reduce_scatter", op, x, info.size, run)
+  return reduce_ops.run_reduction("mpijax.ops.reduce_scatter", op, x, info.size, run)
 
 
 def _abstract_eval(x, *, comm_id, op, size):

@@ -15,8 +15,8 @@ from jax.interpreters import batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
-from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import primitive
+from mpijax._src.ops import reduce_ops
 from mpijax._src.ops.allreduce import allreduce_p
 
 scan_p = primitive.make_primitive("mpijax_scan")
@@ -39,7 +39,7 @@ def scan(x, op: Any = "sum", *, comm: Any = None) -> jax.Array:
   """
   x = dtypes.as_array("mpijax.ops.scan", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.scan")
-  return mpi_ops.run_reduction("mpijax.ops.scan", op, x, info.size,
+  return reduce_ops.run_reduction("mpijax.ops.scan", op, x, info.size,
                                lambda x, op: scan_p.bind(x, comm_id=info.id, op=op))
 
 

@@ -1,8 +1,8 @@
-"""Layer 6, training: data-parallel training over MPI ranks.
+"""The training layer: data-parallel training over MPI ranks.
 
 Public API in :mod:`mpijax.train`. Modules:
 
-* ``_host``: which communicator and rank to use, host-side helpers.
+* ``communicator``: which communicator and rank to use; the sleeping barrier.
 * ``broadcast``: parameters and optimizer state from one rank to all.
 * ``gradients``: fused (bucketed) gradient all-reduce as an optax
   ``GradientTransformation``, and gradient accumulation.

@@ -11,7 +11,7 @@ import numpy as np
 from mpijax._src import config
 from mpijax._src import mpi_util
 from mpijax._src import tree_codec as _codec
-from mpijax._src.train import _host
+from mpijax._src.train import communicator
 
 
 def _some(paths: list[str], limit: int = 3) -> str:
@@ -105,7 +105,7 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
   Examples:
     >>> params = mpijax.train.broadcast(init_params(jax.random.key(rank)))  # doctest: +SKIP
   """
-  comm = _host.get_comm(comm, "mpijax.train.broadcast")
+  comm = communicator.get_comm(comm, "mpijax.train.broadcast")
   size = comm.Get_size()
   if not 0 <= root < size:
     raise ValueError(f"broadcast got root={root}, but the communicator has {size} ranks (0..{size - 1})")

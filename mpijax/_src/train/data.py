@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from mpijax._src import mpi_util
-from mpijax._src.train import _host
+from mpijax._src import runtime
+from mpijax._src.train import communicator
 
 
 class Batch(NamedTuple):
@@ -73,9 +74,9 @@ class ShardedBatches:
                process_index: int | None = None, process_count: int | None = None,
                comm: Any | None = None):
     if process_index is None or process_count is None:
-      if comm is None and not replicated and _host.runtime.is_initialized():
-        comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
-      rank, size = _host.rank_and_size(comm)
+      if comm is None and not replicated and runtime.is_initialized():
+        comm = communicator.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
+      rank, size = communicator.rank_and_size(comm)
       process_index = rank if process_index is None else process_index
       process_count = size if process_count is None else process_count
     # With replicated=False the ranks meet in an allgather below; a rank whose
@@ -135,7 +136,7 @@ class ShardedBatches:
       # lets every rank compute the same step count and the global count of
       # real samples in each step, without moving any data.
       if comm is None and process_count > 1:
-        comm = _host.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
+        comm = communicator.get_comm(None, "mpijax.train.shard_batches(replicated=False)")
       counts = mpi_util.allgather_int(comm, n_local) if process_count > 1 else [n_local]
       if error is not None or min(counts) < 0:
         _raise_everywhere(comm, error, "shard_batches(replicated=False)")
@@ -197,9 +198,9 @@ class ShardedBatches:
   def _size_check_comm(comm: Any | None, process_count: int) -> Any | None:
     """The communicator of the replicated size check, None where none runs."""
     if comm is None:
-      if not _host.runtime.is_initialized():
+      if not runtime.is_initialized():
         return None  # process_index/process_count given by hand, no MPI job
-      comm = _host.get_comm(None, "mpijax.train.shard_batches")
+      comm = communicator.get_comm(None, "mpijax.train.shard_batches")
     return comm if comm.Get_size() == process_count else None
 
   @classmethod

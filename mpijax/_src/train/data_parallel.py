@@ -18,8 +18,8 @@ from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
 from mpijax._src.timeline import record as _timeline
-from mpijax._src.train import _host
 from mpijax._src.train import broadcast as _bcast
+from mpijax._src.train import communicator
 from mpijax._src.train import data as _data
 from mpijax._src.train import gradients as _grads
 from mpijax._src.train import metrics as _metrics
@@ -41,7 +41,7 @@ def _all_ranks_or_none(comm: Any, what: str):
     yield
   except Exception as e:  # reported to every rank below
     error = e
-  _host.idle_barrier(comm)
+  communicator.idle_barrier(comm)
   problem = "" if error is None else f"{type(error).__name__}: {error}".split("\n")[0][:500]
   bad = mpi_util.rank_problems(comm, problem) if comm.Get_size() > 1 else []
   if error is not None:
@@ -437,7 +437,7 @@ class DataParallel:
       # ranks that compile faster do not busy-wait in the first all-reduce on
       # cores the slower ranks need (oversubscribed CPU runs). A rank whose
       # batch does not fit the model fails here, and every rank hears of it.
-      comm = _host.get_comm(self.comm, "mpijax.train.DataParallel.step")
+      comm = communicator.get_comm(self.comm, "mpijax.train.DataParallel.step")
       # The first trace of an mpijax op on a communicator registers it, a
       # collective: do it here, on every rank, so that a rank whose trace
       # fails early cannot leave the others in that collective.
@@ -504,7 +504,7 @@ class DataParallel:
       ``{"loss": ..., **aux}`` (or ``{"loss": ..., "aux": aux}``), scalars as
       Python floats, identical on every rank.
     """
-    comm = _host.get_comm(self.comm, "mpijax.train.DataParallel.evaluate")
+    comm = communicator.get_comm(self.comm, "mpijax.train.DataParallel.evaluate")
     # A rank whose arrays are unusable (e.g. leaves with different sample
     # counts) must not raise alone: the others would wait for it in the
     # collectives below.

@@ -26,7 +26,7 @@ from mpijax._src.axes import axis_env
 from mpijax._src.ops.allreduce import allreduce_many
 from mpijax._src.ops.fence import after_calls
 from mpijax._src.ops.fence import unfused
-from mpijax._src.train import _host
+from mpijax._src.train import communicator
 
 _COMPRESSION = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
                 "fp16": jnp.float16, "float16": jnp.float16}
@@ -237,7 +237,7 @@ def _fused_allreduce(tree: Any, *, average: bool, bucket_bytes: int | None,
     fuse_leaf_bytes = int(config.get("fuse_leaf_bytes"))
   # The user's communicator (or None = the runtime's) goes to the transport
   # unchanged; here it only tells how many ranks share the sum.
-  nranks = _host.get_comm(comm, "mpijax.train.allreduce_gradients").Get_size()
+  nranks = communicator.get_comm(comm, "mpijax.train.allreduce_gradients").Get_size()
   local_axis_name = _jax_local_axis(local_axis_name, nranks)
 
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpijax._src import mpi_util
-from mpijax._src.train import _host
+from mpijax._src.train import communicator
 
 
 def _is_traced(leaves: list[Any]) -> bool:
@@ -47,7 +47,7 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
               for x in leaves]
     return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
                                      average=True, comm=comm, overlap=False)
-  comm = _host.get_comm(comm, "mpijax.train.mean_metrics")
+  comm = communicator.get_comm(comm, "mpijax.train.mean_metrics")
   arrays, problem = [], ""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     try:
@@ -88,7 +88,7 @@ def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray], problem:
 
 def is_main_process(comm: Any | None = None) -> bool:
   """True on rank 0 (and in a plain single process)."""
-  return _host.rank_and_size(comm)[0] == 0
+  return communicator.rank_and_size(comm)[0] == 0
 
 
 def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
@@ -133,7 +133,7 @@ def _line_mode(file: Any) -> bool:
       return True
   except (AttributeError, OSError, ValueError):
     return True
-  return _host.launcher() is not None
+  return communicator.launcher() is not None
 
 
 def _lines(iterable: Iterable[Any], tqdm: Any, *, file: Any, desc: str | None = None,

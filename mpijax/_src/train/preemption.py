@@ -22,7 +22,7 @@ from typing import Any
 
 from mpijax._src import failure
 from mpijax._src import mpi_util
-from mpijax._src.train import _host
+from mpijax._src.train import communicator
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -117,10 +117,10 @@ def stop_requested(comm: Any | None = None) -> bool:
   (e.g. every 10 steps) in a loop that does not use ``DataParallel``, then
   checkpoint and ``raise Preempted(step, path)`` when it says so.
   """
-  rank_count = _host.rank_and_size(comm)[1]
+  rank_count = communicator.rank_and_size(comm)[1]
   if rank_count == 1:
     return preemption_requested()
-  comm = _host.get_comm(comm, "mpijax.train.stop_requested")
+  comm = communicator.get_comm(comm, "mpijax.train.stop_requested")
   MPI = mpi_util.import_mpi()
   return bool(comm.allreduce(1 if preemption_requested() else 0, op=MPI.MAX))
 

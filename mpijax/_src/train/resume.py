@@ -22,8 +22,8 @@ import numpy as np
 from mpijax._src import config
 from mpijax._src import log
 from mpijax._src import mpi_util
-from mpijax._src.train import _host
 from mpijax._src.train import checkpoint as _ckpt
+from mpijax._src.train import communicator
 
 _NAME = re.compile(r"step_(\d+)\.ckpt")
 
@@ -161,7 +161,7 @@ def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
     >>> epoch, start = divmod(int(state.step), steps_per_epoch)
   """
   fresh = init_fn()
-  rank = _host.rank_and_size(_ckpt._comm_or_none(comm))[0]
+  rank = communicator.rank_and_size(_ckpt._comm_or_none(comm))[0]
   skipped: list[str] = []
   for step, path in reversed(list_checkpoints(directory, comm=comm)):
     try:

@@ -1,4 +1,5 @@
-"""Which communicator, rank and rank count the training layer talks to."""
+"""Which communicator, rank and rank count the training layer talks to, and a
+barrier that sleeps while it waits."""
 
 from __future__ import annotations
 

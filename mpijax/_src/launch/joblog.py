@@ -30,9 +30,9 @@ from typing import IO
 
 # One regular expression per tag style; group "rank" is the rank.
 _TAGS = {
-    "openmpi": re.compile(rb"^\[\d+,(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?"),
-    "mpich": re.compile(rb"^\[(?P<rank>\d+)\] ?"),
-    "srun": re.compile(rb"^ *(?P<rank>\d+): "),
+  "openmpi": re.compile(rb"^\[\d+,(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?"),
+  "mpich": re.compile(rb"^\[(?P<rank>\d+)\] ?"),
+  "srun": re.compile(rb"^ *(?P<rank>\d+): "),
 }
 
 _KEEP_LINES = 400  # launcher lines kept for the exit reason
@@ -44,7 +44,7 @@ def split_tag(kind: str, line: bytes) -> tuple[int | None, bytes]:
   m = _TAGS[kind].match(line)
   if m is None:
     return None, line
-  return int(m.group("rank")), line[m.end():]
+  return int(m.group("rank")), line[m.end() :]
 
 
 _HYDRA_TAG = re.compile(rb"\[(\d+)\] ")
@@ -112,42 +112,64 @@ def _says(template: str) -> Callable[[re.Match], str]:
 
 # The launchers' messages (whitespace-normalized, since they wrap lines), each
 # with the reason it gives.
-_LAUNCHER_REASONS = [(re.compile(pattern), reason) for pattern, reason in [
+_LAUNCHER_REASONS = [
+  (re.compile(pattern), reason)
+  for pattern, reason in [
     # Open MPI 4 and 5
-    (_OMPI_RANK + r"exited on signal (\d+) \(([^)]*)\)",
-     _says("rank {1} on node {2} was killed by signal {3} ({4})")),
+    (
+      _OMPI_RANK + r"exited on signal (\d+) \(([^)]*)\)",
+      _says("rank {1} on node {2} was killed by signal {3} ({4})"),
+    ),
     (r"Process name: \[[^\]]*?,(\d+)\] Exit code: (\d+)", _says("rank {1} exited with status {2}")),
     (_OMPI_RANK + r"calling \"abort\"", _says("rank {1} on node {2} called MPI_Abort")),
-    (r"MPI_ABORT was invoked on rank (\d+) in communicator \S+ with errorcode (\d+)",
-     _says("rank {1} called MPI_Abort (error code {2})")),
+    (
+      r"MPI_ABORT was invoked on rank (\d+) in communicator \S+ with errorcode (\d+)",
+      _says("rank {1} called MPI_Abort (error code {2})"),
+    ),
     (_OMPI_RANK + r"exiting improperly", _says("rank {1} on node {2} exited without MPI_Finalize")),
-    (r"A daemon failed to report back.*?Remote host: (\S+)",
-     _says("the launcher lost its daemon on host {1} (or could not start it)")),
-    (r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (\S+)",
-     _says("the launcher lost communication with its daemon on host {1}")),
-    (r"(?:ORTE|PRTE) (?:was|is) unable to reliably start one or more daemons",
-     _says("the launcher could not start its daemons on every host")),
+    (
+      r"A daemon failed to report back.*?Remote host: (\S+)",
+      _says("the launcher lost its daemon on host {1} (or could not start it)"),
+    ),
+    (
+      r"lost communication with a remote daemon.*?Remote daemon: \S+ on node (\S+)",
+      _says("the launcher lost communication with its daemon on host {1}"),
+    ),
+    (
+      r"(?:ORTE|PRTE) (?:was|is) unable to reliably start one or more daemons",
+      _says("the launcher could not start its daemons on every host"),
+    ),
     # Slurm
-    (r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
-     r"[A-Z][a-z]+(?: [a-z]+)*)",
-     lambda m: f"task {m[2]} on node {m[1]}: {m[3].lower()}"),
+    (
+      r"srun: error: (\S+): tasks? ([\d,\-]+): (Exited with exit code \d+|"
+      r"[A-Z][a-z]+(?: [a-z]+)*)",
+      lambda m: f"task {m[2]} on node {m[1]}: {m[3].lower()}",
+    ),
     # MPICH / Hydra (older versions name the rank, 4.x and 5.x only the PID)
-    (r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
-     r"|EXIT STATUS: \d+|EXIT CODE: \d+)(?:.*?EXIT STRING: (.*?\(signal \d+\)))?",
-     lambda m: (f"{'rank ' + m[1] if m[1] else 'a rank'} on node {m[2]}: {m[3].lower()}"
-                + (f" ({m[4].lower()})" if m[4] else ""))),
-]]
+    (
+      r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)[=\s]*(KILLED BY SIGNAL: \d+(?: \([^)]*\))?"
+      r"|EXIT STATUS: \d+|EXIT CODE: \d+)(?:.*?EXIT STRING: (.*?\(signal \d+\)))?",
+      lambda m: (
+        f"{'rank ' + m[1] if m[1] else 'a rank'} on node {m[2]}: {m[3].lower()}"
+        + (f" ({m[4].lower()})" if m[4] else "")
+      ),
+    ),
+  ]
+]
 
 # Messages that mean the job failed even when the launcher's exit status is 0
 # (Open MPI 5's prterun exits 0 when a remote daemon and its ranks are killed).
-_FATAL = re.compile(r"A daemon failed to report back|lost communication with a remote daemon|"
-                    r"unable to reliably start one or more daemons|exited on signal \d+")
+_FATAL = re.compile(
+  r"A daemon failed to report back|lost communication with a remote daemon|"
+  r"unable to reliably start one or more daemons|exited on signal \d+"
+)
 
 
 def describe_status(status: int) -> str:
   """``exit status 3`` / ``exit status 137 (signal 9, SIGKILL)``."""
   if status > 128:
     import signal
+
     try:
       name = signal.Signals(status - 128).name
       return f"exit status {status} (signal {status - 128}, {name})"
@@ -159,8 +181,10 @@ def describe_status(status: int) -> str:
 @dataclasses.dataclass
 class Reasons:
   """What the launcher and the ranks said while an attempt ran."""
+
   launcher_lines: collections.deque = dataclasses.field(
-      default_factory=lambda: collections.deque(maxlen=_KEEP_LINES))
+    default_factory=lambda: collections.deque(maxlen=_KEEP_LINES)
+  )
   mpijax: list[str] = dataclasses.field(default_factory=list)
   last_trace: dict[int, str] = dataclasses.field(default_factory=dict)
   _uncaught: list[tuple[int, str]] = dataclasses.field(default_factory=list)
@@ -211,7 +235,7 @@ class Reasons:
 
 def _shorten(text: str, limit: int = 240) -> str:
   text = " ".join(text.split())
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --- the relay ------------------------------------------------------------------
@@ -227,8 +251,14 @@ class Relay:
     tee: with ``log_dir``, also show the ranks' lines on the console.
   """
 
-  def __init__(self, kind: str, log_dir: str | None = None, tee: bool = False,
-               stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None):
+  def __init__(
+    self,
+    kind: str,
+    log_dir: str | None = None,
+    tee: bool = False,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
+  ):
     self.kind = kind
     self.log_dir = log_dir
     self.tee = tee
@@ -287,8 +317,9 @@ class Relay:
     for pipe, console in ((stdout_pipe, self.stdout), (stderr_pipe, self.stderr)):
       if pipe is None:
         continue
-      t = threading.Thread(target=self._pump, args=(pipe, console, HydraDemux()), daemon=True,
-                           name="mpijax-run-relay")
+      t = threading.Thread(
+        target=self._pump, args=(pipe, console, HydraDemux()), daemon=True, name="mpijax-run-relay"
+      )
       t.start()
       self._threads.append(t)
 
@@ -331,8 +362,13 @@ class Relay:
     except OSError:
       pass
 
-  def _lines(self, lines: Iterable[bytes], console: IO[bytes], hydra: HydraDemux | None = None,
-             final: bool = False) -> None:
+  def _lines(
+    self,
+    lines: Iterable[bytes],
+    console: IO[bytes],
+    hydra: HydraDemux | None = None,
+    final: bool = False,
+  ) -> None:
     show = bytearray()
     with self._lock:
       for line in lines:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from mpijax._src import runtime
-from mpijax._src.compat import mpi4jax_autodiff
+from mpijax._src.mpi4jax import autodiff
 from mpijax._src.ops import allgather as _allgather
 from mpijax._src.ops import alltoall as _alltoall
 from mpijax._src.ops import barrier as _barrier
@@ -31,8 +31,8 @@ from mpijax._src.ops import bcast as _bcast
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import gather as _gather
-from mpijax._src.ops import mpi_ops
 from mpijax._src.ops import p2p
+from mpijax._src.ops import reduce_ops
 from mpijax._src.ops import scan as _scan
 from mpijax._src.ops import scatter as _scatter
 
@@ -94,7 +94,7 @@ def _op(fn: str, op: Any) -> Any:
 
 def _nd(x: Any, name: str) -> Any:
   """``x`` as the input of a function mpi4jax does not differentiate."""
-  return mpi4jax_autodiff.no_derivative(dtypes.as_array(name, x), name)
+  return autodiff.no_derivative(dtypes.as_array(name, x), name)
 
 
 def _rank_size(comm: Any, fn: str) -> tuple[int, int]:
@@ -121,9 +121,9 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
   comm, op = _comm("allreduce", comm), _op("allreduce", op)
   x = dtypes.as_array("allreduce", x)
   info = communicators.resolve_comm(comm, "allreduce")
-  return mpi_ops.run_reduction(
+  return reduce_ops.run_reduction(
       "allreduce", op, x, info.size,
-      lambda x, op: mpi4jax_autodiff.allreduce_p.bind(x, comm_id=info.id, op=op))
+      lambda x, op: autodiff.allreduce_p.bind(x, comm_id=info.id, op=op))
 
 
 def allgather(x, *, comm=None, token=_NOTSET):

@@ -1,1 +1,0 @@
-"""Other libraries' APIs on mpijax's transport (see mpijax.compat)."""

@@ -1,0 +1,1 @@
+"""mpi4jax's API on mpijax's transport: ``api`` (public in mpijax.compat.mpi4jax), ``autodiff``."""
