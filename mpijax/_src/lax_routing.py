@@ -54,8 +54,8 @@ _AXIS_ARG: dict[str, int | str] = {
 class Router(Protocol):
   """Who answers ``jax.lax`` calls over some axis names."""
 
-  def owns(self, name: Hashable) -> bool:
-    """True for an axis name whose collectives this router runs."""
+  def owns(self, fn: str, name: Hashable) -> bool:
+    """True if this router runs ``jax.lax.<fn>`` over the axis ``name``."""
 
   def call(self, fn: str, args: tuple, kwargs: dict) -> Any:
     """Runs ``jax.lax.<fn>(*args, **kwargs)`` over an axis it owns."""
@@ -104,7 +104,7 @@ def _dispatcher(fn: str) -> Callable[..., Any]:
     if routers:
       names = axis_names(fn, args, kwargs)
       for router in reversed(routers):  # the innermost binding first
-        if any(router.owns(n) for n in names):
+        if any(router.owns(fn, n) for n in names):
           return router.call(fn, args, kwargs)
     return jax_fn(*args, **kwargs)
 
@@ -206,13 +206,15 @@ _MESH_ROUTES: dict[str, Callable[..., Any]] = {
 class _MeshAxes:
   """Routes ``jax.lax`` calls over the axes of the enclosing mpijax maps to :mod:`mpijax.lax`."""
 
-  def owns(self, name: Hashable) -> bool:
-    return _spanning(name)
+  def owns(self, fn: str, name: Hashable) -> bool:
+    # A purely local axis is JAX's own, except for pbroadcast, which JAX does not
+    # lower on CPU (mpijax's is a masked psum).
+    return _spanning(name) or (fn == "pbroadcast" and name in axis_env())
 
   def call(self, fn: str, args: tuple, kwargs: dict) -> Any:
     route = _MESH_ROUTES.get(fn)
     if route is None:
-      names = [n for n in axis_names(fn, args, kwargs) if _spanning(n)]
+      names = [n for n in axis_names(fn, args, kwargs) if self.owns(fn, n)]
       raise NotImplementedError(
         f"jax.lax.{fn} over axis {names[0]!r}, which spans ranks, is not supported by "
         "mpijax's maps; use mpijax.lax.ppermute (or mpijax.ops.send/recv between ranks)."

@@ -217,13 +217,13 @@ _REPLACEMENTS: dict[str, Callable[..., Any]] = {
 class _DataAxes:
   """Routes ``jax.lax`` calls over the bound data axes (lax_routing.Router)."""
 
-  def owns(self, name: Any) -> bool:
+  def owns(self, fn: str, name: Any) -> bool:
     return name in _bound()
 
   def call(self, fn: str, args: tuple, kwargs: dict) -> Any:
     replacement = _REPLACEMENTS.get(fn)
     if replacement is None:
-      name = next(n for n in lax_routing.axis_names(fn, args, kwargs) if self.owns(n))
+      name = next(n for n in lax_routing.axis_names(fn, args, kwargs) if self.owns(fn, n))
       raise NotImplementedError(
           f"jax.lax.{fn} over DataParallel's axis_name {name!r} is not supported; the data "
           "axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size")
