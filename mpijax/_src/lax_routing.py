@@ -76,7 +76,7 @@ def _routers() -> tuple[Router, ...]:
   return getattr(_tls, "routers", ())
 
 
-def _hashable(x: Any) -> bool:
+def hashable(x: Any) -> bool:
   try:
     hash(x)
   except TypeError:
@@ -92,7 +92,7 @@ def axis_names(fn: str, args: tuple, kwargs: dict) -> list:
   else:
     name = args[where]
   names = tuple(name) if isinstance(name, (tuple, list)) else (name,)
-  return [n for n in names if _hashable(n)]
+  return [n for n in names if hashable(n)]
 
 
 def _dispatcher(fn: str) -> Callable[..., Any]:
@@ -157,7 +157,7 @@ def _local_part(names: tuple) -> tuple:
   """``names`` with each mpijax axis replaced by its local part's name (if it has one)."""
   env, out = axis_env(), []
   for n in names:
-    if _hashable(n) and n in env:
+    if hashable(n) and n in env:
       a = env[n][1]
       if a.local_size > 1 or a.size == 1:
         out.append(a.local_name)

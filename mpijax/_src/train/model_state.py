@@ -123,17 +123,9 @@ def _bound() -> dict[Any, _Axis]:
 def _split_names(axis_name: Any) -> tuple[list[_Axis], tuple]:
   names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   bound = _bound()
-  ours = [bound[n] for n in names if _hashable(n) and n in bound]
-  others = tuple(n for n in names if not (_hashable(n) and n in bound))
+  ours = [bound[n] for n in names if lax_routing.hashable(n) and n in bound]
+  others = tuple(n for n in names if not (lax_routing.hashable(n) and n in bound))
   return ours, others
-
-
-def _hashable(x: Any) -> bool:
-  try:
-    hash(x)
-  except TypeError:
-    return False
-  return True
 
 
 def _allreduce(x: Any, op: str, axis: _Axis) -> Any:
