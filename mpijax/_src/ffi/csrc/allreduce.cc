@@ -108,8 +108,12 @@ ffi::ErrorOr<bool> UseShm(const CallInfo& info, size_t bytes) {
   return *ready && bytes <= dc->node.segment_bytes();
 }
 
-}  // namespace
-
+// Whether an all-reduce of `bytes` in `buffers` buffers runs CmaAllreduce:
+// from cma_min_bytes on, up to node_local::kCmaMaxBuffers buffers, with
+// all ranks on one node, and cross-memory attach
+// allowed between them (setting up the node-local paths at the first call
+// that could use them: collective; with several local devices, each on its
+// own communicator). Allocation-free, like UseRing.
 ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
   int64_t min_bytes = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
   if (info.dc == nullptr || info.comm_size < 2 || min_bytes <= 0 ||
@@ -121,6 +125,7 @@ ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers) {
   return *ready && info.dc->node.cma_ok;
 }
 
+// The all-reduce of `spans` by cross-memory attach (after UseCma).
 ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
                         ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
                         int64_t divisor) {
@@ -131,6 +136,22 @@ ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
   }
   HandlerCaller caller(info, type, divisor);
   return ToFfi(node_local::CmaAllreduce(info.dc->node, caller, spans, dt, mop));
+}
+
+}  // namespace
+
+ffi::ErrorOr<int> AllreducePath(const CallInfo& info, size_t bytes,
+                                size_t buffers, bool in_place) {
+  auto cma = UseCma(info, bytes, buffers);
+  if (cma.has_error()) return ffi::Unexpected(cma.error());
+  if (*cma) return kPathCma;
+  if (UseRing(info, bytes, in_place)) return kPathRing;
+  if (buffers == 1) {
+    auto shm = UseShm(info, bytes);
+    if (shm.has_error()) return ffi::Unexpected(shm.error());
+    if (*shm) return kPathShm;
+  }
+  return kPathMpi;
 }
 
 ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
@@ -145,24 +166,21 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
   if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
   size_t es = ffi::ByteWidth(type);
   bool in_place = src == dst;  // the output aliases the (donated) input
-  auto cma = UseCma(info, n * es, 1);
-  if (cma.has_error()) return cma.error();
-  if (*cma || UseRing(info, n * es, in_place)) {
+  auto path = AllreducePath(info, n * es, 1, in_place);
+  if (path.has_error()) return path.error();
+  info.path |= *path;
+  if (*path == kPathCma || *path == kPathRing) {
     Spans spans(es);
     spans.Add(src, dst, n);
-    info.path |= *cma ? kPathCma : kPathRing;
-    if (*cma) return CmaAllreduce(info, spans, type, dt, mop, divisor);
+    if (*path == kPathCma)
+      return CmaAllreduce(info, spans, type, dt, mop, divisor);
     return RingSegments(info, comm, spans, type, dt, mop, divisor);
   }
-  auto shm = UseShm(info, n * es);
-  if (shm.has_error()) return shm.error();
-  if (*shm) {
-    info.path |= kPathShm;
+  if (*path == kPathShm) {
     HandlerCaller caller(info, type, divisor);
     return ToFfi(node_local::ShmAllreduce(info.dc->node, caller, src, dst, n,
                                           es, dt, mop));
   }
-  info.path |= kPathMpi;
   size_t chunk = ChunkElems(es);
   for (size_t off = 0; off < n; off += chunk) {
     int count = static_cast<int>(std::min(chunk, n - off));
@@ -176,6 +194,43 @@ ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
           e.failure())
         return e;
     }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AllreduceBuffers(
+    CallInfo& info, MPI_Comm comm,
+    const std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>>& bufs,
+    int64_t op) {
+  if (bufs.empty()) return ffi::Error::Success();
+  ffi::DataType type = bufs.front().first.element_type();
+  MPI_Datatype dt;
+  MPI_Op mop;
+  if (auto e = ReductionTypes(type, op, &dt, &mop); e.failure()) return e;
+  Spans spans(ffi::ByteWidth(type));
+  for (const auto& [x, out] : bufs) {
+    spans.Add(static_cast<const char*>(x.untyped_data()),
+              static_cast<char*>(out.untyped_data()), x.element_count());
+  }
+  info.dtype = type;
+  info.dims = bufs.front().first.dimensions();
+  auto path = AllreducePath(info, spans.size() * spans.elem_bytes(),
+                            spans.buffers(), spans.any_in_place());
+  if (path.has_error()) return path.error();
+  if (*path == kPathCma) {
+    info.path |= kPathCma;
+    return CmaAllreduce(info, spans, type, dt, mop, 1);
+  }
+  if (*path == kPathRing) {
+    info.path |= kPathRing;
+    return RingSegments(info, comm, spans, type, dt, mop, 1);
+  }
+  // Shared memory takes one buffer at a time, as MPI's all-reduce does: each
+  // buffer goes its own way (AllreducePath again, for that buffer alone).
+  for (const auto& [x, out] : bufs) {
+    info.dims = x.dimensions();
+    if (auto e = AllreduceBuffer(info, comm, x, out, op, 1); e.failure())
+      return e;
   }
   return ffi::Error::Success();
 }

@@ -1,6 +1,7 @@
 // Which path an all-reduce takes: cross-memory attach, the ring, node-local
 // shared memory, or MPI's own all-reduce (chunked, blocking or polled by
-// size), and the node-local paths run under the stall inspector.
+// size), for one buffer or several of one dtype, and the node-local paths
+// run under the stall inspector.
 #ifndef MPIJAX_FFI_ALLREDUCE_H_
 #define MPIJAX_FFI_ALLREDUCE_H_
 
@@ -8,33 +9,39 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "call.h"
-#include "spans.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpijax::detail {
 
-// One buffer's all-reduce: by cross-memory attach (UseCma), the ring
-// (UseRing), shared memory or MPI's, chunked, each chunk blocking or polled
-// by size; with a divisor (op "mean") each chunk is divided right after its
-// MPI call.
+// The path an all-reduce of `bytes` in `buffers` buffers of one dtype takes
+// (a kPath* bit), in this order: cross-memory attach (UseCma), the ring
+// (UseRing; `in_place`: some buffer is reduced in place), node-local shared
+// memory (one buffer that fits the segment), else MPI's all-reduce
+// (kPathMpi), buffer by buffer. The one place the order is decided: both
+// AllreduceBuffer and AllreduceBuffers ask it. The first call that could
+// take a node-local path sets them up (collective).
+ffi::ErrorOr<int> AllreducePath(const CallInfo& info, size_t bytes,
+                                size_t buffers, bool in_place);
+
+// One buffer's all-reduce, on the path AllreducePath chooses; MPI's is
+// chunked, each chunk blocking or polled by size. With a divisor (op
+// "mean") each chunk is divided right after its MPI call.
 ffi::Error AllreduceBuffer(const CallInfo& info, MPI_Comm comm,
                            ffi::AnyBuffer x, ffi::AnyBuffer out, int64_t op,
                            int64_t divisor);
 
-// Whether an all-reduce of `bytes` in `buffers` buffers runs CmaAllreduce:
-// from cma_min_bytes on, up to node_local::kCmaMaxBuffers buffers, with
-// all ranks on one node, and cross-memory attach
-// allowed between them (setting up the node-local paths at the first call
-// that could use them: collective; with several local devices, each on its
-// own communicator). Allocation-free, like UseRing.
-ffi::ErrorOr<bool> UseCma(const CallInfo& info, size_t bytes, size_t buffers);
-
-// The all-reduce of `spans` by cross-memory attach (after UseCma).
-ffi::Error CmaAllreduce(const CallInfo& info, const Spans& spans,
-                        ffi::DataType type, MPI_Datatype dt, MPI_Op mop,
-                        int64_t divisor);
+// Buffers of one dtype (the buckets of a gradient tree), inputs and results:
+// all of them in one cross-memory all-reduce or one ring when AllreducePath
+// chooses either for their total, else one after another as
+// AllreduceBuffer. Sets info's dtype, and its dims to the buffer at hand.
+ffi::Error AllreduceBuffers(
+    CallInfo& info, MPI_Comm comm,
+    const std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>>& bufs,
+    int64_t op);
 
 // The all-reduce over every local device of every rank of the communicator
 // (a psum over a mesh axis spanning all of them), as participant

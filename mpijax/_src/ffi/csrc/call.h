@@ -22,7 +22,7 @@ struct CallInfo {
   int comm_size;
   int64_t comm_id;
   int64_t device;
-  DevComm* dc = nullptr;  // set by MPIJAX_ENTER
+  DevComm* dc = nullptr;  // set by RunCall (handler.h)
   int64_t site = -1;
   int64_t sig = 0;
   // For the timeline: the bytes of all operands when not just dims x dtype

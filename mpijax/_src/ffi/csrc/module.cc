@@ -158,25 +158,9 @@ NB_MODULE(_mpijax_ffi, m) {
 
   m.def("registrations", [] {
     nb::dict d;
-    d["mpijax_allreduce"] = Capsule(kAllreduce);
-    d["mpijax_allreduce_many"] = Capsule(kAllreduceMany);
-    d["mpijax_device_allreduce"] = Capsule(kDeviceAllreduce);
-    d["mpijax_allgather"] = Capsule(kAllgather);
-    d["mpijax_reduce_scatter"] = Capsule(kReduceScatter);
-    d["mpijax_alltoall"] = Capsule(kAlltoall);
-    d["mpijax_bcast"] = Capsule(kBcast);
-    d["mpijax_reduce"] = Capsule(kReduce);
-    d["mpijax_ppermute"] = Capsule(kPpermute);
-    d["mpijax_barrier"] = Capsule(kBarrier);
-    d["mpijax_gather"] = Capsule(kGather);
-    d["mpijax_scatter"] = Capsule(kScatter);
-    d["mpijax_scan"] = Capsule(kScan);
-    // One handler; three names, so stall reports name the call.
-    d["mpijax_send"] = Capsule(kP2p);
-    d["mpijax_recv"] = Capsule(kP2p);
-    d["mpijax_sendrecv"] = Capsule(kP2p);
-    d["mpijax_join"] = Capsule(kJoin);
-    d["mpijax_gate"] = Capsule(kGate);
+#define MPIJAX_REGISTER_HANDLER(symbol, target) d[target] = Capsule(symbol);
+    MPIJAX_HANDLERS(MPIJAX_REGISTER_HANDLER)
+#undef MPIJAX_REGISTER_HANDLER
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 
