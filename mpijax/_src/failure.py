@@ -36,9 +36,14 @@ def add_hint(match: str, hint: str) -> None:
     _hints.append((match, hint))
 
 
-def report_and_abort(exc_type: type[BaseException], exc: BaseException,
-                     tb: TracebackType | None, *, exit_code: int = 1,
-                     where: str = "") -> None:
+def report_and_abort(
+  exc_type: type[BaseException],
+  exc: BaseException,
+  tb: TracebackType | None,
+  *,
+  exit_code: int = 1,
+  where: str = "",
+) -> None:
   """Prints ``exc`` prefixed with this rank, then aborts every rank.
 
   The first line names the rank, the exception and its message, so it leads
@@ -51,8 +56,10 @@ def report_and_abort(exc_type: type[BaseException], exc: BaseException,
   lines = "".join(traceback.format_exception(exc_type, exc, _user_frames(tb)))
   lines = lines.rstrip("\n").split("\n")
   lines += [f"mpijax: {hint}" for match, hint in _hints if match in str(exc)]
-  head = (f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}, aborting the job "
-          f"(exit code {exit_code})" + (f": {message}" if message else ""))
+  head = (
+    f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}, aborting the job "
+    f"(exit code {exit_code})" + (f": {message}" if message else "")
+  )
   try:
     sys.stdout.flush()
     sys.stderr.write(head + "\n" + "\n".join(prefix + line for line in lines) + "\n")
@@ -64,7 +71,9 @@ def report_and_abort(exc_type: type[BaseException], exc: BaseException,
 
 def _wrapper_frame(tb: TracebackType) -> bool:
   name = tb.tb_frame.f_code.co_filename
-  return name == __file__ or name.startswith("<frozen runpy>") or os.path.basename(name) == "runpy.py"
+  return (
+    name == __file__ or name.startswith("<frozen runpy>") or os.path.basename(name) == "runpy.py"
+  )
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -85,6 +94,7 @@ def abort(exit_code: int = 1) -> None:
     if mpi.COMM_WORLD.Get_size() > 1:
       mpi.COMM_WORLD.Abort(exit_code)
     from mpijax._src import mpi_util
+
     mpi_util.remove_singleton_segments()
   os._exit(exit_code)
 

@@ -128,8 +128,11 @@ def _note_job_files(segments: list[tuple[str, int, int]]) -> None:
   directory = config.get("job_files")
   if not directory:
     return
-  note = {"pid": os.getpid(), "host": socket.gethostname(),
-          "segments": [path for path, _, _ in segments]}
+  note = {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "segments": [path for path, _, _ in segments],
+  }
   try:
     with open(os.path.join(directory, f"{socket.gethostname()}-{os.getpid()}.json"), "w") as f:
       json.dump(note, f)

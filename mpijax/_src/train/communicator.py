@@ -37,6 +37,7 @@ def rank_and_size(comm: Any | None = None) -> tuple[int, int]:
 def launcher() -> Any | None:
   """The detector of the launcher that started this process (mpirun, srun, ...), or None."""
   from mpijax._src import cluster
+
   for detector in cluster.base.registered():
     if detector.name not in ("mpi", "single") and detector.is_env_present():
       return detector
@@ -51,6 +52,7 @@ def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:
   steals the CPU that a slower rank needs to finish compiling.
   """
   import time
+
   if comm.Get_size() == 1:
     return
   req = comm.Ibarrier()

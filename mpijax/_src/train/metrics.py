@@ -41,12 +41,16 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if _is_traced(leaves):
     from mpijax._src.train import gradients
+
     # A metric's mean is a fraction: integer and bool leaves (counts, flags)
     # are averaged as float32, not floored in their own dtype.
-    leaves = [x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
-              for x in leaves]
-    return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
-                                     average=True, comm=comm, overlap=False)
+    leaves = [
+      x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
+      for x in leaves
+    ]
+    return gradients.fused_allreduce(
+      jax.tree_util.tree_unflatten(treedef, leaves), average=True, comm=comm, overlap=False
+    )
   comm = communicator.get_comm(comm, "mpijax.train.mean_metrics")
   arrays, problem = [], ""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -54,8 +58,10 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
       arrays.append(np.asarray(x, dtype=np.float64))
     except (TypeError, ValueError) as e:
       # Not raised here: the other ranks would wait in the check below.
-      problem = (f"leaf {jax.tree_util.keystr(path)} = {x!r:.60} is not a number ({e}); "
-                 "pass numbers or numeric arrays")
+      problem = (
+        f"leaf {jax.tree_util.keystr(path)} = {x!r:.60} is not a number ({e}); "
+        "pass numbers or numeric arrays"
+      )
       break
   _check_same_tree(comm, treedef, arrays, problem)
   if problem:  # the same on every rank, so every rank raises it
@@ -67,7 +73,7 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   total /= comm.Get_size()
   out, offset = [], 0
   for a in arrays:
-    v = total[offset:offset + a.size].reshape(a.shape)
+    v = total[offset : offset + a.size].reshape(a.shape)
     offset += a.size
     out.append(float(v) if v.ndim == 0 else v)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -81,9 +87,10 @@ def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray], problem:
   if diff is not None:
     first, rank, other = diff
     raise ValueError(
-        f"mpijax.train.mean_metrics needs the same tree on every rank, but rank 0 passed "
-        f"{first} and rank {rank} passed {other}. Give every rank the same metric "
-        "names and shapes (e.g. 0.0 for a metric a rank does not have).")
+      f"mpijax.train.mean_metrics needs the same tree on every rank, but rank 0 passed "
+      f"{first} and rank {rank} passed {other}. Give every rank the same metric "
+      "names and shapes (e.g. 0.0 for a metric a rank does not have)."
+    )
 
 
 def is_main_process(comm: Any | None = None) -> bool:
@@ -98,7 +105,9 @@ def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
     print(*args, **kwargs)
 
 
-def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs: Any) -> Iterable[Any]:
+def progress(
+  iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs: Any
+) -> Iterable[Any]:
   """A ``tqdm`` progress bar on rank 0; the plain iterable on every other rank.
 
   ``total`` defaults to ``len(iterable)`` (``shard_batches`` has one). Needs
@@ -136,9 +145,19 @@ def _line_mode(file: Any) -> bool:
   return communicator.launcher() is not None
 
 
-def _lines(iterable: Iterable[Any], tqdm: Any, *, file: Any, desc: str | None = None,
-           total: int | None = None, unit: str = "it", disable: bool = False,
-           mininterval: float = 5.0, ncols: int | None = None, **_: Any) -> Iterator[Any]:
+def _lines(
+  iterable: Iterable[Any],
+  tqdm: Any,
+  *,
+  file: Any,
+  desc: str | None = None,
+  total: int | None = None,
+  unit: str = "it",
+  disable: bool = False,
+  mininterval: float = 5.0,
+  ncols: int | None = None,
+  **_: Any,
+) -> Iterator[Any]:
   """``iterable``, writing tqdm's bar as one line every ``mininterval`` seconds and at the end."""
   if disable:
     yield from iterable

@@ -36,21 +36,25 @@ POLICIES = (SYNC, MEAN)
 
 # --- which leaves are averaged -------------------------------------------------------
 
+
 def check_policy(state_sync: Any, axis_name: Any) -> None:
   """Raises a ValueError for a policy that is not "sync"/"mean" (or a dict of them)."""
   values = state_sync.values() if isinstance(state_sync, collections.abc.Mapping) else [state_sync]
   for v in values:
     if v not in POLICIES:
-      raise ValueError(f"DataParallel(state_sync={state_sync!r}): {v!r} is not a policy; use "
-                       f"'sync' (statistics over the global batch, needs axis_name) or 'mean' "
-                       "(each rank's own statistics, running averages averaged over ranks), or "
-                       "a dict from collection name to one of them")
+      raise ValueError(
+        f"DataParallel(state_sync={state_sync!r}): {v!r} is not a policy; use "
+        f"'sync' (statistics over the global batch, needs axis_name) or 'mean' "
+        "(each rank's own statistics, running averages averaged over ranks), or "
+        "a dict from collection name to one of them"
+      )
   if SYNC in values and axis_name is None:
     raise ValueError(
-        f"DataParallel(state_sync={state_sync!r}) needs axis_name: 'sync' state is computed from "
-        "statistics over the global batch, which the model reduces over a named axis. Pass "
-        "DataParallel(axis_name='batch') and BatchNorm(axis_name='batch') in the model "
-        "(Flax linen and NNX), or use state_sync='mean'.")
+      f"DataParallel(state_sync={state_sync!r}) needs axis_name: 'sync' state is computed from "
+      "statistics over the global batch, which the model reduces over a named axis. Pass "
+      "DataParallel(axis_name='batch') and BatchNorm(axis_name='batch') in the model "
+      "(Flax linen and NNX), or use state_sync='mean'."
+    )
 
 
 def _collection(path: tuple) -> Any:
@@ -76,10 +80,12 @@ def averaged_leaves(model_state: Any, state_sync: Any) -> list[bool]:
       out.append(state_sync[name] == MEAN)
   if missing:
     known = sorted({str(_collection(p)) for p, _ in with_paths if p})
-    raise ValueError(f"DataParallel(state_sync={dict(state_sync)!r}) has no policy for the model "
-                     f"state collection(s) {sorted(set(map(str, missing)))}; the model state has "
-                     f"{known}. Give every top-level collection 'sync' or 'mean' (or one string "
-                     "for all).")
+    raise ValueError(
+      f"DataParallel(state_sync={dict(state_sync)!r}) has no policy for the model "
+      f"state collection(s) {sorted(set(map(str, missing)))}; the model state has "
+      f"{known}. Give every top-level collection 'sync' or 'mean' (or one string "
+      "for all)."
+    )
   return out
 
 
@@ -89,19 +95,22 @@ def check_new_state(old: Any, new: Any) -> None:
   new_leaves, new_def = jax.tree_util.tree_flatten(new)
   if old_def != new_def:
     raise TypeError(
-        "DataParallel: loss_fn returned a new model state of another structure than the one it "
-        f"was given:\n  given:    {old_def}\n  returned: {new_def}\nReturn the updated "
-        "collections themselves (e.g. flax linen: the `mutable` output of model.apply; NNX: "
-        "nnx.state(model, nnx.BatchStat)).")
+      "DataParallel: loss_fn returned a new model state of another structure than the one it "
+      f"was given:\n  given:    {old_def}\n  returned: {new_def}\nReturn the updated "
+      "collections themselves (e.g. flax linen: the `mutable` output of model.apply; NNX: "
+      "nnx.state(model, nnx.BatchStat))."
+    )
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(old)[0], new_leaves):
     if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
       raise TypeError(
-          f"DataParallel: model state leaf {jax.tree_util.keystr(path)} was "
-          f"{jnp.result_type(a)}{list(jnp.shape(a))} but loss_fn returned "
-          f"{jnp.result_type(b)}{list(jnp.shape(b))}; keep every leaf's shape and dtype")
+        f"DataParallel: model state leaf {jax.tree_util.keystr(path)} was "
+        f"{jnp.result_type(a)}{list(jnp.shape(a))} but loss_fn returned "
+        f"{jnp.result_type(b)}{list(jnp.shape(b))}; keep every leaf's shape and dtype"
+      )
 
 
 # --- the data axis: jax.lax collectives over every rank -------------------------------
+
 
 @dataclasses.dataclass
 class _Axis:
@@ -144,8 +153,9 @@ def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> An
   axis = ours[0]
   if len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
-        f"jax.lax.{fn} over DataParallel's axis_name {axis.name!r} supports neither "
-        "axis_index_groups nor several data axes; reduce over the axis as a whole")
+      f"jax.lax.{fn} over DataParallel's axis_name {axis.name!r} supports neither "
+      "axis_index_groups nor several data axes; reduce over the axis as a whole"
+    )
   axis.calls += 1
   if others:  # the other axes first, with JAX (a sum for pmean: divided below)
     x = lax_routing.original("psum" if fn == "pmean" else fn)(x, others)
@@ -164,8 +174,9 @@ def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   axis = ours[0]
   if others or len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
-        f"jax.lax.all_gather over DataParallel's axis_name {axis.name!r} gathers over that axis "
-        "alone, without axis_index_groups")
+      f"jax.lax.all_gather over DataParallel's axis_name {axis.name!r} gathers over that axis "
+      "alone, without axis_index_groups"
+    )
   axis.calls += 1
   where, tiled = kwargs.get("axis", 0), kwargs.get("tiled", False)
 
@@ -188,8 +199,9 @@ def _axis_index(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   if not ours:
     return lax_routing.original("axis_index")(axis_name, *args, **kwargs)
   if others or len(ours) > 1:
-    raise NotImplementedError(f"jax.lax.axis_index over DataParallel's axis_name {ours[0].name!r} "
-                              "takes that axis alone")
+    raise NotImplementedError(
+      f"jax.lax.axis_index over DataParallel's axis_name {ours[0].name!r} takes that axis alone"
+    )
   return jnp.asarray(ours[0].rank, jnp.int32)
 
 
@@ -202,8 +214,11 @@ def _axis_size(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 _REPLACEMENTS: dict[str, Callable[..., Any]] = {
-    **{fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS},
-    "all_gather": _all_gather, "axis_index": _axis_index, "axis_size": _axis_size}
+  **{fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS},
+  "all_gather": _all_gather,
+  "axis_index": _axis_index,
+  "axis_size": _axis_size,
+}
 
 
 class _DataAxes:
@@ -217,8 +232,9 @@ class _DataAxes:
     if replacement is None:
       name = next(n for n in lax_routing.axis_names(fn, args, kwargs) if self.owns(fn, n))
       raise NotImplementedError(
-          f"jax.lax.{fn} over DataParallel's axis_name {name!r} is not supported; the data "
-          "axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size")
+        f"jax.lax.{fn} over DataParallel's axis_name {name!r} is not supported; the data "
+        "axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size"
+      )
     return replacement(*args, **kwargs)
 
 
