@@ -518,10 +518,16 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
 
 // --- point-to-point, with a header -----------------------------------------------
 
-// Every message XLA sends through the bridge carries what the sender meant
+// Every message XLA sends through the bridge carries what the sender means
 // to send; the receiver compares it with what it expects before it hands XLA
 // the data. Up to kInlineBytes the header travels in front of the data (one
-// message, one copy on each side), above in a message of its own.
+// message, one copy on each side), above in a message of its own, and the
+// data follows once the receiver found the header right. A receive is never
+// posted smaller than the message that may come: every first message goes
+// into a buffer of a header plus kInlineBytes, the most a sender puts in
+// one, and data of another size than the header's is never received. (A
+// truncated receive is not safe: Open MPI's single-copy path has written a
+// whole larger message into the smaller buffer, corrupting the heap.)
 constexpr size_t kInlineBytes = size_t{64} << 10;
 constexpr uint64_t kHeaderMagic = 0x6d706a7868647221ULL;
 // SmallAllreduce's messages; XLA's own use tag 0.
@@ -534,12 +540,13 @@ struct Header {
   int32_t kind, type, op, pad;  // what the sender runs, to name it
   int64_t count;
 };
+constexpr size_t kFirstBytes = sizeof(Header) + kInlineBytes;
 
 struct Request {
   XlaComm* c = nullptr;
   bool recv = false;
-  int peer = 0;
-  int n = 0;  // requests posted (1 inline, 2 with a separate header)
+  int peer = 0, tag = 0;
+  int n = 0;  // requests posted
   MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   std::unique_ptr<char[]> staging;  // header (+ data when inline)
   char* user = nullptr;             // a receive's destination
@@ -547,37 +554,35 @@ struct Request {
   Header want{};
 };
 
-// A received message's header against what this rank expects: 0, or the
-// end of the job naming both (a receive cannot be undone: XLA would free
-// buffers other requests of the operation still use).
-void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
-                 const Header& want, bool inline_data, const MPI_Status* st,
-                 int wait_rc) {
-  int got = 0;
-  MPI_Get_count(&st[0], MPI_BYTE, &got);
+// A rank of `c` as the job numbers it, for messages.
+int WorldRank(const XlaComm& c, int rank) {
+  int world = -1;
+  MPI_Group g, wg;
+  MPI_Comm_group(c.comm, &g);
+  MPI_Comm_group(MPI_COMM_WORLD, &wg);
+  MPI_Group_translate_ranks(g, 1, &rank, wg, &world);
+  MPI_Group_free(&g);
+  MPI_Group_free(&wg);
+  return world;
+}
+
+// The first message from `peer` (`got` bytes at `message`) against what this
+// rank expects; on a difference the job ends naming both (a receive cannot
+// be undone: XLA would free buffers other requests of the operation use).
+void CheckHeader(XlaComm& c, Op& op, const char* message, int got, int peer,
+                 const Header& want) {
   const Header* h = reinterpret_cast<const Header*>(message);
-  size_t bytes = static_cast<size_t>(want.bytes);
   bool whole = static_cast<size_t>(got) >= sizeof(Header) &&
                h->magic == kHeaderMagic;
-  if (whole && wait_rc == MPI_SUCCESS && h->sig == want.sig &&
-      h->bytes == want.bytes) {
-    if (inline_data && static_cast<size_t>(got) != sizeof(Header) + bytes)
-      whole = false;
-    else
-      return;
-  }
-  int world = -1;
-  {
-    MPI_Group g, wg;
-    MPI_Comm_group(c.comm, &g);
-    MPI_Comm_group(MPI_COMM_WORLD, &wg);
-    MPI_Group_translate_ranks(g, 1, &peer, wg, &world);
-    MPI_Group_free(&g);
-    MPI_Group_free(&wg);
-  }
+  size_t bytes = static_cast<size_t>(want.bytes);
+  size_t expect = sizeof(Header) + (bytes <= kInlineBytes ? bytes : 0);
+  if (whole && h->sig == want.sig && h->bytes == want.bytes &&
+      static_cast<size_t>(got) == expect)
+    return;
   std::ostringstream s;
   s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
-    << op.Describe() << " and receives from rank " << world << ", ";
+    << op.Describe() << " and receives from rank " << WorldRank(c, peer)
+    << ", ";
   if (whole) {
     s << "which runs ";
     if (h->kind < 0 || h->kind >= kKinds) {
@@ -585,13 +590,13 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
     } else if (h->type == MJB_BYTE) {
       s << kKindNames[h->kind] << " " << h->bytes << " bytes";
     } else {
-      s << kKindNames[h->kind] << " " << TypeOf(h->type).name << "[" << h->count
-        << "]";
+      s << kKindNames[h->kind] << " " << TypeOf(h->type).name << "["
+        << h->count << "]";
       if (OpName(h->op)[0] != 0) s << " (" << OpName(h->op) << ")";
     }
   } else {
     s << "which sent a message of " << got << " bytes that is not one of "
-      << "XLA's operations through mpijax (" << MpiText(wait_rc) << ")";
+      << "XLA's operations through mpijax";
   }
   s << ". Every rank must run the same jitted programs, in the same order, on "
        "arrays of the same shapes and dtypes.";
@@ -599,8 +604,8 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int peer,
 }
 
 Header MakeHeader(const Op& op, int kind, size_t bytes) {
-  return {kHeaderMagic, op.sig(),   static_cast<int64_t>(bytes), kind,
-          op.type_code(), op.op_code(), 0, op.count()};
+  return {kHeaderMagic,   op.sig(),      static_cast<int64_t>(bytes), kind,
+          op.type_code(), op.op_code(), 0,                            op.count()};
 }
 
 // Posts a send of `bytes` from `buf` to `dest` with its header.
@@ -608,6 +613,7 @@ void PostSend(XlaComm& c, Op& op, int kind, const void* buf, size_t bytes,
               int dest, int tag, Request* r) {
   r->c = &c;
   r->peer = dest;
+  r->tag = tag;
   r->bytes = bytes;
   Header h = MakeHeader(op, kind, bytes);
   bool inline_data = bytes <= kInlineBytes;
@@ -628,60 +634,56 @@ void PostSend(XlaComm& c, Op& op, int kind, const void* buf, size_t bytes,
   }
 }
 
-// Posts a receive of `bytes` into `buf` from `source`.
+// Posts the receive of the first message of `bytes` from `source`; data
+// beyond kInlineBytes is received in Complete, once the header is right.
 void PostRecv(XlaComm& c, Op& op, int kind, void* buf, size_t bytes,
               int source, int tag, Request* r) {
   r->c = &c;
   r->recv = true;
   r->peer = source;
+  r->tag = tag;
   r->bytes = bytes;
   r->user = static_cast<char*>(buf);
   r->want = MakeHeader(op, kind, bytes);
-  bool inline_data = bytes <= kInlineBytes;
-  size_t first = sizeof(Header) + (inline_data ? bytes : 0);
-  r->staging.reset(new char[first]);
-  int rc = MPI_Irecv(r->staging.get(), static_cast<int>(first), MPI_BYTE,
+  r->staging.reset(new char[kFirstBytes]);
+  int rc = MPI_Irecv(r->staging.get(), static_cast<int>(kFirstBytes), MPI_BYTE,
                      source, tag, c.comm, &r->reqs[0]);
   if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
   r->n = 1;
-  if (!inline_data) {
-    rc = MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, source, tag, c.comm,
-                   &r->reqs[1]);
-    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
-    r->n = 2;
-  }
 }
 
-// Waits for `r` under the stall inspector; a receive's header first, which
-// is checked before the data is waited for or handed to XLA. A wrong size
-// surfaces as MPI_ERR_TRUNCATE: the header, the message's start, is still
-// there to name it.
+// Waits for `r` under the stall inspector. A receive checks the header
+// first, then hands over the data of the same message or receives it (of
+// the size both now agree on).
 void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   MPI_Status st[2];
+  int rc = WaitRequests(op, r.recv ? 1 : r.n, r.reqs, st);
+  if (rc != MPI_SUCCESS) {
+    if (rc == MPI_ERR_IN_STATUS)
+      for (int i = 0; i < r.n; ++i)
+        if (st[i].MPI_ERROR != MPI_SUCCESS) rc = st[i].MPI_ERROR;
+    Fatal(c, std::string("MPI failed ") + (r.recv ? "receiving " : "sending ") +
+                 op.Describe() + " on " + Where(c) + ": " + MpiText(rc) + ".");
+  }
   if (r.recv) {
-    int rc = WaitRequests(op, 1, &r.reqs[0], &st[0]);
-    if (rc == MPI_ERR_IN_STATUS) rc = st[0].MPI_ERROR;
-    CheckHeader(c, op, r.staging.get(), r.peer, r.want, r.n == 1, st, rc);
-    if (r.n == 2) {
-      rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
+    int got = 0;
+    MPI_Get_count(&st[0], MPI_BYTE, &got);
+    CheckHeader(c, op, r.staging.get(), got, r.peer, r.want);
+    if (r.bytes > kInlineBytes) {
+      rc = MPI_Irecv(r.user, static_cast<int>(r.bytes), MPI_BYTE, r.peer,
+                     r.tag, c.comm, &r.reqs[1]);
+      if (rc == MPI_SUCCESS) rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
       if (rc != MPI_SUCCESS) {
         Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
-                     ": " + MpiText(rc == MPI_ERR_IN_STATUS ? st[1].MPI_ERROR
-                                                            : rc) + ".");
+                     ": " + MpiText(rc) + ".");
       }
     } else if (r.bytes > 0) {
       std::memcpy(r.user, r.staging.get() + sizeof(Header), r.bytes);
     }
-  } else {
-    int rc = WaitRequests(op, r.n, r.reqs, st);
-    if (rc != MPI_SUCCESS) {
-      Fatal(c, "MPI failed sending " + op.Describe() + " on " + Where(c) +
-                   ": " + MpiText(rc) + ".");
-    }
   }
   if (status3 != nullptr) {
     status3[0] = r.peer;
-    status3[1] = st[0].MPI_TAG;
+    status3[1] = r.tag;
     status3[2] = MPI_SUCCESS;
   }
 }
@@ -705,7 +707,7 @@ void SmallAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
   // One staging buffer out, one in: header + data.
   thread_local std::vector<char> out_buf, in_buf;
   out_buf.resize(sizeof(Header) + bytes);
-  in_buf.resize(sizeof(Header) + bytes);
+  in_buf.resize(kFirstBytes);  // never smaller than a message that may come
   Header mine = MakeHeader(op, kAllReduce, bytes);
   auto send_to = [&](int peer, MPI_Request* req) {
     std::memcpy(out_buf.data(), &mine, sizeof mine);
@@ -722,8 +724,13 @@ void SmallAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
     if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
     MPI_Status st;
     rc = WaitRequests(op, 1, &req, &st);
-    if (rc == MPI_ERR_IN_STATUS) rc = st.MPI_ERROR;
-    CheckHeader(c, op, in_buf.data(), peer, mine, true, &st, rc);
+    if (rc != MPI_SUCCESS) {
+      Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
+                   ": " + MpiText(rc) + ".");
+    }
+    int got = 0;
+    MPI_Get_count(&st, MPI_BYTE, &got);
+    CheckHeader(c, op, in_buf.data(), got, peer, mine);
     if (send_req != nullptr) {
       MPI_Status sst;
       rc = WaitRequests(op, 1, send_req, &sst);
