@@ -51,6 +51,20 @@ def _job(n: int, mode: str, env: dict[str, str] | None = None, limit: float = 12
   return proc.returncode, out, (entered[0] if entered else None), lines, end
 
 
+def _every_rank_raised(out: str, n: int) -> None:
+  """mpijax-run shows the first rank's report and says every rank raised it alike."""
+  assert re.search(
+    r"\[rank \d+/\d+\] mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
+    r"job \(exit code 1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives",
+    out,
+  ), tail(out)
+  assert re.search(
+    rf"uncaught JaxRuntimeError: UNKNOWN: MPI error: mpijax: mismatch in XLA's "
+    rf"collectives.*\(ranks 0-{n - 1} alike\)",
+    out,
+  ), tail(out)
+
+
 def _first(lines, pattern: str) -> float | None:
   for t, text in lines:
     if re.search(pattern, text):
@@ -130,10 +144,7 @@ def test_ranks_that_disagree_get_an_error_naming_both_operations(n, mode, theirs
   ), tail(out)
   assert "No data was exchanged." in out, tail(out)
   # Every rank raises it, well before any timeout.
-  for r in range(n):
-    assert re.search(rf"\[rank {r}/{n}\].*JaxRuntimeError.*mismatch in XLA's collectives", out), (
-      tail(out)
-    )
+  _every_rank_raised(out, n)
   assert end - entered <= 4, (end - entered, tail(out))
 
 
@@ -194,8 +205,7 @@ def test_large_all_reduces_across_nodes_are_compared_first(n):
     r"all-reduce float32\[131072\] \(sum\)",
     out,
   ), tail(out)
-  for r in range(n):
-    assert re.search(rf"\[rank {r}/{n}\].*JaxRuntimeError.*mismatch in XLA's collectives", out)
+  _every_rank_raised(out, n)
   assert end - entered <= 4, (end - entered, tail(out))
 
 

@@ -99,7 +99,11 @@ class HydraDemux:
 # --- why an attempt ended -------------------------------------------------------
 
 # mpijax's own reports, as the ranks print them (failure.py, the C++ transport).
-_UNCAUGHT = re.compile(r"mpijax: uncaught (\S+?)(?: in thread '[^']*')? on rank (\d+)/\d+")
+# The first line of failure.py's report: the exception, the rank, its message.
+_UNCAUGHT = re.compile(
+  r"mpijax: uncaught (\S+?)(?: in thread '[^']*')? on rank (\d+)/\d+"
+  r"(?:, aborting the job \(exit code \d+\))?(?:: (.*))?"
+)
 _TRACE_LINE = re.compile(r"^\[rank (\d+)/\d+\] (\S.*)$")
 _STALL = re.compile(r"mpijax: stall: (rank \d+.*)")
 _MPI_ERROR = re.compile(r"mpijax: rank (\d+): (\S+ failed in .*)")
@@ -199,7 +203,7 @@ class Reasons:
       self.last_trace[int(m[1])] = m[2]
     m = _UNCAUGHT.search(text)
     if m:
-      self._uncaught.append((int(m[2]), m[1]))
+      self._uncaught.append((int(m[2]), f"{m[1]}: {m[3]}" if m[3] else m[1]))
       return
     for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}")):
       m = pattern.search(text)
@@ -230,8 +234,13 @@ class Reasons:
         parts.append(fmt(m))
         break
     for rank, exc in self._uncaught[:1]:
-      detail = self.last_trace.get(rank, exc)
-      alike = sorted({r for r, _ in self._uncaught if self.last_trace.get(r, exc) == detail})
+      # The report's own first line names the exception and its message; a
+      # report without one falls back to the last line of the traceback.
+      def detail_of(r: int, e: str) -> str:
+        return e if ": " in e else self.last_trace.get(r, e)
+
+      detail = detail_of(rank, exc)
+      alike = sorted({r for r, e in self._uncaught if detail_of(r, e) == detail})
       also = f" (ranks {rank_ranges(alike)} alike)" if len(alike) > 1 else ""
       parts.append(f"rank {rank}: uncaught {_shorten(detail)}{also}")
     parts += self.mpijax[:1]
