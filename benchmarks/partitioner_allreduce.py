@@ -64,6 +64,8 @@ LABELS = {
     "xla_gloo": "jit x.sum(0): XLA's all-reduce over gloo",
     **{f"xla_{k}_gloo": f"jax.lax.{k} in jax.shard_map, over gloo" for k in KINDS},
     "mpijax_psum_gloojob": "mpijax.shard_map + mpijax.lax.psum [gloo job]",
+    "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
+    "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
 }
 # phase -> (its rows, its environment)
 PHASES = {
@@ -71,6 +73,9 @@ PHASES = {
             + tuple(f"mpijax_{k}" for k in KINDS), {}),
     "gloo": (("xla_gloo",) + tuple(f"xla_{k}_gloo" for k in KINDS) + ("mpijax_psum_gloojob",),
              {"MPIJAX_XLA_COLLECTIVES": "gloo"}),
+    # What comparing every call in a message of its own would cost, against
+    # the default, which compares the ranks' operations inside the exchange.
+    "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
 }
 
 
@@ -222,7 +227,9 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
   factories = {"xla_mpi": lambda: _xla_factory(hc, "mpi"),
                "xla_gloo": lambda: _xla_factory(hc, "gloo"),
                "mpijax_psum": lambda: _mpijax_factory(hc),
-               "mpijax_psum_gloojob": lambda: _mpijax_factory(hc)}
+               "mpijax_psum_gloojob": lambda: _mpijax_factory(hc),
+               "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
+               "mpijax_psum_checkjob": lambda: _mpijax_factory(hc)}
   for k in KINDS:
     factories[f"xla_{k}_mpi"] = lambda k=k: _xla_factory(hc, "mpi", k)
     factories[f"xla_{k}_gloo"] = lambda k=k: _xla_factory(hc, "gloo", k)
@@ -275,6 +282,10 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     if a is not None and b is not None:
       out.append(f"info  {size} mpijax psum, gloo job / MPI job: {b:.1f} / "
                  f"{a:.1f} us = {b / a:.2f}x")
+    checked = get("xla_mpi_check", s)
+    if mpi is not None and checked is not None:
+      out.append(f"info  {size} all-reduce, MPIJAX_CHECK=1 / default: {checked:.1f} / {mpi:.1f} us "
+                 f"(+{checked - mpi:.1f} us)")
   if nprocs not in (2, 4):
     out.append(f"(targets are stated for 2 and 4 ranks; this run has {nprocs})")
   return out
