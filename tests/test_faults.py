@@ -91,7 +91,9 @@ def test_last_batch_stall_names_the_rank_that_left():
   assert "mpijax: stall: rank" in out, tail(out)
   # The waiting ranks name rank 3 and what it did last (its 3rd and last call).
   assert re.search(r"Not arrived: rank 3 \(idle since [\d.]+ s; last: allreduce\(float32\[4\], "
-                   r"sum\) at fault_hangs.py:\d+, call #3\)", out), tail(out)
+                   r"sum\) at fault_hangs.py:\d+, call #3[;)]", out), tail(out)
+  # ... and the Python line it is running now (it left the loop to save).
+  assert re.search(r"Python: fault_hangs.py:\d+ in <module>: mt.save_checkpoint", out), tail(out)
   assert "epoch finished" not in out, tail(out)
   assert seconds < 60, f"took {seconds:.0f}s"
 

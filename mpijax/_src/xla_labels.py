@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 from mpijax._src import ffi as _ffi
-from mpijax._src import jax_compat
 
 # HLO's element types, as the bridge names them (MPI moves PRED as uint8).
 _DTYPES = {
@@ -140,6 +139,10 @@ def install() -> None:
   global _installed
   if _installed:
     return
+  # Imported here: jax_compat imports jax, and mpijax is imported before jax
+  # (jax_runtime.prepare_environment names the bridge first).
+  from mpijax._src import jax_compat
+
   compiler = jax_compat.compiler
   compile_or_get_cached = compiler.compile_or_get_cached
 
