@@ -1,17 +1,22 @@
-"""The all-reduce XLA's partitioner inserts, over MPI (mpijax's bridge) and over gloo.
+"""XLA's cross-process collectives over MPI (mpijax's bridge) and over gloo.
 
-The code most JAX users write: a global ``jax.Array`` sharded over the ranks
-(``P('x', None)``, one row of SIZE bytes per rank) and a jitted ``x.sum(0)``
-with a replicated result, for which XLA inserts a cross-process all-reduce of
-SIZE bytes. Rows (median µs per blocking call, max over ranks):
+The code most JAX users write: global ``jax.Array``s sharded over the ranks,
+whose collectives XLA runs itself. Rows (µs per blocking call: p10 / median
+/ p90 of single calls, max over ranks; SIZE is the bytes each rank puts in):
 
-* ``jit x.sum(0)``, XLA's all-reduce over MPI: JAX's distributed runtime as
-  ``mpijax.init()`` starts it (XLA's MPI collectives through mpijax's bridge);
-* ``mpijax.shard_map`` + ``mpijax.lax.psum`` of the same rows, same job,
-  trials interleaved: mpijax's own all-reduce, the target's reference;
-* ``jit x.sum(0)`` over gloo (``MPIJAX_XLA_COLLECTIVES=gloo``), in its own
+* ``jit x.sum(0)`` of rows sharded ``P('x', None)``, one row of SIZE bytes per
+  rank: the all-reduce XLA's partitioner inserts, over MPI (JAX's distributed
+  runtime as ``mpijax.init()`` starts it, XLA's MPI collectives through
+  mpijax's bridge);
+* the same with ``mpijax.shard_map`` + ``mpijax.lax.psum``, same job, calls
+  interleaved: mpijax's own all-reduce, the targets' reference;
+* ``jax.lax.all_gather``, ``psum_scatter``, ``all_to_all`` and ``ppermute``
+  (a ring) in a jitted ``jax.shard_map`` over the same rows: XLA's other
+  collectives, each beside ``mpijax.lax``'s equivalent in
+  ``mpijax.shard_map``;
+* every XLA row again over gloo (``MPIJAX_XLA_COLLECTIVES=gloo``), in its own
   job (the transport is chosen when JAX's backend starts), with the mpijax
-  row timed again in that job.
+  all-reduce timed again in that job.
 
 Every row's result is checked against NumPy before it is timed; the script
 exits 1 if any result is wrong.
@@ -27,7 +32,7 @@ or as an MPI job (that job measures the MPI phase; rank 0 starts the gloo one)::
   timeout 900 mpirun --allow-run-as-root --oversubscribe -n 2 python benchmarks/partitioner_allreduce.py
 
 Writes ``partitioner_allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
-(default ``benchmarks/results/``) and prints the table and the targets.
+(default ``benchmarks/results/``) and prints the tables and the targets.
 """
 
 from __future__ import annotations
@@ -44,20 +49,33 @@ from _common import HarnessComm  # noqa: E402
 from _common import Row  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
-DEFAULT_SIZES = (4, 4 << 10, 256 << 10, 4 << 20, 16 << 20, 64 << 20)
+DEFAULT_SIZES = (4, 4 << 10, 64 << 10, 256 << 10, 4 << 20, 16 << 20)
 QUICK_SIZES = (4, 4 << 10, 256 << 10)
+CALLS = 300  # blocking calls timed per row and size (QUICK_CALLS with --quick)
+QUICK_CALLS = 60
 
+KINDS = ("all_gather", "psum_scatter", "all_to_all", "ppermute")
 # key -> label, in table order.
 LABELS = {
     "xla_mpi": "jit x.sum(0): XLA's all-reduce over MPI (mpijax bridge)",
     "mpijax_psum": "mpijax.shard_map + mpijax.lax.psum",
+    **{f"xla_{k}_mpi": f"jax.lax.{k} in jax.shard_map, over MPI" for k in KINDS},
+    **{f"mpijax_{k}": f"mpijax.lax.{k} in mpijax.shard_map" for k in KINDS},
     "xla_gloo": "jit x.sum(0): XLA's all-reduce over gloo",
+    **{f"xla_{k}_gloo": f"jax.lax.{k} in jax.shard_map, over gloo" for k in KINDS},
     "mpijax_psum_gloojob": "mpijax.shard_map + mpijax.lax.psum [gloo job]",
+    "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
+    "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
 }
 # phase -> (its rows, its environment)
 PHASES = {
-    "mpi": (("xla_mpi", "mpijax_psum"), {}),
-    "gloo": (("xla_gloo", "mpijax_psum_gloojob"), {"MPIJAX_XLA_COLLECTIVES": "gloo"}),
+    "mpi": (("xla_mpi", "mpijax_psum") + tuple(f"xla_{k}_mpi" for k in KINDS)
+            + tuple(f"mpijax_{k}" for k in KINDS), {}),
+    "gloo": (("xla_gloo",) + tuple(f"xla_{k}_gloo" for k in KINDS) + ("mpijax_psum_gloojob",),
+             {"MPIJAX_XLA_COLLECTIVES": "gloo"}),
+    # What comparing every call in a message of its own would cost, against
+    # the default, which compares the ranks' operations inside the exchange.
+    "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
 }
 
 
@@ -71,11 +89,47 @@ def _rows(n_global: int, nbytes: int):
   import numpy as np
   L = jax.local_device_count()
   first = jax.process_index() * L
-  return np.stack([np.full(nbytes // 4, first + l + 1, np.float32) for l in range(L)])
+  return np.stack([np.full(max(nbytes // 4, 1), first + l + 1, np.float32) for l in range(L)])
 
 
-def _xla_factory(hc: HarnessComm, transport: str):
+def _elements(n: int, nbytes: int) -> int:
+  """Elements per row: SIZE bytes, rounded to a multiple of the device count
+  (the blocks psum_scatter and all_to_all hand each device)."""
+  return max(n, (nbytes // 4) // n * n)
+
+
+def _full(n: int, m: int):
+  """The global (n, m) array the kind rows use: row g holds g * m + 0 .. m - 1, mod 251."""
+  import numpy as np
+  return (np.arange(n * m, dtype=np.float32).reshape(n, m) % 251)
+
+
+def _expected(kind: str, full, g: int, n: int):
+  """Device g's block of the result of `kind` over the rows of `full`."""
+  m = full.shape[1]
+  if kind == "all_gather":
+    return full
+  if kind == "psum_scatter":
+    return full.sum(0)[g * m // n:(g + 1) * m // n][None]
+  if kind == "all_to_all":
+    return full.reshape(n, n, m // n)[:, g, :].reshape(n, m // n)
+  return full[(g - 1) % n][None]  # ppermute: the ring i -> i + 1
+
+
+def _body(lax, kind: str, n: int):
+  if kind == "all_gather":
+    return lambda b: lax.all_gather(b, "x", tiled=True)
+  if kind == "psum_scatter":
+    return lambda b: lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True)
+  if kind == "all_to_all":
+    return lambda b: lax.all_to_all(b.reshape(n, -1), "x", 0, 0, tiled=True)
+  ring = [(i, (i + 1) % n) for i in range(n)]
+  return lambda b: lax.ppermute(b, "x", ring)
+
+
+def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
   import jax
+  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -87,19 +141,34 @@ def _xla_factory(hc: HarnessComm, transport: str):
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("x",))
   rows = NamedSharding(mesh, P("x", None))
-  f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
+  if kind == "sum":
+    f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
+  else:
+    f = jax.jit(jax.shard_map(_body(jax.lax, kind, n), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x"), check_vma=False))
 
   def build(nbytes: int):
-    host = _rows(n, nbytes)
-    shards = [jax.device_put(host[i:i + 1], d) for i, d in enumerate(jax.local_devices())]
-    x = jax.make_array_from_single_device_arrays((n, nbytes // 4), rows, shards)
-    _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
+    if kind == "sum":
+      host = _rows(n, nbytes)
+      shards = [jax.device_put(host[i:i + 1], d) for i, d in enumerate(jax.local_devices())]
+      x = jax.make_array_from_single_device_arrays((n, host.shape[1]), rows, shards)
+      _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
+    else:
+      full = _full(n, _elements(n, nbytes))
+      x = jax.make_array_from_callback(full.shape, rows, lambda i: full[i])
+      y = f(x)
+      for s in y.addressable_shards:
+        g = s.device.id if n == 1 else list(mesh.devices.flat).index(s.device)
+        got, want = np.asarray(s.data), _expected(kind, full, g, n)
+        if got.shape != want.shape or not np.array_equal(got, want):
+          raise _common.WrongResult(f"jax.lax.{kind} over {transport} on device {g}")
     return (lambda: f(x).block_until_ready()), 1
   return build
 
 
-def _mpijax_factory(hc: HarnessComm):
+def _mpijax_factory(hc: HarnessComm, kind: str = "sum"):
   import jax
+  import numpy as np
   from jax.sharding import PartitionSpec as P
 
   import mpijax
@@ -107,15 +176,33 @@ def _mpijax_factory(hc: HarnessComm):
   mpijax.init()
   n = jax.device_count() if jax.process_count() > 1 else mpijax.process_count() * \
       mpijax.local_device_count()
+  L, r = mpijax.local_device_count(), mpijax.process_index()
   mesh = mpijax.make_mesh((n,), ("x",))
-  f = jax.jit(mpijax.shard_map(lambda v: mlax.psum(v.sum(0), "x"), mesh=mesh,
-                               in_specs=P("x"), out_specs=P()))
+  if kind == "sum":
+    f = jax.jit(mpijax.shard_map(lambda v: mlax.psum(v.sum(0), "x"), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P()))
+  else:
+    f = jax.jit(mpijax.shard_map(_body(mlax, kind, n), mesh=mesh, in_specs=P("x"),
+                                 out_specs=P("x")))
 
   def build(nbytes: int):
-    x = jax.device_put(_rows(n, nbytes))
-    _check(f(x), n * (n + 1) / 2, "mpijax.shard_map psum")
+    if kind == "sum":
+      x = jax.device_put(_rows(n, nbytes))
+      _check(f(x), n * (n + 1) / 2, "mpijax.shard_map psum")
+    else:
+      full = _full(n, _elements(n, nbytes))
+      x = jax.device_put(full[r * L:(r + 1) * L])
+      got = np.asarray(f(x))
+      want = np.concatenate([_expected(kind, full, r * L + l, n) for l in range(L)])
+      if got.shape != want.shape or not np.array_equal(got, want):
+        raise _common.WrongResult(f"mpijax.lax.{kind}")
     return (lambda: f(x).block_until_ready()), 1
   return build
+
+
+def _time_calls(args):
+  calls = QUICK_CALLS if args.quick else CALLS
+  return lambda steps, hc, nbytes: _common.time_calls(steps, hc, calls=calls)
 
 
 def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
@@ -140,44 +227,65 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
   factories = {"xla_mpi": lambda: _xla_factory(hc, "mpi"),
                "xla_gloo": lambda: _xla_factory(hc, "gloo"),
                "mpijax_psum": lambda: _mpijax_factory(hc),
-               "mpijax_psum_gloojob": lambda: _mpijax_factory(hc)}
+               "mpijax_psum_gloojob": lambda: _mpijax_factory(hc),
+               "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
+               "mpijax_psum_checkjob": lambda: _mpijax_factory(hc)}
+  for k in KINDS:
+    factories[f"xla_{k}_mpi"] = lambda k=k: _xla_factory(hc, "mpi", k)
+    factories[f"xla_{k}_gloo"] = lambda k=k: _xla_factory(hc, "gloo", k)
+    factories[f"mpijax_{k}"] = lambda k=k: _mpijax_factory(hc, k)
   return ar._measure(hc, [(k, LABELS[k], phase, guarded(factories[k])) for k in keys], sizes,
-                     args)
+                     args, time_fn=_time_calls(args))
 
 
 def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
   """The targets as PASS / FAIL / N/A lines."""
   t = _common.Targets(rows)
   get, line, out = t.get, t.line, t.lines
+  by = {r.key: r for r in rows}
+
+  def stat(key, s, which):
+    return by[key].us(s, which) if key in by else None
 
   for s in sizes:
-    mpi, gloo = get("xla_mpi", s), get("xla_gloo", s)
-    need = None
-    if nprocs == 2 and s <= 256 << 10:
-      need = 10
-    elif nprocs == 2 and s == 4 << 20:
-      need = 3
-    elif nprocs == 4 and s <= 256 << 10:
-      need = 5
-    if need is not None:
-      if mpi is None or gloo is None:
-        line(None, f"{_common.fmt_size(s)} MPI >= {need}x faster than gloo: missing")
-      else:
-        line(gloo >= need * mpi, f"{_common.fmt_size(s)} MPI >= {need}x faster than gloo: "
-             f"{gloo:.1f} / {mpi:.1f} us = {gloo / mpi:.1f}x")
-    ref = get("mpijax_psum", s)
-    if nprocs == 2 and s >= 256 << 10:
-      if mpi is None or ref is None:
-        line(None, f"{_common.fmt_size(s)} MPI <= 1.5x mpijax.shard_map psum (same job): missing")
-      else:
-        line(mpi <= 1.5 * ref, f"{_common.fmt_size(s)} MPI <= 1.5x mpijax.shard_map psum "
-             f"(same job): {mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x")
+    size = _common.fmt_size(s)
+    mpi, ref = get("xla_mpi", s), get("mpijax_psum", s)
+    if mpi is None or ref is None:
+      line(None, f"{size} all-reduce against mpijax's psum: missing")
+    elif s <= 64 << 10:
+      line(mpi <= 1.5 * ref, f"{size} all-reduce median <= 1.5x mpijax's psum: "
+           f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x")
+      p90 = stat("xla_mpi", s, "p90")
+      line(p90 is not None and p90 <= 2 * mpi, f"{size} all-reduce p90 <= 2x its median: "
+           f"{p90:.1f} / {mpi:.1f} us = {p90 / mpi:.2f}x")
+    else:
+      line(mpi <= 1.2 * ref, f"{size} all-reduce median <= 1.2x mpijax's psum: "
+           f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x")
+    gloo = get("xla_gloo", s)
+    if mpi is not None and gloo is not None:
+      out.append(f"info  {size} all-reduce, gloo / MPI: {gloo:.1f} / {mpi:.1f} us = "
+                 f"{gloo / mpi:.1f}x")
+    for k in KINDS:
+      km, kg, own = get(f"xla_{k}_mpi", s), get(f"xla_{k}_gloo", s), get(f"mpijax_{k}", s)
+      if 4 << 10 <= s <= 256 << 10:
+        if km is None or kg is None:
+          line(None, f"{size} {k} over MPI >= 5x faster than gloo: missing")
+        else:
+          line(kg >= 5 * km, f"{size} {k} over MPI >= 5x faster than gloo: "
+               f"{kg:.1f} / {km:.1f} us = {kg / km:.1f}x")
+      if km is not None and own is not None:
+        out.append(f"info  {size} {k}, XLA over MPI / mpijax.lax: {km:.1f} / {own:.1f} us = "
+                   f"{km / own:.2f}x")
     # The two transports run in separate jobs; the mpijax row, timed in both,
     # shows how far the machine drifted between them.
     a, b = get("mpijax_psum", s), get("mpijax_psum_gloojob", s)
     if a is not None and b is not None:
-      out.append(f"info  {_common.fmt_size(s)} mpijax psum, gloo job / MPI job: {b:.1f} / "
+      out.append(f"info  {size} mpijax psum, gloo job / MPI job: {b:.1f} / "
                  f"{a:.1f} us = {b / a:.2f}x")
+    checked = get("xla_mpi_check", s)
+    if mpi is not None and checked is not None:
+      out.append(f"info  {size} all-reduce, MPIJAX_CHECK=1 / default: {checked:.1f} / {mpi:.1f} us "
+                 f"(+{checked - mpi:.1f} us)")
   if nprocs not in (2, 4):
     out.append(f"(targets are stated for 2 and 4 ranks; this run has {nprocs})")
   return out
@@ -187,14 +295,15 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   order = list(LABELS)
   rows = sorted(rows, key=lambda r: order.index(r.key))
   by = {r.key: r for r in rows}
-  title = (f"XLA's cross-process all-reduce (jit x.sum(0), P('x', None)), {nprocs} ranks: "
-           "median µs per call (max over ranks)")
+  title = (f"XLA's cross-process collectives, {nprocs} ranks: median µs per blocking call "
+           "(max over ranks)")
   parts = [f"### {title}", "", _common.markdown_table(rows, sizes)]
   if by.get("xla_mpi"):
     parts += ["", "Ratio to XLA's all-reduce over MPI:", "",
               _common.markdown_table(rows, sizes, ratio_to=by["xla_mpi"])]
-  parts += ["", "Fastest trial instead of the median (µs, max over ranks):", "",
-            _common.markdown_table(rows, sizes, stat="best")]
+  for which in ("p10", "p90"):
+    parts += ["", f"{which} of single calls (µs, max over ranks):", "",
+              _common.markdown_table(rows, sizes, stat=which)]
   notes = _common.skip_notes(rows)
   if notes:
     parts += ["", "Not measured:", ""] + notes
@@ -204,7 +313,8 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   print("\n" + text, flush=True)
   _common.write_report(args.out, f"partitioner_allreduce_np{nprocs}", text,
                        {"benchmark": "partitioner_allreduce", "nprocs": nprocs, "sizes": sizes,
-                        "meta": meta, "targets": targets, "rows": [r.to_json() for r in rows]}, rows, sizes, title)
+                        "meta": meta, "targets": targets, "rows": [r.to_json() for r in rows]},
+                       rows, sizes, title)
   return _common.exit_status(rows)
 
 
@@ -233,14 +343,13 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", default=None,
-                 help="comma-separated bytes per rank (default 4,4KiB,256KiB,4MiB,16MiB,64MiB)")
+                 help="comma-separated bytes per rank (default 4,4KiB,64KiB,256KiB,4MiB,16MiB)")
   p.add_argument("--np", default="2,4",
                  help="rank counts to run from a plain shell, comma-separated (default 2,4)")
-  p.add_argument("--trials", type=int, default=None,
-                 help="trials per cell (default 30 below 1 MiB, 10 from 1 MiB; 5 with --quick)")
-  p.add_argument("--trial-seconds", type=float, default=0.005,
-                 help="target length of one trial (default 0.005)")
-  p.add_argument("--quick", action="store_true", help="smoke test: 4 B, 4 KiB, 256 KiB; 5 trials")
+  p.add_argument("--trials", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--trial-seconds", type=float, default=0.005, help=argparse.SUPPRESS)
+  p.add_argument("--quick", action="store_true",
+                 help=f"smoke test: 4 B, 4 KiB, 256 KiB; {QUICK_CALLS} calls per cell")
   p.add_argument("--out", default=_common.default_out_dir(), help="output directory")
   p.add_argument("--phase-timeout", type=float, default=900, help="seconds per sub-job")
   p.add_argument("--verbose", action="store_true")

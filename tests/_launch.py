@@ -57,6 +57,29 @@ def run_mpi(
   # mpijax-run's own --timeout stops every rank (they run in other sessions than
   # ours); our timeout below is only the backstop.
   cmd = mpirun_command(n, devices_per_process, wrap, timeout) + argv
+  return _bounded(cmd, full_env, cwd or REPO, timeout + 30)
+
+
+def run_shell(
+  command: str, cwd: Path, *, timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
+  """Runs a documented command line as written (``bash -c``) in ``cwd``; the result and wall time.
+
+  ``mpijax-run`` and ``python`` are this interpreter's (its ``bin`` first on
+  PATH, as in an activated virtualenv). Bounded by ``timeout``; nothing may
+  be left in /dev/shm (see :func:`run_mpi`).
+  """
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")
+  result, seconds = _bounded(["bash", "-c", command], full_env, cwd, timeout)
+  return subprocess.CompletedProcess(command, result.returncode, result.stdout, ""), seconds
+
+
+def _bounded(
+  cmd: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> tuple[subprocess.CompletedProcess, float]:
+  """Runs ``cmd`` in its own session, killed after ``timeout``; output and stderr together."""
   shm_before = _shm_files()
   start = time.monotonic()
   proc = subprocess.Popen(
@@ -64,14 +87,14 @@ def run_mpi(
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
-    env=full_env,
-    cwd=str(cwd or REPO),
+    env=env,
+    cwd=str(cwd),
     start_new_session=True,
   )
   try:
-    out, _ = proc.communicate(timeout=timeout + 30)
+    out, _ = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
-    proc.terminate()  # mpijax-run forwards SIGTERM and kills every rank after 5 s
+    os.killpg(proc.pid, 15)  # mpijax-run forwards SIGTERM and kills every rank after 5 s
     try:
       out, _ = proc.communicate(timeout=15)
     except subprocess.TimeoutExpired:
@@ -79,13 +102,12 @@ def run_mpi(
       out, _ = proc.communicate()
     out += f"\n[tests] killed after the {timeout}s timeout\n"
     proc.returncode = -9
-  result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
   seconds = time.monotonic() - start
   # mpijax unlinks its shared-memory files as soon as every rank has mapped
   # them: however a job ends, none may be left behind.
   left = _shm_files() - shm_before
   assert not left, f"shared-memory files left behind: {sorted(left)}\n{tail(out)}"
-  return result, seconds
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, ""), seconds
 
 
 # How a job that was stopped for running too long ends: mpijax-run's --timeout

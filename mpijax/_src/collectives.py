@@ -51,20 +51,21 @@ def _resolve(fn: str, axis_name) -> tuple[Mesh | None, list[AxisInfo], tuple]:
   return env[ours[0]][0], [env[n][1] for n in ours], others
 
 
-def _unbound(fn: str, axis_name, err: Exception) -> Exception:
+def _unbound(fn: str, axis_name) -> Exception:
+  # Not JAX's own advice (call it under jax.shard_map): the fix is the map's axis name.
   bound = sorted(axis_env())
   hint = (f"the enclosing mpijax.pmap/mpijax.shard_map maps {bound}" if bound else
           "no mpijax.pmap or mpijax.shard_map encloses this call")
   return NameError(f"{fn} got axis_name {axis_name!r}, but {hint}. Call it inside "
                    f"mpijax.pmap(f, axis_name=...) or mpijax.shard_map(f, mesh=...) whose mesh "
-                   f"has that axis. ({err})")
+                   f"has that axis.")
 
 
 def _lax(fn: str, axis_name, call):
   try:
     return call()
-  except NameError as e:
-    raise _unbound(fn, axis_name, e) from None
+  except NameError:
+    raise _unbound(fn, axis_name) from None
 
 
 def _local_names(axes: Sequence[AxisInfo]) -> tuple[str, ...]:

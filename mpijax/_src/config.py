@@ -255,6 +255,11 @@ _define("overlap_bucket_bytes", int, 4 << 20,
 _define("fuse_leaf_bytes", int, 256 << 10,
         "Gradient leaves of at least this many bytes are all-reduced on their "
         "own, without the packing copy; smaller leaves share buckets.")
+_define("job_files", str, "",
+        "Set by mpijax-run on every rank: a directory of the job's own in which each "
+        "rank notes its process id and the shared-memory files it maps, so that "
+        "mpijax-run removes what a job that ended abnormally leaves in /dev/shm. "
+        "Unset: nothing is noted.")
 _define("restart_attempt", _parse_count, 0,
         "Which run of a restarted job this is: 0 on the first run, 1 on the first "
         "restart, ... Set on every rank by mpijax-run --max-restarts; read with "

@@ -2,7 +2,8 @@
 
 Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
-traceback (each line prefixed with the rank) and calls
+rank, the exception and its message in one line, then the traceback (each
+line prefixed with the rank), and calls
 ``MPI.COMM_WORLD.Abort`` so that the launcher stops every rank, non-zero,
 within seconds. The traceback is written to stderr directly, not through
 the ``"mpijax"`` logger: the abort follows at once, and a handler of the
@@ -35,30 +36,66 @@ def add_hint(match: str, hint: str) -> None:
     _hints.append((match, hint))
 
 
-def report_and_abort(exc_type: type[BaseException], exc: BaseException,
-                     tb: TracebackType | None, *, exit_code: int = 1,
-                     where: str = "") -> None:
-  """Prints ``exc`` prefixed with this rank, then aborts every rank."""
+def report_and_abort(
+  exc_type: type[BaseException],
+  exc: BaseException,
+  tb: TracebackType | None,
+  *,
+  exit_code: int = 1,
+  where: str = "",
+) -> None:
+  """Prints ``exc`` prefixed with this rank, then aborts every rank.
+
+  The first line names the rank, the exception and its message, so it leads
+  whatever the launcher and the other ranks print after it; the traceback
+  follows without the frames of mpijax's own wrapper (``python -m mpijax``).
+  """
   label = log.rank_label()
   prefix = f"[{label}] "
-  lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+  message = str(exc).strip().split("\n", 1)[0] if str(exc).strip() else ""
+  lines = "".join(traceback.format_exception(exc_type, exc, _user_frames(tb)))
+  lines = lines.rstrip("\n").split("\n")
   lines += [f"mpijax: {hint}" for match, hint in _hints if match in str(exc)]
-  head = (f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}; "
-          f"aborting the whole job (exit code {exit_code}).")
+  head = (
+    f"{prefix}mpijax: uncaught {exc_type.__name__}{where} on {label}, aborting the job "
+    f"(exit code {exit_code})" + (f": {message}" if message else "")
+  )
   try:
+    sys.stdout.flush()
     sys.stderr.write(head + "\n" + "\n".join(prefix + line for line in lines) + "\n")
     sys.stderr.flush()
-    sys.stdout.flush()
   except Exception:  # a broken stderr must not stop the abort
     pass
   abort(exit_code)
 
 
+def _wrapper_frame(tb: TracebackType) -> bool:
+  name = tb.tb_frame.f_code.co_filename
+  return (
+    name == __file__ or name.startswith("<frozen runpy>") or os.path.basename(name) == "runpy.py"
+  )
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+  """``tb`` from the first frame that is not :func:`run_main`'s or runpy's."""
+  while tb is not None and tb.tb_next is not None and _wrapper_frame(tb):
+    tb = tb.tb_next
+  return tb
+
+
 def abort(exit_code: int = 1) -> None:
-  """Aborts the MPI job if MPI is up, else exits this process."""
+  """Aborts the MPI job if MPI is up, else exits this process.
+
+  A one-process world has nobody else to stop: it exits without
+  ``MPI_Abort`` and its banner, removing its Open MPI segment files first.
+  """
   mpi = sys.modules.get("mpi4py.MPI")
   if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-    mpi.COMM_WORLD.Abort(exit_code)
+    if mpi.COMM_WORLD.Get_size() > 1:
+      mpi.COMM_WORLD.Abort(exit_code)
+    from mpijax._src import mpi_util
+
+    mpi_util.remove_singleton_segments()
   os._exit(exit_code)
 
 

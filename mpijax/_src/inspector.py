@@ -19,6 +19,9 @@ thread never polls a finalized MPI.
 from __future__ import annotations
 
 import atexit
+import linecache
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +56,40 @@ def prepare(comm: Any, *, drain: Callable[[], None]) -> None:
       _comm.Set_name("mpijax-inspector")
 
 
+# Frames in these directories are not the user's program.
+_LIBRARY_DIRS = tuple(
+  os.path.dirname(os.path.abspath(p)) + os.sep
+  for p in (os.__file__, threading.__file__, os.path.dirname(__file__))
+)
+
+
+def python_place() -> str:
+  """Where the Python main thread is: its innermost frame in the user's code,
+  e.g. ``stall.py:19 in <module>: time.sleep(600)`` ('' if unknown).
+
+  The stall inspector adds it to a rank's answer, so a report says what a
+  rank outside any collective is doing.
+  """
+  frame = sys._current_frames().get(threading.main_thread().ident)
+  seen = 0
+  while frame is not None and seen < 200:
+    name = frame.f_code.co_filename
+    lib = (
+      name.startswith(_LIBRARY_DIRS)
+      or name.startswith("<")
+      or (os.sep + "jax" + os.sep) in name
+      or (os.sep + "jaxlib" + os.sep) in name
+      or (os.sep + "numpy" + os.sep) in name
+    )
+    if not lib:
+      line = linecache.getline(name, frame.f_lineno).strip()
+      where = f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+      return f"{where}: {line[:80]}" if line else where
+    frame = frame.f_back
+    seen += 1
+  return ""
+
+
 def ensure_started() -> bool:
   """Starts the responder thread once (local; at the first registered communicator).
 
@@ -66,8 +103,10 @@ def ensure_started() -> bool:
     if _started or _comm is None:
       return _started
     MPI = mpi_util.import_mpi()
-    if not _ffi.load().start_inspector(MPI._handleof(_comm)):
+    ext = _ffi.load()
+    if not ext.start_inspector(MPI._handleof(_comm)):
       return False
+    ext.set_python_place(python_place)
     _started = True
     if not _atexit_registered:
       # atexit runs last-registered first: this runs before mpi4py's finalize.
@@ -84,6 +123,7 @@ def stop() -> None:
       return
     if _started:
       _ffi.load().stop_inspector()
+      _ffi.load().set_python_place(None)
       _started = False
     if not mpi_util.import_mpi().Is_finalized():
       _comm.Free()
@@ -101,4 +141,5 @@ def _stop_at_exit() -> None:
     # Not freeing the communicator: MPI_Finalize does; joining the thread is
     # what matters here.
     _ffi.load().stop_inspector()
+    _ffi.load().set_python_place(None)
     _started = False

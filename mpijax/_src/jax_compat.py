@@ -76,15 +76,15 @@ check_jax()
 # remat_p: a checkpointed body that makes MPI calls is kept whole and lowered inline.
 from jax._src import ad_checkpoint as ad_checkpoint
 
+# compile_or_get_cached: wrapped to name the collectives of each compiled program in
+# the bridge's reports (xla_labels.py).
+from jax._src import compiler as compiler
+
 # call_p, closed_call_p, Jaxpr, ClosedJaxpr, Var, new_jaxpr_eqn: nested calls, token threading.
 from jax._src import core as core
 
 # custom_jvp_call_p, custom_vjp_call_p: as remat_p.
 from jax._src import custom_derivatives as custom_derivatives
-
-# compile_or_get_cached: wrapped to name the collectives of each compiled program in
-# the bridge's reports (xla_labels.py).
-from jax._src import compiler as compiler
 
 # global_state: whether jax.distributed is up, and whether mpijax started it.
 from jax._src import distributed as distributed

@@ -2,7 +2,8 @@
 
 Both run the user's function under ``jax.shard_map`` over the mesh's local
 part (this rank's devices) while the axis environment (:mod:`.axes`) tells
-:mod:`mpijax.lax` which named axes span ranks. Both take and return
+:mod:`mpijax.lax` which named axes span ranks, and ``jax.lax``'s collectives
+on those axes run as :mod:`mpijax.lax`'s (:mod:`.lax_routing`). Both take and return
 GlobalArrays, global ``jax.Array``s and this rank's plain arrays.
 """
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from mpijax._src import lax_routing
 from mpijax._src import replication
 from mpijax._src import runtime
 from mpijax._src.axes import bind_axes
@@ -102,7 +104,7 @@ def shard_map(
       tuple(args),
       is_leaf=_is_pspec,
     )
-    with bind_axes(mesh, mesh.axis_names):
+    with bind_axes(mesh, mesh.axis_names), lax_routing.mesh_axes("mpijax.shard_map"):
       out = f(*args)
     specs = _broadcast_specs(out_specs, out, "out_specs")
     return jax.tree.map(
@@ -362,7 +364,7 @@ def _build_pmap(
       full[i] = v
     for i, v in zip(dyn_idx, treedef.unflatten(leaves)):
       full[i] = v
-    with bind_axes(mesh, (axis_name,)):
+    with bind_axes(mesh, (axis_name,)), lax_routing.mesh_axes("mpijax.pmap"):
       out = fun(*full)
     # out_axes None: a replicated result, returned once, not per device.
     return jax.tree.map(

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from mpijax._src import config
 
 
 def import_mpi():
@@ -49,6 +53,7 @@ def import_mpi():
 
 _segments_lock = threading.Lock()
 _segments_checked = False
+_singleton_segments: list[tuple[str, int, int]] = []
 
 
 def _mapped_shm_segments() -> list[tuple[str, int, int]]:
@@ -91,7 +96,9 @@ def _clean_singleton_segments_at_exit(MPI) -> None:
 
   Checked once per process, at the first import_mpi() that finds MPI
   initialized. The files stay mapped (unlinking a mapped file keeps the
-  mapping), so MPI works until it is finalized.
+  mapping), so MPI works until it is finalized. Under mpijax-run (in any
+  world) the files and this process's id are also noted for mpijax-run,
+  which removes them when a job ends before its launcher could.
   """
   global _segments_checked
   if _segments_checked:  # every later import_mpi(): no lock taken
@@ -103,14 +110,39 @@ def _clean_singleton_segments_at_exit(MPI) -> None:
       if not MPI.Is_initialized() or MPI.Is_finalized():
         return  # mpi4py.rc.initialize = False: look again at the next call
       _segments_checked = True
-      if MPI.COMM_WORLD.Get_size() != 1:
-        return  # a launcher's job: its PMIx server removes the files
+      size = MPI.COMM_WORLD.Get_size()
     except Exception:  # an MPI without these calls: nothing to clean
       _segments_checked = True
       return
     segments = _mapped_shm_segments()
+    _note_job_files(segments)
+    if size != 1:
+      return  # a launcher's job: its PMIx server removes the files
   if segments:
+    _singleton_segments[:] = segments
     atexit.register(_unlink_segments, segments, os.getpid())
+
+
+def _note_job_files(segments: list[tuple[str, int, int]]) -> None:
+  """Notes this process and its segment files in mpijax-run's job directory, if any."""
+  directory = config.get("job_files")
+  if not directory:
+    return
+  note = {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "segments": [path for path, _, _ in segments],
+  }
+  try:
+    with open(os.path.join(directory, f"{socket.gethostname()}-{os.getpid()}.json"), "w") as f:
+      json.dump(note, f)
+  except OSError:
+    pass  # a rank on a host that does not see the directory: its launcher cleans up
+
+
+def remove_singleton_segments() -> None:
+  """Unlinks a one-process world's segment files now (for an exit that skips atexit)."""
+  _unlink_segments(list(_singleton_segments), os.getpid())
 
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:

@@ -21,20 +21,55 @@ from typing import Any
 from mpijax._src import ffi as _ffi
 
 # HLO's element types, as the bridge names them (MPI moves PRED as uint8).
-_DTYPES = {"pred": "uint8", "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64",
-           "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64",
-           "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-           "c64": "complex64", "c128": "complex128"}
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPES = {
+  "pred": "uint8",
+  "s8": "int8",
+  "s16": "int16",
+  "s32": "int32",
+  "s64": "int64",
+  "u8": "uint8",
+  "u16": "uint16",
+  "u32": "uint32",
+  "u64": "uint64",
+  "f16": "float16",
+  "bf16": "bfloat16",
+  "f32": "float32",
+  "f64": "float64",
+  "c64": "complex64",
+  "c128": "complex128",
+}
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
 # A reduction computation's root, as MPI's op (XLA maps `or` to max, `and` to min).
-_OPS = {"add": "sum", "multiply": "product", "maximum": "max", "or": "max",
-        "minimum": "min", "and": "min"}
+_OPS = {
+  "add": "sum",
+  "multiply": "product",
+  "maximum": "max",
+  "or": "max",
+  "minimum": "min",
+  "and": "min",
+}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?) "
-    r"(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\((?P<rest>.*)$")
+  r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?) "
+  r"(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\((?P<rest>.*)$"
+)
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

@@ -51,13 +51,17 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
   start on two cores); falls back to ``load_digits`` if the file moved.
   """
   import importlib.util
+
   spec = importlib.util.find_spec("sklearn")
   if spec is not None and spec.submodule_search_locations:
-    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
+    path = os.path.join(
+      list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz"
+    )
     if os.path.exists(path):
       table = np.loadtxt(path, delimiter=",", dtype=np.float32)
       return table[:, :-1], table[:, -1].astype(np.int32)
   from sklearn.datasets import load_digits
+
   x, y = load_digits(return_X_y=True)
   return x.astype(np.float32), y.astype(np.int32)
 
@@ -73,33 +77,45 @@ def load_data(seed: int = 0, test_fraction: float = 0.2):
   test = np.zeros(len(y), bool)
   for label in np.unique(y):  # the same fraction of every class in the test set
     members = rng.permutation(np.flatnonzero(y == label))
-    test[members[:int(round(test_fraction * members.size))]] = True
+    test[members[: int(round(test_fraction * members.size))]] = True
   return x[~test], y[~test], x[test], y[test]
 
 
 # --- model: conv(32) -> conv(64) -> maxpool -> dense(128) -> dense(10) -------
+
 
 def init_params(seed: int) -> dict:
   """He-normal weights from NumPy's generator: no JAX compilation before training."""
   rng = np.random.default_rng(seed)
 
   def dense(fan_in, fan_out):
-    return {"w": (rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)).astype(np.float32),
-            "b": np.zeros(fan_out, np.float32)}
+    return {
+      "w": (rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)).astype(np.float32),
+      "b": np.zeros(fan_out, np.float32),
+    }
 
   def conv(size, c_in, c_out):
     w = rng.standard_normal((size, size, c_in, c_out)) * np.sqrt(2.0 / (size * size * c_in))
     return {"w": w.astype(np.float32), "b": np.zeros(c_out, np.float32)}
 
-  params = {"conv1": conv(3, 1, 32), "conv2": conv(3, 32, 64),
-            "fc1": dense(4 * 4 * 64, 128), "fc2": dense(128, 10)}
+  params = {
+    "conv1": conv(3, 1, 32),
+    "conv2": conv(3, 32, 64),
+    "fc1": dense(4 * 4 * 64, 128),
+    "fc2": dense(128, 10),
+  }
   return jax.tree_util.tree_map(jnp.asarray, params)
 
 
 def apply(params, x):
   def conv(p, h):
-    return jax.lax.conv_general_dilated(h, p["w"], (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    return (
+      jax.lax.conv_general_dilated(
+        h, p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      + p["b"]
+    )
+
   h = jax.nn.relu(conv(params["conv1"], x))
   h = jax.nn.relu(conv(params["conv2"], h))
   h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
@@ -119,10 +135,13 @@ def loss_fn(params, batch, label_smoothing: float = 0.1):
 
 # --- outputs -----------------------------------------------------------------
 
+
 def save_plot(history: dict, path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   epochs = np.arange(1, len(history["train_loss"]) + 1)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
   ax1.plot(epochs, history["train_loss"], label="train")
@@ -150,6 +169,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 # --- model: Flax linen CNN with BatchNorm (--model flax-bn) ----------------------
 
+
 def flax_bn_model(axis_name: str | None):
   """conv(32)-BN-relu -> conv(64)-BN-relu -> maxpool -> dense(128)-BN-relu -> dense(10).
 
@@ -161,8 +181,9 @@ def flax_bn_model(axis_name: str | None):
   class CNN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
-      bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             axis_name=axis_name)
+      bn = functools.partial(
+        nn.BatchNorm, use_running_average=not train, momentum=0.9, axis_name=axis_name
+      )
       # No bias before a BatchNorm: it would be subtracted right away.
       x = nn.relu(bn()(nn.Conv(32, (3, 3), use_bias=False)(x)))
       x = nn.relu(bn()(nn.Conv(64, (3, 3), use_bias=False)(x)))
@@ -179,13 +200,16 @@ def flax_bn_fns(model, label_smoothing: float):
 
   def losses(logits, y):
     targets = optax.smooth_labels(jax.nn.one_hot(y, 10), label_smoothing)
-    return (optax.softmax_cross_entropy(logits, targets),
-            {"accuracy": (jnp.argmax(logits, -1) == y).astype(jnp.float32)})
+    return (
+      optax.softmax_cross_entropy(logits, targets),
+      {"accuracy": (jnp.argmax(logits, -1) == y).astype(jnp.float32)},
+    )
 
   def loss_fn(params, model_state, batch):
     x, y = batch
-    logits, new_state = model.apply({"params": params, **model_state}, x, train=True,
-                                    mutable=["batch_stats"])
+    logits, new_state = model.apply(
+      {"params": params, **model_state}, x, train=True, mutable=["batch_stats"]
+    )
     return losses(logits, y), new_state
 
   def eval_fn(params, model_state, batch):
@@ -198,7 +222,8 @@ def flax_bn_fns(model, label_smoothing: float):
 def init_flax_bn(model, seed: int):
   """(params, model_state) of the Flax model (its init compiled once)."""
   variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(seed), jnp.zeros((1, 8, 8, 1), jnp.float32))
+    jax.random.key(seed), jnp.zeros((1, 8, 8, 1), jnp.float32)
+  )
   return variables["params"], {"batch_stats": variables["batch_stats"]}
 
 
@@ -211,36 +236,86 @@ def digest(tree) -> str:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m mpijax.examples.digits", description=__doc__.split("\n")[0])
-  p.add_argument("--model", choices=["cnn", "flax-bn"], default="cnn",
-                 help="cnn: a plain JAX CNN; flax-bn: a Flax linen CNN with BatchNorm (default cnn)")
-  p.add_argument("--bn", choices=["sync", "mean"], default="sync",
-                 help="flax-bn: BatchNorm statistics over the global batch (sync) or per rank, "
-                      "running averages averaged over ranks (mean) (default sync)")
+  p = argparse.ArgumentParser(
+    prog="python -m mpijax.examples.digits", description=__doc__.split("\n")[0]
+  )
+  p.add_argument(
+    "--model",
+    choices=["cnn", "flax-bn"],
+    default="cnn",
+    help="cnn: a plain JAX CNN; flax-bn: a Flax linen CNN with BatchNorm (default cnn)",
+  )
+  p.add_argument(
+    "--bn",
+    choices=["sync", "mean"],
+    default="sync",
+    help="flax-bn: BatchNorm statistics over the global batch (sync) or per rank, "
+    "running averages averaged over ranks (mean) (default sync)",
+  )
   p.add_argument("--epochs", type=int, default=12, help="epochs to train (default 12)")
-  p.add_argument("--batch-size", type=int, default=64,
-                 help="GLOBAL batch size, divisible by the rank count (default 64)")
-  p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine decay (default 2e-3)")
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=64,
+    help="GLOBAL batch size, divisible by the rank count (default 64)",
+  )
+  p.add_argument(
+    "--lr", type=float, default=2e-3, help="peak learning rate, cosine decay (default 2e-3)"
+  )
   p.add_argument("--label-smoothing", type=float, default=0.1, help="(default 0.1)")
   p.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default 0)")
-  p.add_argument("--compression", choices=["bf16", "fp16"], default=None,
-                 help="send gradients in half precision")
-  p.add_argument("--out", default=os.path.join("runs", "digits"),
-                 help="output directory for checkpoints/, metrics.json, curves.png (default runs/digits)")
-  p.add_argument("--checkpoint-every", type=int, default=20,
-                 help="steps between checkpoints, besides every epoch's end (default 20)")
-  p.add_argument("--keep-checkpoints", type=int, default=2,
-                 help="how many of the newest checkpoints OUT/checkpoints keeps (default 2)")
-  p.add_argument("--fresh", action="store_true",
-                 help="delete OUT/checkpoints and start afresh instead of resuming")
-  p.add_argument("--resume", action="store_true",
-                 help="resume from OUT/checkpoints (the default; kept for old command lines)")
-  p.add_argument("--max-steps", type=int, default=None,
-                 help="stop after this many steps in total (for tests)")
+  p.add_argument(
+    "--compression", choices=["bf16", "fp16"], default=None, help="send gradients in half precision"
+  )
+  p.add_argument(
+    "--out",
+    default=None,
+    help="output directory for checkpoints/, metrics.json, curves.png (default "
+    "runs/digits; runs/digits-flax-bn for --model flax-bn, "
+    "runs/digits-flax-bn-mean with --bn mean)",
+  )
+  p.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=20,
+    help="steps between checkpoints, besides every epoch's end (default 20)",
+  )
+  p.add_argument(
+    "--keep-checkpoints",
+    type=int,
+    default=2,
+    help="how many of the newest checkpoints OUT/checkpoints keeps (default 2)",
+  )
+  p.add_argument(
+    "--fresh",
+    action="store_true",
+    help="delete OUT/checkpoints and start afresh instead of resuming",
+  )
+  p.add_argument(
+    "--resume",
+    action="store_true",
+    help="resume from OUT/checkpoints (the default; kept for old command lines)",
+  )
+  p.add_argument(
+    "--max-steps", type=int, default=None, help="stop after this many steps in total (for tests)"
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  p.add_argument("--min-accuracy", type=float, default=0.0,
-                 help="exit with status 1 if the final test accuracy is below this (e.g. 0.97)")
-  return p.parse_args(argv)
+  p.add_argument(
+    "--min-accuracy",
+    type=float,
+    default=0.0,
+    help="exit with status 1 if the final test accuracy is below this (e.g. 0.97)",
+  )
+  args = p.parse_args(argv)
+  if args.out is None:  # each model its own: a run resumes only its own checkpoints
+    args.out = default_out(args.model, args.bn)
+  return args
+
+
+def default_out(model: str, bn: str) -> str:
+  """The default --out of a model: runs/digits, runs/digits-flax-bn, runs/digits-flax-bn-mean."""
+  name = "digits" if model == "cnn" else f"digits-{model}" + ("-mean" if bn == "mean" else "")
+  return os.path.join("runs", name)
 
 
 _HISTORY_KEYS = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_seconds")
@@ -252,12 +327,16 @@ def main(argv=None) -> int:
   rt = mpijax.init()
   rank, ranks = rt.rank, rt.size
   x_train, y_train, x_test, y_test = load_data(args.seed)
-  train.log(f"digits ({args.model}): {len(x_train)} train / {len(x_test)} test images, {ranks} ranks, "
-            f"global batch {args.batch_size} ({args.batch_size // max(ranks, 1)} per rank), "
-            f"{args.epochs} epochs, jax {jax.__version__} on {jax.default_backend()}, "
-            f"restart attempt {train.restart_attempt()}")
+  train.log(
+    f"digits ({args.model}): {len(x_train)} train / {len(x_test)} test images, {ranks} ranks, "
+    f"global batch {args.batch_size} ({args.batch_size // max(ranks, 1)} per rank), "
+    f"{args.epochs} epochs, jax {jax.__version__} on {jax.default_backend()}, "
+    f"restart attempt {train.restart_attempt()}"
+  )
 
-  steps_per_epoch = len(train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=0))
+  steps_per_epoch = len(
+    train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=0)
+  )
   total_steps = args.epochs * steps_per_epoch
   if args.max_steps is not None:
     total_steps = min(total_steps, args.max_steps)
@@ -270,35 +349,60 @@ def main(argv=None) -> int:
   history = {k: [] for k in _HISTORY_KEYS}
   history.update(ranks=ranks, global_batch_size=args.batch_size)
   sums = {"loss": 0.0, "accuracy": 0.0}  # this epoch's metric sums so far
-  common = dict(has_aux=True, compression=args.compression, checkpoint_dir=ckpt_dir,
-                checkpoint_every=args.checkpoint_every or None,
-                keep_checkpoints=args.keep_checkpoints,
-                checkpoint_metadata=lambda: {"history": history, "args": vars(args),
-                                             "epoch_sums": {k: float(v) for k, v in sums.items()}})
+  common = dict(
+    has_aux=True,
+    compression=args.compression,
+    checkpoint_dir=ckpt_dir,
+    checkpoint_every=args.checkpoint_every or None,
+    keep_checkpoints=args.keep_checkpoints,
+    checkpoint_metadata=lambda: {
+      "history": history,
+      "args": vars(args),
+      "epoch_sums": {k: float(v) for k, v in sums.items()},
+    },
+  )
   if args.model == "cnn":
-    dp = train.DataParallel(functools.partial(loss_fn, label_smoothing=args.label_smoothing),
-                            optimizer, **common)
+    dp = train.DataParallel(
+      functools.partial(loss_fn, label_smoothing=args.label_smoothing), optimizer, **common
+    )
     # Each rank draws different parameters; init() broadcasts rank 0's to all.
     params, model_state = init_params(args.seed + rank), None
   else:
     sync = args.bn == "sync"
     model = flax_bn_model("batch" if sync else None)
     loss, evaluate = flax_bn_fns(model, args.label_smoothing)
-    dp = train.DataParallel(loss, optimizer, eval_fn=evaluate, axis_name="batch" if sync else None,
-                            state_sync=args.bn, **common)
+    dp = train.DataParallel(
+      loss,
+      optimizer,
+      eval_fn=evaluate,
+      axis_name="batch" if sync else None,
+      state_sync=args.bn,
+      **common,
+    )
     params, model_state = init_flax_bn(model, args.seed + rank)
   # A restarted run continues from the newest complete checkpoint, else starts afresh.
-  state = dp.resume_or_init(params, rng=jax.random.key(args.seed), model_state=model_state)
+  try:
+    state = dp.resume_or_init(params, rng=jax.random.key(args.seed), model_state=model_state)
+  except train.CheckpointMismatch as e:
+    raise train.CheckpointMismatch(
+      f"{ckpt_dir} holds the checkpoints of another run than --model {args.model}"
+      f"{' --bn ' + args.bn if args.model == 'flax-bn' else ''}: pass --fresh to start over "
+      f"there, or --out DIR for a directory of its own.\n{e}"
+    ) from None
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   start = int(state.step)
   if start:
     saved = train.checkpoint_metadata(train.checkpoint_path(ckpt_dir, start))
     history.update({k: v for k, v in saved["history"].items() if k in _HISTORY_KEYS})
     sums.update(saved.get("epoch_sums", {}))
-    train.log(f"resumed from {train.checkpoint_path(ckpt_dir, start)} at step {start} "
-              f"(epoch {start // steps_per_epoch}, step {start % steps_per_epoch} of {steps_per_epoch})")
-  train.log(f"model: {args.model}, {n_params:,} parameters in "
-            f"{len(jax.tree_util.tree_leaves(state.params))} leaves")
+    train.log(
+      f"resumed from {train.checkpoint_path(ckpt_dir, start)} at step {start} "
+      f"(epoch {start // steps_per_epoch}, step {start % steps_per_epoch} of {steps_per_epoch})"
+    )
+  train.log(
+    f"model: {args.model}, {n_params:,} parameters in "
+    f"{len(jax.tree_util.tree_leaves(state.params))} leaves"
+  )
 
   eval_batch = -(-len(x_test) // ranks) * ranks  # the whole test set in one padded step
   train_samples, train_seconds, t_first_step = 0, 0.0, None
@@ -307,10 +411,16 @@ def main(argv=None) -> int:
   while int(state.step) < total_steps:
     t_epoch = time.perf_counter()
     first = start_in_epoch if epoch == start_epoch else 0
-    batches = train.shard_batches((x_train, y_train), args.batch_size, seed=args.seed, epoch=epoch,
-                                  start_step=first)
-    bar = train.progress(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-                         disable=args.no_progress, unit="step")
+    batches = train.shard_batches(
+      (x_train, y_train), args.batch_size, seed=args.seed, epoch=epoch, start_step=first
+    )
+    bar = train.progress(
+      batches,
+      desc=f"epoch {epoch + 1}/{args.epochs}",
+      leave=False,
+      disable=args.no_progress,
+      unit="step",
+    )
     n_epoch = 0
     for i, batch in enumerate(bar, start=first):
       if epoch * steps_per_epoch + i >= total_steps:
@@ -342,9 +452,11 @@ def main(argv=None) -> int:
     history["test_accuracy"].append(test["accuracy"])
     history["epoch_seconds"].append(seconds)
     sums = {"loss": 0.0, "accuracy": 0.0}
-    train.log(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {history['train_loss'][-1]:.4f} "
-              f"acc {history['train_accuracy'][-1]:.4f}  test loss {test['loss']:.4f} "
-              f"acc {test['accuracy']:.4f}  {n_epoch / seconds:,.0f} samples/s")
+    train.log(
+      f"epoch {epoch + 1:3d}/{args.epochs}  train loss {history['train_loss'][-1]:.4f} "
+      f"acc {history['train_accuracy'][-1]:.4f}  test loss {test['loss']:.4f} "
+      f"acc {test['accuracy']:.4f}  {n_epoch / seconds:,.0f} samples/s"
+    )
     # Every epoch's end: a restart resumes from here at the latest.
     dp.save(state)
     epoch += 1
@@ -352,31 +464,50 @@ def main(argv=None) -> int:
   final = dp.evaluate(state, (x_test, y_test), batch_size=eval_batch)
   if int(state.step) % steps_per_epoch:
     dp.save(state)
-  samples_per_s = train_samples / train_seconds if train_seconds else float("nan")
+  samples_per_s = train_samples / train_seconds if train_seconds else None
   wall = time.perf_counter() - t_start
   params_digest = digest((state.params, state.model_state))
   summary = {
-      "model": args.model, "ranks": ranks, "epochs": args.epochs,
-      "global_batch_size": args.batch_size, "steps": int(state.step),
-      "parameters": int(n_params), "test_accuracy": final["accuracy"], "test_loss": final["loss"],
-      "params_sha256": params_digest, "resumed_from_step": start,
-      "restart_attempt": train.restart_attempt(),
-      "train_samples_per_s": samples_per_s, "wall_seconds": wall,
-      "compile_and_first_step_seconds": (t_first_step - t_start) if t_first_step else None,
-      "compression": args.compression,
+    "model": args.model,
+    "ranks": ranks,
+    "epochs": args.epochs,
+    "global_batch_size": args.batch_size,
+    "steps": int(state.step),
+    "parameters": int(n_params),
+    "test_accuracy": final["accuracy"],
+    "test_loss": final["loss"],
+    "params_sha256": params_digest,
+    "resumed_from_step": start,
+    "restart_attempt": train.restart_attempt(),
+    "train_samples_per_s": samples_per_s,
+    "wall_seconds": wall,
+    "compile_and_first_step_seconds": (t_first_step - t_start) if t_first_step else None,
+    "compression": args.compression,
   }
   if rank == 0:
     os.makedirs(args.out, exist_ok=True)
-    _atomic_write_text(os.path.join(args.out, "metrics.json"),
-                       json.dumps({"summary": summary, "history": history}, indent=2))
+    _atomic_write_text(
+      os.path.join(args.out, "metrics.json"),
+      json.dumps({"summary": summary, "history": history}, indent=2),
+    )
     if history["test_accuracy"]:
       save_plot(history, os.path.join(args.out, "curves.png"))
-  train.log(f"final test accuracy {final['accuracy']:.4f} ({final['accuracy'] * 100:.2f} %), "
-            f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation), "
-            f"wall {wall:.1f} s")
+  speed = (
+    f"{samples_per_s:,.0f} train samples/s on {ranks} ranks (after compilation)"
+    if samples_per_s is not None
+    else f"no training step to time (step {start} was the end)"
+    if start >= total_steps
+    else "too few steps to time after compilation"
+  )
+  train.log(
+    f"final test accuracy {final['accuracy']:.4f} ({final['accuracy'] * 100:.2f} %), "
+    f"{speed}, wall {wall:.1f} s"
+  )
   train.log(f"params sha256 {params_digest} (step {int(state.step)})")
-  train.log(f"wrote {ckpt_dir}, {os.path.join(args.out, 'metrics.json')}, "
-            f"{os.path.join(args.out, 'curves.png')}")
+  train.log(
+    f"wrote {ckpt_dir}, {os.path.join(args.out, 'metrics.json')}, "
+    f"{os.path.join(args.out, 'curves.png')}"
+  )
   return 0 if final["accuracy"] >= args.min_accuracy else 1
 
 

@@ -311,9 +311,52 @@ def test_check_vma_and_all_gather_to():
     mpijax.pmap(lambda x: mlax.all_gather(x, "i", to="reduced"), axis_name="i")(np.ones(L))
 
 
+def test_jax_lax_inside_mpijax_maps_spans_every_rank():
+  # A jax.pmap program ports by changing one word: jax.lax's collectives on
+  # mpijax's axes run as mpijax.lax's (the vmap reference runs jax.lax's own).
+  n = mpijax.process_count() * mpijax.local_device_count()
+  g = _global((n, 2), np.float32, 11)
+  ring = [(i, (i + 1) % n) for i in range(n)]
+  for f in (lambda x: jax.lax.psum(x, "i"), lambda x: jax.lax.pmean(x, "i"),
+            lambda x: jax.lax.pmax(x, "i"), lambda x: jax.lax.pmin(x, "i"),
+            lambda x: jax.lax.all_gather(x, "i"), lambda x: jax.lax.all_gather(x, "i", tiled=True),
+            lambda x: jax.lax.psum_scatter(x, "i"), lambda x: jax.lax.all_to_all(x, "i", 0, 1),
+            lambda x: jax.lax.ppermute(x, "i", ring), lambda x: jax.lax.pshuffle(x, "i", [
+                (i + 1) % n for i in range(n)]),
+            lambda x: jax.lax.pswapaxes(x, "i", 0), lambda x: x * jax.lax.axis_index("i"),
+            lambda x: x * jax.lax.axis_size("i"), lambda x: jax.lax.pbroadcast(x, "i", n - 1)):
+    _compare(f, g, exact=False)
+  # The same under mpijax.shard_map, over a tuple of axes spanning ranks and devices.
+  mesh = mpijax.make_mesh((mpijax.process_count(), mpijax.local_device_count()), ("p", "l"))
+  out = mpijax.shard_map(lambda x: jax.lax.psum(x.sum(0), ("p", "l")), mesh=mesh,
+                         in_specs=P(("p", "l")), out_specs=P())(_mine(g[:, 0]))
+  np.testing.assert_allclose(np.asarray(out), g[:, 0].sum(0), rtol=1e-5)
+  # ... and jax.lax is JAX's own again outside the maps.
+  from mpijax._src import lax_routing
+  assert jax.lax.psum is lax_routing.original("psum")
+
+
+def test_jax_lax_that_cannot_reach_mpijax_names_the_fix():
+  from jax.lax import psum as psum_taken_early  # bound to JAX's own, before any map ran
+
+  L = mpijax.local_device_count()
+  early = mpijax.pmap(lambda x: psum_taken_early(x, "i"), axis_name="i")
+  if mpijax.process_count() == 1:  # an axis inside one rank is JAX's own: it just works
+    np.testing.assert_array_equal(np.asarray(early(np.ones(L))), np.full(L, float(L)))
+    return
+  with pytest.raises(NameError, match=r"Call mpijax.lax.psum\(x, 'i'\)"):
+    early(np.ones(L))
+  with pytest.raises(NameError, match="enclosing mpijax.pmap maps \\['i'\\]") as e:
+    mpijax.pmap(lambda x: jax.lax.psum(x, "j"), axis_name="i")(np.ones(L))
+  assert "under `jax.shard_map`" not in str(e.value)  # JAX's advice does not apply here
+  with pytest.raises(NotImplementedError, match="mpijax.lax.ppermute"):
+    mpijax.pmap(lambda x: jax.lax.psend(x, "i", [(0, 0)]), axis_name="i")(np.ones(L))
+
+
 def test_unbound_axis_is_a_clear_error():
-  with pytest.raises(NameError, match="axis_name 'j'"):
+  with pytest.raises(NameError, match="axis_name 'j'") as e:
     mpijax.pmap(lambda x: mlax.psum(x, "j"), axis_name="i")(np.ones(mpijax.local_device_count()))
+  assert "under `jax.shard_map`" not in str(e.value)  # JAX's advice does not apply here
   with pytest.raises(NameError, match="no mpijax.pmap"):
     jax.jit(lambda x: mlax.psum(x, "i"))(1.0)
   with pytest.raises(NameError, match="pbroadcast got axis_name 'j'"):  # not 'axis_size'

@@ -7,7 +7,8 @@ mpijax built from the launcher's environment, sums across ranks computed by
 mpijax's own transport (``mpijax.ops.allreduce`` eagerly and inside
 ``jax.jit``, and ``mpijax.lax.psum`` under ``mpijax.pmap``; there is no
 fallback: if the extension does not load, the rank fails), and the
-SLURM_*/PMIX_* variables the rank saw.
+SLURM_*/PMIX_* variables the rank saw. Rank 0 then draws a progress bar
+(``mpijax.train.progress``) under the launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import mpijax
 import mpijax.lax
 import mpijax.ops
+import mpijax.train
 
 
 def sums(rank: int) -> dict[str, float]:
@@ -57,6 +59,8 @@ def main(outdir: str) -> None:
     json.dump(report, f, indent=1, sort_keys=True)
   print(f"rank {t.rank}/{t.size} local {t.local_rank}/{t.local_size} node {t.node_index}/{t.node_count} "
         f"coordinator {t.coordinator_address} launcher {t.launcher} sums {by}", flush=True)
+  for _ in mpijax.train.progress(range(5), desc="rank report", unit="step"):  # rank 0's bar
+    pass
   mpijax.shutdown()
 
 

@@ -43,7 +43,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/timeline/",
   ],
   "transport": ["_src/ops/"],
-  "collectives": ["_src/collectives.py", "_src/axes.py"],
+  "collectives": ["_src/collectives.py", "_src/axes.py", "_src/lax_routing.py"],
   "mapping and arrays": [
     "_src/mesh.py",
     "_src/geometry.py",

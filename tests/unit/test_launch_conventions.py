@@ -434,6 +434,83 @@ def test_relay_tee_shows_tagged_lines(tmp_path):
   assert (tmp_path / "rank_1.log").read_text() == "b\n"
 
 
+def _block(rank: int, message: str) -> list[bytes]:
+  tag, p = f"[1,{rank}]<stderr>: ".encode(), f"[rank {rank}/4] ".encode()
+  return [
+    tag
+    + p
+    + f"mpijax: uncaught OSError on rank {rank}/4, aborting the job (exit code 1): "
+    f"{message}\n".encode(),
+    tag + p + b"Traceback (most recent call last):\n",
+    tag + p + b'  File "err.py", line 7, in <module>\n',
+    tag + p + f"OSError: {message}\n".encode(),
+  ]
+
+
+def test_a_failure_reaches_the_console_as_one_block_and_the_logs_whole(tmp_path):
+  err = io.BytesIO()
+  relay = joblog.Relay("openmpi", str(tmp_path), tee=True, stdout=io.BytesIO(), stderr=err)
+  relay.begin(0, 4)
+  box = [
+    b"[1,1]<stderr>: -------------------------\n",
+    b"[1,1]<stderr>: MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\n",
+    b"[1,1]<stderr>:   Errorcode: 1\n",
+    b"[1,1]<stderr>: -------------------------\n",
+    b"[1,1]<stderr>: \x00\n",
+  ]
+  launcher_box = [
+    b"-------------------------\n",
+    b"prterun has exited due to process rank 1 with PID 0 on node vm calling\n",
+    b'"abort". This may have caused other processes in the application to be\n',
+    b"-------------------------\n",
+  ]
+  noise = [
+    b"[1,3]<stderr>: Additional GRPC error information from remote target "
+    b"coordination_service while calling /xla.coordination.CoordinationService/PollForError:\n",
+    b"[1,3]<stderr>: E1127 11:02:33.123456   4242 client.cc:123] Terminating process because "
+    b"the JAX distributed service detected fatal errors.\n",
+  ]
+  other = [
+    b"[1,2]<stderr>: [rank 2/4] mpijax: uncaught JaxRuntimeError on rank 2/4, aborting the "
+    b"job (exit code 1): UNAVAILABLE: the coordinator is gone\n",
+    b"[1,2]<stderr>: [rank 2/4] Traceback (most recent call last):\n",
+  ]
+  relay._lines(
+    _block(1, "it exists")
+    + box
+    + _block(0, "it exists")
+    + noise
+    + other
+    + launcher_box
+    + [b"[1,0]<stderr>: -----\n", b"[1,0]<stderr>: a rank's own line\n"],
+    err,
+  )
+  relay._lines([], err, final=True)
+  relay.close()
+  shown = err.getvalue().decode().splitlines()
+  assert shown == [b.decode().rstrip("\n") for b in _block(1, "it exists")] + [
+    other[0].decode().rstrip("\n"),
+    "[1,0]<stderr>: -----",
+    "[1,0]<stderr>: a rank's own line",
+  ]
+  # The logs keep every line, without Open MPI's NUL.
+  rank1 = (tmp_path / "rank_1.log").read_bytes()
+  assert b"MPI_ABORT was invoked" in rank1 and b"\0" not in rank1
+  assert b"prterun has exited" in (tmp_path / "mpijax-run.log").read_bytes()
+  summary = relay.reasons.summary(1)
+  assert "rank 1: uncaught OSError: it exists (ranks 0-1 alike)" in summary, summary
+
+
+def test_other_boxes_of_the_launcher_are_shown():
+  f = joblog.ConsoleFilter()
+  box = [
+    b"----------------------------\n",
+    b"ssh: connect to host n2 port 22: refused\n",
+    b"----------------------------\n",
+  ]
+  assert [line for b in box for line in f.launcher_line(b.decode().rstrip(), b)] == box
+
+
 # --- dropping hosts before a restart ------------------------------------------------------
 
 

@@ -34,6 +34,18 @@ def test_numbered_checkpoints_keep_the_newest_and_resume_from_it(tmp_path):
     train.save_step_checkpoint(d, tree(1), 1, keep=0)
 
 
+def test_a_tree_that_carries_its_step_must_carry_the_saved_one(tmp_path):
+  # A loop that resumes from state["step"] would start over if the tree kept
+  # step 0 while the file says 121: refused, naming the fix.
+  with pytest.raises(ValueError, match=r"own step is 0: a run resumed from it would start again "
+                                       r"at step 0.*state\['step'\] = step \+ 1"):
+    train.save_step_checkpoint(tmp_path, {"step": 0, "x": jnp.zeros(2)}, 121)
+  assert train.list_checkpoints(tmp_path) == []
+  train.save_step_checkpoint(tmp_path, {"step": jnp.int32(121), "x": jnp.zeros(2)}, 121)
+  state = train.resume_or_init(tmp_path, lambda: {"step": jnp.int32(0), "x": jnp.ones(2)})
+  assert int(state["step"]) == 121
+
+
 def test_resume_falls_back_over_a_damaged_newest_and_refuses_all_damaged(tmp_path):
   tree = lambda v: {"w": jnp.full(2, float(v))}
   train.save_step_checkpoint(tmp_path, tree(1), 1)

@@ -4,7 +4,7 @@ tests/unit/test_ffi_stub.py checks that every function here has the
 module's parameters (names, kinds, defaults), and the other way round.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,10 @@ def start_inspector(handle: int) -> bool:
 
 def stop_inspector() -> None:
   """Stops and joins the responder thread."""
+
+def set_python_place(fn: Callable[[], str] | None) -> None:
+  """Sets the function that says where the Python main thread is (the stall
+  inspector's answers); None removes it."""
 
 def status(key: int, device: int) -> str:
   """'<calls> <phase> <text>' for (communicator key, device), as sent to askers."""

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
+import sys
 
 from mpijax._src import bridge_env
 from mpijax._src import heap
@@ -17,6 +19,7 @@ from mpijax._src.launch.hosts import host_list
 from mpijax._src.launch.hosts import hosts_of
 from mpijax._src.launch.hosts import parse_hosts
 from mpijax._src.launch.program import rank_program
+from mpijax._src.launch.shm import JOB_FILES_ENV
 from mpijax._src.launch.situation import Situation
 from mpijax._src.launch.situation import choose_launcher
 
@@ -74,6 +77,11 @@ def _exports(
     explicit[DEVICES_ENV] = str(opts.devices_per_process)
   explicit[RESTART_ENV] = str(plan.attempt)
   explicit["MASTER_ADDR"], explicit["MASTER_PORT"] = master
+  if plan.job_files:
+    explicit[JOB_FILES_ENV] = plan.job_files
+  if "COLUMNS" not in env and sys.stdout.isatty():
+    # The ranks' terminal (Open MPI's) is 0 columns wide: rank 0's progress bar takes ours.
+    explicit["COLUMNS"] = str(shutil.get_terminal_size().columns)
   pairs: list[tuple[str, str | None]] = list(explicit.items())
   for name in sorted(env):
     if (name.startswith("MPIJAX_") or name == COORDINATOR_ENV) and name not in explicit:

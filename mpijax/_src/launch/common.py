@@ -69,3 +69,4 @@ class Plan:
   attempt: int = 0
   hosts: tuple[tuple[str, int], ...] | None = None
   master_port: int | None = None
+  job_files: str | None = None  # where the ranks note their shared-memory files (shm.py)

@@ -12,7 +12,11 @@ launcher's stdout and stderr through pipes and
 * keeps the launcher's messages and mpijax's failure reports (an uncaught
   exception, a stall, an MPI error) to say, in one line, why an attempt
   ended: which rank, on which node, killed by which signal or exiting with
-  which status.
+  which status;
+* shows one block per failure on the console (:class:`ConsoleFilter`): the
+  first rank's report of an uncaught exception, not its echo from every
+  other rank, nor Open MPI's and JAX's messages about the abort that
+  follows (the logs keep everything).
 """
 
 from __future__ import annotations
@@ -95,7 +99,11 @@ class HydraDemux:
 # --- why an attempt ended -------------------------------------------------------
 
 # mpijax's own reports, as the ranks print them (failure.py, the C++ transport).
-_UNCAUGHT = re.compile(r"mpijax: uncaught (\S+?)(?: in thread '[^']*')? on rank (\d+)/\d+")
+# The first line of failure.py's report: the exception, the rank, its message.
+_UNCAUGHT = re.compile(
+  r"mpijax: uncaught (\S+?)(?: in thread '[^']*')? on rank (\d+)/\d+"
+  r"(?:, aborting the job \(exit code \d+\))?(?:: (.*))?"
+)
 _TRACE_LINE = re.compile(r"^\[rank (\d+)/\d+\] (\S.*)$")
 _STALL = re.compile(r"mpijax: stall: (rank \d+.*)")
 _MPI_ERROR = re.compile(r"mpijax: rank (\d+): (\S+ failed in .*)")
@@ -195,7 +203,7 @@ class Reasons:
       self.last_trace[int(m[1])] = m[2]
     m = _UNCAUGHT.search(text)
     if m:
-      self._uncaught.append((int(m[2]), m[1]))
+      self._uncaught.append((int(m[2]), f"{m[1]}: {m[3]}" if m[3] else m[1]))
       return
     for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}")):
       m = pattern.search(text)
@@ -226,11 +234,134 @@ class Reasons:
         parts.append(fmt(m))
         break
     for rank, exc in self._uncaught[:1]:
-      detail = self.last_trace.get(rank, exc)
-      parts.append(f"rank {rank}: uncaught {_shorten(detail)}")
+      # The report's own first line names the exception and its message; a
+      # report without one falls back to the last line of the traceback.
+      def detail_of(r: int, e: str) -> str:
+        return e if ": " in e else self.last_trace.get(r, e)
+
+      detail = detail_of(rank, exc)
+      alike = sorted({r for r, e in self._uncaught if detail_of(r, e) == detail})
+      also = f" (ranks {rank_ranges(alike)} alike)" if len(alike) > 1 else ""
+      parts.append(f"rank {rank}: uncaught {_shorten(detail)}{also}")
     parts += self.mpijax[:1]
     parts.append(describe_status(status))
     return "; ".join(parts)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+  """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+  parts, start = [], None
+  for i, r in enumerate(ranks):
+    if start is None:
+      start = r
+    if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+      parts.append(str(start) if start == r else f"{start}-{r}")
+      start = None
+  return ",".join(parts)
+
+
+# --- one block per failure on the console --------------------------------------
+
+_DASHES = re.compile(r"^\s*-{20,}\s*$")
+_HEADER = re.compile(r"^\[rank (\d+)/\d+\] mpijax: uncaught \S+.* on rank \d+/\d+")
+# The launchers' messages about an abort or a rank's non-zero exit, which the
+# summary line mpijax-run prints after every failed attempt says better.
+_ABORT_BOXES = re.compile(
+  r"MPI_ABORT was invoked on rank|has exited due to process rank \d+ with PID \d+ on node \S+ "
+  r"calling \"abort\"|detected that one or more processes exited with non-zero status"
+)
+# What JAX's distributed runtime and XLA print on ranks that are being torn down
+# (absl log lines, the coordination service giving up, check-failure stacks).
+_TEARDOWN = re.compile(
+  r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] |JAX distributed service|"
+  r"[Cc]oordination[ _]?[Ss]ervice|GRPC error|grpc_status|^\s*@\s+0x[0-9a-f]+|"
+  r"\*\*\* Check failure stack trace|"
+  r"^\s*$"
+)
+
+
+class ConsoleFilter:
+  """Which lines of an attempt reach the console, so that a failure reads as one block.
+
+  Once a rank reported an uncaught exception (:mod:`mpijax._src.failure`'s
+  block: the rank, the exception and its message, then the traceback), the
+  same report from other ranks, Open MPI's boxes about the abort, and what
+  JAX prints while the other ranks are torn down are left out; another
+  rank's different report shows as its first line; a box or line that says
+  something else is shown. Every line still goes to the logs.
+  """
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    self.failing = False
+    self._shown: set[str] = set()  # error reports shown, rank numbers taken out
+    self._quiet: set[int] = set()  # ranks inside a report that repeats one shown
+    self._held: dict[int, bytes] = {}  # a rank's dashed line: the start of a box?
+    self._in_box: set[int] = set()  # ranks inside Open MPI's MPI_ABORT box
+    self._box: list[bytes] | None = None  # the launcher's box being read
+
+  def rank_line(self, rank: int, text: str, raw: bytes) -> list[bytes]:
+    """The lines to show for a rank's line ``text`` (``raw``: as the launcher wrote it)."""
+    out: list[bytes] = []
+    held = self._held.pop(rank, None)
+    if rank in self._in_box:
+      if _DASHES.match(text):
+        self._in_box.discard(rank)
+      return out
+    if held is not None:
+      if text.startswith("MPI_ABORT was invoked"):
+        self._in_box.add(rank)
+        self.failing = True
+        return out
+      out.append(held)
+    if _DASHES.match(text):
+      self._held[rank] = raw
+      return out
+    m = _HEADER.match(text)
+    if m:
+      self.failing = True
+      key = re.sub(r"rank \d+/\d+", "rank", text)
+      if key in self._shown or self._shown:
+        # The same report again: nothing; another one (often the teardown's
+        # consequence): its first line. Their tracebacks are in the logs.
+        self._quiet.add(rank)
+        if key not in self._shown:
+          self._shown.add(key)
+          out.append(raw)
+        return out
+      self._shown.add(key)
+      self._quiet.discard(rank)
+    elif rank in self._quiet:
+      if text.startswith(f"[rank {rank}/"):
+        return out
+      self._quiet.discard(rank)
+    if self.failing and not text.startswith("[rank ") and _TEARDOWN.search(text):
+      return out
+    out.append(raw)
+    return out
+
+  def launcher_line(self, text: str, raw: bytes) -> list[bytes]:
+    """The lines to show for one of the launcher's own lines."""
+    if self._box is None:
+      if _DASHES.match(text):
+        self._box = [raw]
+        return []
+      return [raw]
+    self._box.append(raw)
+    if not _DASHES.match(text):
+      return []
+    box, self._box = self._box, None
+    said = " ".join(b.decode(errors="replace") for b in box)
+    return [] if _ABORT_BOXES.search(" ".join(said.split())) else box
+
+  def flush(self) -> list[bytes]:
+    """What is still held back at the end of the output."""
+    out = list(self._held.values()) + (self._box or [])
+    self._held.clear()
+    self._box = None
+    return out
 
 
 def _shorten(text: str, limit: int = 240) -> str:
@@ -265,6 +396,7 @@ class Relay:
     self.stdout = stdout if stdout is not None else sys.stdout.buffer
     self.stderr = stderr if stderr is not None else sys.stderr.buffer
     self.reasons = Reasons()
+    self._filters: dict[int, ConsoleFilter] = {}  # one per console stream
     self._ranks = 0
     self._files: dict[int, IO[bytes]] = {}
     self._lock = threading.Lock()
@@ -279,6 +411,7 @@ class Relay:
   def begin(self, attempt: int, ranks: int, detail: str = "") -> None:
     """Starts an attempt: fresh reasons, and a header line in every rank's log."""
     self.reasons = Reasons()
+    self._filters.clear()
     self._ranks = ranks
     if self.log_dir is None:
       return
@@ -308,6 +441,11 @@ class Relay:
       except (OSError, ValueError):
         pass
       self._write_own(data)
+
+  def log(self, text: str) -> None:
+    """A line for ``mpijax-run.log`` only (with --log-dir)."""
+    with self._lock:
+      self._write_own((text.rstrip("\n") + "\n").encode())
 
   # -- the pipes --
 
@@ -371,21 +509,33 @@ class Relay:
   ) -> None:
     show = bytearray()
     with self._lock:
+      console_filter = self._filters.setdefault(id(console), ConsoleFilter())
       for line in lines:
+        line = line.replace(b"\0", b"")  # Open MPI ends its abort message with a NUL
         if self.kind == "mpich" and hydra is not None:
           pieces = hydra.feed(line)
         else:
           pieces = [split_tag(self.kind, line)]
         if pieces and pieces[0][0] is None:  # the launcher's own line
-          self.reasons.launcher_line(line.decode(errors="replace").rstrip("\r\n"))
-          show += line
+          text = line.decode(errors="replace").rstrip("\r\n")
+          self.reasons.launcher_line(text)
+          show += b"".join(console_filter.launcher_line(text, line))
           self._write_own(line)
           continue
         if self.log_dir is None or self.tee:
-          show += line
+          if not pieces:  # Hydra: a piece of a line, kept until its newline
+            show += line
+          shown: list[bytes] = []
+          for r, t in pieces:  # several only from Hydra: the raw line once
+            for b in console_filter.rank_line(r, t.decode(errors="replace").rstrip("\r\n"), line):
+              if b is not line or line not in shown:
+                shown.append(b)
+          show += b"".join(shown)
         self._rank_lines(pieces)
       if final and hydra is not None:
         self._rank_lines(hydra.flush())
+      if final:
+        show += b"".join(console_filter.flush())
       for f in self._files.values():
         f.flush()
       if self._own_log is not None:

@@ -27,6 +27,7 @@ from mpijax._src.launch.process_group import Outcome
 from mpijax._src.launch.process_group import Signals
 from mpijax._src.launch.process_group import become_subreaper
 from mpijax._src.launch.process_group import run_launcher
+from mpijax._src.launch.shm import JobFiles
 from mpijax._src.launch.situation import Situation
 
 
@@ -160,7 +161,8 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
   become_subreaper()
   relay = joblog.Relay(output_kind(opts, sit), opts.log_dir, opts.tee)
   hosts = hosts_of(opts)
-  plan = Plan(np=opts.np)
+  job_files = JobFiles()
+  plan = Plan(np=opts.np, job_files=job_files.path)
   deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
   attempts: list[Attempt] = []
   status = 0
@@ -172,6 +174,7 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
         relay.begin(plan.attempt, plan.np or int(sit.env.get("SLURM_NTASKS", "0") or 0), detail)
         started, t0 = time.time(), time.monotonic()
         outcome = run_launcher(cmd, signals, deadline, grace, relay, opts.timeout)
+        _removed(relay, job_files.clean())
         kind, status = verdict(outcome, relay.reasons)
         reason = "completed" if kind == "ok" else relay.reasons.summary(outcome.status)
         attempt = Attempt(
@@ -192,8 +195,7 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
           break
         more = plan.attempt < opts.max_restarts
         if kind != "failed" or signals.forwarded or not more:
-          if opts.max_restarts or opts.log_dir or status != outcome.status:
-            relay.note(f"{PROG}: {attempt.line()}")
+          relay.note(f"{PROG}: {attempt.line()}")
           if kind == "failed" and signals.forwarded:
             relay.note(
               f"{PROG}: not restarting: the job was sent "
@@ -233,12 +235,18 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
             )
           break
   finally:
+    _removed(relay, job_files.close())
     if len(attempts) > 1:
       relay.note(
         f"{PROG}: {len(attempts)} attempts:\n" + "\n".join("  " + a.line() for a in attempts)
       )
     relay.close()
   return status
+
+
+def _removed(relay: joblog.Relay, paths: list[str]) -> None:
+  if paths:
+    relay.log(f"{PROG}: removed what the job left in /dev/shm: {' '.join(paths)}")
 
 
 def _next_plan(

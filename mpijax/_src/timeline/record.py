@@ -234,7 +234,8 @@ def start(path: str, comm: Any, *, hostnames: tuple[str, ...], devices: int,
   _ffi.load().timeline_start(CAPACITY)
   _rec = rec
   if dup.Get_rank() == 0:
-    log.notice(f"timeline on: every rank's mpijax calls go to {path} at exit")
+    log.notice(f"timeline on: every rank's mpijax calls go to {path} at "
+               "mpijax.timeline.finish(), mpijax.shutdown() or exit, whichever comes first")
 
 
 def _site_texts() -> dict[int, str]:

@@ -26,7 +26,22 @@ def rank_and_size(comm: Any | None = None) -> tuple[int, int]:
   if runtime.is_initialized():
     rt = runtime.get()
     return rt.rank, rt.size
+  found = launcher()
+  if found is not None:  # before init(): the launcher's own variables
+    rank, size = found.get_process_id(), found.get_process_count()
+    if rank is not None and size is not None:
+      return rank, size
   return 0, 1
+
+
+def launcher() -> Any | None:
+  """The detector of the launcher that started this process (mpirun, srun, ...), or None."""
+  from mpijax._src import cluster
+
+  for detector in cluster.base.registered():
+    if detector.name not in ("mpi", "single") and detector.is_env_present():
+      return detector
+  return None
 
 
 def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:
@@ -37,6 +52,7 @@ def idle_barrier(comm: Any, poll_seconds: float = 0.002) -> None:
   steals the CPU that a slower rank needs to finish compiling.
   """
   import time
+
   if comm.Get_size() == 1:
     return
   req = comm.Ibarrier()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -38,12 +41,16 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if _is_traced(leaves):
     from mpijax._src.train import gradients
+
     # A metric's mean is a fraction: integer and bool leaves (counts, flags)
     # are averaged as float32, not floored in their own dtype.
-    leaves = [x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
-              for x in leaves]
-    return gradients.fused_allreduce(jax.tree_util.tree_unflatten(treedef, leaves),
-                                     average=True, comm=comm, overlap=False)
+    leaves = [
+      x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, jnp.float32)
+      for x in leaves
+    ]
+    return gradients.fused_allreduce(
+      jax.tree_util.tree_unflatten(treedef, leaves), average=True, comm=comm, overlap=False
+    )
   comm = communicator.get_comm(comm, "mpijax.train.mean_metrics")
   arrays, problem = [], ""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -51,8 +58,10 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
       arrays.append(np.asarray(x, dtype=np.float64))
     except (TypeError, ValueError) as e:
       # Not raised here: the other ranks would wait in the check below.
-      problem = (f"leaf {jax.tree_util.keystr(path)} = {x!r:.60} is not a number ({e}); "
-                 "pass numbers or numeric arrays")
+      problem = (
+        f"leaf {jax.tree_util.keystr(path)} = {x!r:.60} is not a number ({e}); "
+        "pass numbers or numeric arrays"
+      )
       break
   _check_same_tree(comm, treedef, arrays, problem)
   if problem:  # the same on every rank, so every rank raises it
@@ -64,7 +73,7 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
   total /= comm.Get_size()
   out, offset = [], 0
   for a in arrays:
-    v = total[offset:offset + a.size].reshape(a.shape)
+    v = total[offset : offset + a.size].reshape(a.shape)
     offset += a.size
     out.append(float(v) if v.ndim == 0 else v)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -78,9 +87,10 @@ def _check_same_tree(comm: Any, treedef: Any, arrays: list[np.ndarray], problem:
   if diff is not None:
     first, rank, other = diff
     raise ValueError(
-        f"mpijax.train.mean_metrics needs the same tree on every rank, but rank 0 passed "
-        f"{first} and rank {rank} passed {other}. Give every rank the same metric "
-        "names and shapes (e.g. 0.0 for a metric a rank does not have).")
+      f"mpijax.train.mean_metrics needs the same tree on every rank, but rank 0 passed "
+      f"{first} and rank {rank} passed {other}. Give every rank the same metric "
+      "names and shapes (e.g. 0.0 for a metric a rank does not have)."
+    )
 
 
 def is_main_process(comm: Any | None = None) -> bool:
@@ -95,12 +105,22 @@ def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
     print(*args, **kwargs)
 
 
-def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs: Any) -> Iterable[Any]:
+def progress(
+  iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs: Any
+) -> Iterable[Any]:
   """A ``tqdm`` progress bar on rank 0; the plain iterable on every other rank.
 
   ``total`` defaults to ``len(iterable)`` (``shard_batches`` has one). Needs
   ``tqdm`` only on rank 0, and only if it is installed; otherwise the
   iterable is returned unchanged.
+
+  Under a launcher (``mpirun``, ``mpijax-run``, ``srun``) and whenever the
+  output is no terminal, the bar is written as whole lines: the launchers
+  pass a rank's output on line by line, so a bar redrawn in place with
+  carriage returns would show nothing until the loop ends (and Open MPI
+  gives the rank a terminal 0 columns wide, in which tqdm draws nothing at
+  all). A line is written at most every ``mininterval`` seconds (default 5
+  there) and once at the end, as wide as ``COLUMNS`` (else 80).
   """
   if not is_main_process(comm):
     return iterable
@@ -109,5 +129,58 @@ def progress(iterable: Iterable[Any], *, comm: Any | None = None, **tqdm_kwargs:
   except ImportError:
     return iterable
   tqdm_kwargs.setdefault("file", sys.stdout)
+  if _line_mode(tqdm_kwargs["file"]):
+    return _lines(iterable, tqdm, **tqdm_kwargs)
   tqdm_kwargs.setdefault("dynamic_ncols", True)
   return tqdm(iterable, **tqdm_kwargs)
+
+
+def _line_mode(file: Any) -> bool:
+  """True where a bar redrawn in place would not show: no terminal, or under a launcher."""
+  try:
+    if not file.isatty() or os.get_terminal_size(file.fileno()).columns <= 0:
+      return True
+  except (AttributeError, OSError, ValueError):
+    return True
+  return communicator.launcher() is not None
+
+
+def _lines(
+  iterable: Iterable[Any],
+  tqdm: Any,
+  *,
+  file: Any,
+  desc: str | None = None,
+  total: int | None = None,
+  unit: str = "it",
+  disable: bool = False,
+  mininterval: float = 5.0,
+  ncols: int | None = None,
+  **_: Any,
+) -> Iterator[Any]:
+  """``iterable``, writing tqdm's bar as one line every ``mininterval`` seconds and at the end."""
+  if disable:
+    yield from iterable
+    return
+  if total is None:
+    try:
+      total = len(iterable)  # type: ignore[arg-type]
+    except TypeError:
+      total = None
+  width = ncols or shutil.get_terminal_size((80, 24)).columns
+
+  def line(n: int, elapsed: float) -> None:
+    bar = tqdm.format_meter(n, total, elapsed, ncols=width, prefix=desc or "", unit=unit)
+    print(bar, file=file, flush=True)
+
+  start = last = time.monotonic()
+  n = shown = 0
+  for item in iterable:
+    yield item
+    n += 1
+    now = time.monotonic()
+    if now - last >= mininterval:
+      line(n, now - start)
+      last, shown = now, n
+  if shown != n or n == 0:
+    line(n, time.monotonic() - start)

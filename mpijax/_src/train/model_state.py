@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpijax._src import lax_routing
 from mpijax._src.ops.allgather import allgather
 from mpijax._src.ops.allreduce import allreduce
 
@@ -35,21 +36,25 @@ POLICIES = (SYNC, MEAN)
 
 # --- which leaves are averaged -------------------------------------------------------
 
+
 def check_policy(state_sync: Any, axis_name: Any) -> None:
   """Raises a ValueError for a policy that is not "sync"/"mean" (or a dict of them)."""
   values = state_sync.values() if isinstance(state_sync, collections.abc.Mapping) else [state_sync]
   for v in values:
     if v not in POLICIES:
-      raise ValueError(f"DataParallel(state_sync={state_sync!r}): {v!r} is not a policy; use "
-                       f"'sync' (statistics over the global batch, needs axis_name) or 'mean' "
-                       "(each rank's own statistics, running averages averaged over ranks), or "
-                       "a dict from collection name to one of them")
+      raise ValueError(
+        f"DataParallel(state_sync={state_sync!r}): {v!r} is not a policy; use "
+        f"'sync' (statistics over the global batch, needs axis_name) or 'mean' "
+        "(each rank's own statistics, running averages averaged over ranks), or "
+        "a dict from collection name to one of them"
+      )
   if SYNC in values and axis_name is None:
     raise ValueError(
-        f"DataParallel(state_sync={state_sync!r}) needs axis_name: 'sync' state is computed from "
-        "statistics over the global batch, which the model reduces over a named axis. Pass "
-        "DataParallel(axis_name='batch') and BatchNorm(axis_name='batch') in the model "
-        "(Flax linen and NNX), or use state_sync='mean'.")
+      f"DataParallel(state_sync={state_sync!r}) needs axis_name: 'sync' state is computed from "
+      "statistics over the global batch, which the model reduces over a named axis. Pass "
+      "DataParallel(axis_name='batch') and BatchNorm(axis_name='batch') in the model "
+      "(Flax linen and NNX), or use state_sync='mean'."
+    )
 
 
 def _collection(path: tuple) -> Any:
@@ -75,10 +80,12 @@ def averaged_leaves(model_state: Any, state_sync: Any) -> list[bool]:
       out.append(state_sync[name] == MEAN)
   if missing:
     known = sorted({str(_collection(p)) for p, _ in with_paths if p})
-    raise ValueError(f"DataParallel(state_sync={dict(state_sync)!r}) has no policy for the model "
-                     f"state collection(s) {sorted(set(map(str, missing)))}; the model state has "
-                     f"{known}. Give every top-level collection 'sync' or 'mean' (or one string "
-                     "for all).")
+    raise ValueError(
+      f"DataParallel(state_sync={dict(state_sync)!r}) has no policy for the model "
+      f"state collection(s) {sorted(set(map(str, missing)))}; the model state has "
+      f"{known}. Give every top-level collection 'sync' or 'mean' (or one string "
+      "for all)."
+    )
   return out
 
 
@@ -88,19 +95,22 @@ def check_new_state(old: Any, new: Any) -> None:
   new_leaves, new_def = jax.tree_util.tree_flatten(new)
   if old_def != new_def:
     raise TypeError(
-        "DataParallel: loss_fn returned a new model state of another structure than the one it "
-        f"was given:\n  given:    {old_def}\n  returned: {new_def}\nReturn the updated "
-        "collections themselves (e.g. flax linen: the `mutable` output of model.apply; NNX: "
-        "nnx.state(model, nnx.BatchStat)).")
+      "DataParallel: loss_fn returned a new model state of another structure than the one it "
+      f"was given:\n  given:    {old_def}\n  returned: {new_def}\nReturn the updated "
+      "collections themselves (e.g. flax linen: the `mutable` output of model.apply; NNX: "
+      "nnx.state(model, nnx.BatchStat))."
+    )
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(old)[0], new_leaves):
     if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
       raise TypeError(
-          f"DataParallel: model state leaf {jax.tree_util.keystr(path)} was "
-          f"{jnp.result_type(a)}{list(jnp.shape(a))} but loss_fn returned "
-          f"{jnp.result_type(b)}{list(jnp.shape(b))}; keep every leaf's shape and dtype")
+        f"DataParallel: model state leaf {jax.tree_util.keystr(path)} was "
+        f"{jnp.result_type(a)}{list(jnp.shape(a))} but loss_fn returned "
+        f"{jnp.result_type(b)}{list(jnp.shape(b))}; keep every leaf's shape and dtype"
+      )
 
 
 # --- the data axis: jax.lax collectives over every rank -------------------------------
+
 
 @dataclasses.dataclass
 class _Axis:
@@ -112,11 +122,7 @@ class _Axis:
 
 
 _tls = threading.local()
-_lock = threading.Lock()
-_installs = 0
-_originals: dict[str, Callable[..., Any]] = {}
 _REDUCTIONS = ("psum", "pmean", "pmax", "pmin")
-_UNSUPPORTED = ("ppermute", "psum_scatter", "all_to_all", "pshuffle", "pswapaxes")
 
 
 def _bound() -> dict[Any, _Axis]:
@@ -126,17 +132,9 @@ def _bound() -> dict[Any, _Axis]:
 def _split_names(axis_name: Any) -> tuple[list[_Axis], tuple]:
   names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   bound = _bound()
-  ours = [bound[n] for n in names if _hashable(n) and n in bound]
-  others = tuple(n for n in names if not (_hashable(n) and n in bound))
+  ours = [bound[n] for n in names if lax_routing.hashable(n) and n in bound]
+  others = tuple(n for n in names if not (lax_routing.hashable(n) and n in bound))
   return ours, others
-
-
-def _hashable(x: Any) -> bool:
-  try:
-    hash(x)
-  except TypeError:
-    return False
-  return True
 
 
 def _allreduce(x: Any, op: str, axis: _Axis) -> Any:
@@ -150,21 +148,21 @@ def _allreduce(x: Any, op: str, axis: _Axis) -> Any:
 
 def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
-  original = _originals[fn]
   if not ours:
-    return original(x, axis_name, *args, **kwargs)
+    return lax_routing.original(fn)(x, axis_name, *args, **kwargs)
   axis = ours[0]
   if len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
-        f"jax.lax.{fn} over DataParallel's axis_name {axis.name!r} supports neither "
-        "axis_index_groups nor several data axes; reduce over the axis as a whole")
+      f"jax.lax.{fn} over DataParallel's axis_name {axis.name!r} supports neither "
+      "axis_index_groups nor several data axes; reduce over the axis as a whole"
+    )
   axis.calls += 1
   if others:  # the other axes first, with JAX (a sum for pmean: divided below)
-    x = _originals["psum" if fn == "pmean" else fn](x, others)
+    x = lax_routing.original("psum" if fn == "pmean" else fn)(x, others)
   op = {"psum": "sum", "pmean": "sum", "pmax": "max", "pmin": "min"}[fn]
   out = jax.tree_util.tree_map(lambda v: _allreduce(v, op, axis), x)
   if fn == "pmean":
-    n = axis.size * (_originals["psum"](1, others) if others else 1)
+    n = axis.size * (lax_routing.original("psum")(1, others) if others else 1)
     out = jax.tree_util.tree_map(lambda v: v / n, out)
   return out
 
@@ -172,12 +170,13 @@ def _reduction(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> An
 def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
   if not ours:
-    return _originals["all_gather"](x, axis_name, *args, **kwargs)
+    return lax_routing.original("all_gather")(x, axis_name, *args, **kwargs)
   axis = ours[0]
   if others or len(ours) > 1 or args or kwargs.get("axis_index_groups") is not None:
     raise NotImplementedError(
-        f"jax.lax.all_gather over DataParallel's axis_name {axis.name!r} gathers over that axis "
-        "alone, without axis_index_groups")
+      f"jax.lax.all_gather over DataParallel's axis_name {axis.name!r} gathers over that axis "
+      "alone, without axis_index_groups"
+    )
   axis.calls += 1
   where, tiled = kwargs.get("axis", 0), kwargs.get("tiled", False)
 
@@ -198,58 +197,45 @@ def _all_gather(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
 def _axis_index(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
   if not ours:
-    return _originals["axis_index"](axis_name, *args, **kwargs)
+    return lax_routing.original("axis_index")(axis_name, *args, **kwargs)
   if others or len(ours) > 1:
-    raise NotImplementedError(f"jax.lax.axis_index over DataParallel's axis_name {ours[0].name!r} "
-                              "takes that axis alone")
+    raise NotImplementedError(
+      f"jax.lax.axis_index over DataParallel's axis_name {ours[0].name!r} takes that axis alone"
+    )
   return jnp.asarray(ours[0].rank, jnp.int32)
 
 
 def _axis_size(axis_name: Any, *args: Any, **kwargs: Any) -> Any:
   ours, others = _split_names(axis_name)
-  size = _originals["axis_size"](others, *args, **kwargs) if others else 1
+  size = lax_routing.original("axis_size")(others, *args, **kwargs) if others else 1
   for a in ours:
     size *= a.size
   return size
 
 
-def _unsupported(fn: str, x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
-  ours, _ = _split_names(axis_name)
-  if ours:
-    raise NotImplementedError(
-        f"jax.lax.{fn} over DataParallel's axis_name {ours[0].name!r} is not supported; the "
-        "data axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size")
-  return _originals[fn](x, axis_name, *args, **kwargs)
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+  **{fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS},
+  "all_gather": _all_gather,
+  "axis_index": _axis_index,
+  "axis_size": _axis_size,
+}
 
 
-def _replacements() -> dict[str, Callable[..., Any]]:
-  out: dict[str, Callable[..., Any]] = {fn: functools.partial(_reduction, fn) for fn in _REDUCTIONS}
-  out["all_gather"] = _all_gather
-  out["axis_index"] = _axis_index
-  out["axis_size"] = _axis_size
-  out.update({fn: functools.partial(_unsupported, fn) for fn in _UNSUPPORTED})
-  return {fn: f for fn, f in out.items() if hasattr(jax.lax, fn)}
+class _DataAxes:
+  """Routes ``jax.lax`` calls over the bound data axes (lax_routing.Router)."""
 
+  def owns(self, fn: str, name: Any) -> bool:
+    return name in _bound()
 
-def _install() -> None:
-  global _installs
-  with _lock:
-    if _installs == 0:
-      for fn, replacement in _replacements().items():
-        _originals[fn] = getattr(jax.lax, fn)
-        wrapped = functools.wraps(_originals[fn])(replacement)
-        setattr(jax.lax, fn, wrapped)
-    _installs += 1
-
-
-def _uninstall() -> None:
-  global _installs
-  with _lock:
-    _installs -= 1
-    if _installs == 0:
-      for fn, original in _originals.items():
-        setattr(jax.lax, fn, original)
-      _originals.clear()
+  def call(self, fn: str, args: tuple, kwargs: dict) -> Any:
+    replacement = _REPLACEMENTS.get(fn)
+    if replacement is None:
+      name = next(n for n in lax_routing.axis_names(fn, args, kwargs) if self.owns(fn, n))
+      raise NotImplementedError(
+        f"jax.lax.{fn} over DataParallel's axis_name {name!r} is not supported; the data "
+        "axis offers psum, pmean, pmax, pmin, all_gather, axis_index and axis_size"
+      )
+    return replacement(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -257,8 +243,8 @@ def bind_data_axis(name: Any, comm: Any):
   """While tracing: ``jax.lax`` collectives on ``name`` reduce over every rank of ``comm``.
 
   ``jax.lax.psum/pmean/pmax/pmin/all_gather/axis_index/axis_size`` look the
-  name up in a per-thread table first and hand every other name to JAX
-  unchanged, so code that names the axis (Flax's ``BatchNorm(axis_name=...)``,
+  name up in a per-thread table first (:mod:`mpijax._src.lax_routing`) and
+  hand every other name to JAX unchanged, so code that names the axis (Flax's ``BatchNorm(axis_name=...)``,
   a hand-written ``jax.lax.pmean(x, name)``) sees one axis spanning the ranks,
   each rank one position along it, as under ``jax.pmap`` over one device per
   rank. Reductions are mpijax all-reduces (differentiable: the transpose of
@@ -272,9 +258,8 @@ def bind_data_axis(name: Any, comm: Any):
   axis = _Axis(name, comm, comm.Get_size(), comm.Get_rank())
   old = _bound()
   _tls.axes = {**old, name: axis}
-  _install()
   try:
-    yield axis
+    with lax_routing.routed(_DataAxes()):
+      yield axis
   finally:
-    _uninstall()
     _tls.axes = old

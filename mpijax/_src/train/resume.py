@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from mpijax._src import config
 from mpijax._src import log
@@ -45,12 +47,17 @@ def _list_local(directory: str) -> list[tuple[int, str]]:
     names = os.listdir(directory)
   except (FileNotFoundError, NotADirectoryError):
     return []
-  found = [(int(m.group(1)), os.path.join(directory, name))
-           for name in names if (m := _NAME.fullmatch(name))]
+  found = [
+    (int(m.group(1)), os.path.join(directory, name))
+    for name in names
+    if (m := _NAME.fullmatch(name))
+  ]
   return sorted(found)
 
 
-def list_checkpoints(directory: str | os.PathLike, *, comm: Any | None = None) -> list[tuple[int, str]]:
+def list_checkpoints(
+  directory: str | os.PathLike, *, comm: Any | None = None
+) -> list[tuple[int, str]]:
   """``[(step, path), ...]`` of the checkpoints in ``directory``, oldest first.
 
   Collective in a multi-rank job: rank 0 lists the directory and every rank
@@ -60,12 +67,17 @@ def list_checkpoints(directory: str | os.PathLike, *, comm: Any | None = None) -
   comm = _ckpt._comm_or_none(comm)
   if comm is None or comm.Get_size() == 1:
     return _list_local(directory)
-  mine = [(step, os.path.basename(path)) for step, path in _list_local(directory)] \
-      if comm.Get_rank() == 0 else None
+  mine = (
+    [(step, os.path.basename(path)) for step, path in _list_local(directory)]
+    if comm.Get_rank() == 0
+    else None
+  )
   # Names, not paths: each rank opens them in its own `directory` (on
   # node-local disks a rank that lacks the file then says so).
-  return [(int(step), os.path.join(directory, name))
-          for step, name in json.loads(mpi_util.bcast_str(comm, json.dumps(mine), 0))]
+  return [
+    (int(step), os.path.join(directory, name))
+    for step, name in json.loads(mpi_util.bcast_str(comm, json.dumps(mine), 0))
+  ]
 
 
 def latest_checkpoint(directory: str | os.PathLike, *, comm: Any | None = None) -> str | None:
@@ -74,8 +86,15 @@ def latest_checkpoint(directory: str | os.PathLike, *, comm: Any | None = None) 
   return found[-1][1] if found else None
 
 
-def save_step_checkpoint(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None = 2,
-                         metadata: dict[str, Any] | None = None, comm: Any | None = None) -> str:
+def save_step_checkpoint(
+  directory: str | os.PathLike,
+  tree: Any,
+  step: int,
+  *,
+  keep: int | None = 2,
+  metadata: dict[str, Any] | None = None,
+  comm: Any | None = None,
+) -> str:
   """Writes ``tree`` as step ``step``'s checkpoint in ``directory``, then prunes old ones.
 
   Collective (see :func:`mpijax.train.save_checkpoint`: rank 0 writes, the
@@ -98,6 +117,13 @@ def save_step_checkpoint(directory: str | os.PathLike, tree: Any, step: int, *, 
     raise ValueError(f"keep={keep!r} must be an integer >= 1 (or None to keep every checkpoint)")
   if not isinstance(step, int) or step < 0:
     raise ValueError(f"step={step!r} must be an integer >= 0")
+  own = _tree_step(tree)
+  if own is not None and own != step:
+    raise ValueError(
+      f"save_step_checkpoint(..., step={step}) got a tree whose own step is {own}: a run "
+      f"resumed from it would start again at step {own}. Advance the tree's step with the "
+      f"training (e.g. state['step'] = step + 1 in your step function), or pass step={own}."
+    )
   directory = os.fspath(directory)
   path = checkpoint_path(directory, step)
   _ckpt.save_checkpoint(path, tree, metadata={"step": step, **(metadata or {})}, comm=comm)
@@ -111,8 +137,23 @@ def save_step_checkpoint(directory: str | os.PathLike, tree: Any, step: int, *, 
   return path
 
 
-def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
-                   comm: Any | None = None) -> Any:
+def _tree_step(tree: Any) -> int | None:
+  """The step a tree carries itself (``state["step"]``, ``TrainState.step``), if any."""
+  value = tree.get("step") if isinstance(tree, Mapping) else getattr(tree, "step", None)
+  if value is None or isinstance(value, bool):
+    return None
+  try:
+    array = np.asarray(value)
+  except Exception:  # a tracer or an object: nothing to compare
+    return None
+  if array.shape != () or array.dtype.kind not in "iu":
+    return None
+  return int(array)
+
+
+def resume_or_init(
+  directory: str | os.PathLike, init_fn: Callable[[], Any], *, comm: Any | None = None
+) -> Any:
   """The newest complete checkpoint in ``directory`` if there is one, else ``init_fn()``.
 
   ``init_fn()`` is called on every rank in any case: its result gives the
@@ -144,20 +185,25 @@ def resume_or_init(directory: str | os.PathLike, init_fn: Callable[[], Any], *,
   for step, path in reversed(list_checkpoints(directory, comm=comm)):
     try:
       restored = _ckpt.restore_checkpoint(path, like=fresh, comm=comm)
-    except _ckpt.CheckpointMismatch:
-      raise
+    except _ckpt.CheckpointMismatch as e:
+      raise _ckpt.CheckpointMismatch(
+        f"resume_or_init({os.fspath(directory)!r}): the newest checkpoint there is not one of "
+        f"this run (another model, optimizer or state): {e}\nTo start afresh, use another "
+        "directory or move this one away."
+      ) from None
     except _ckpt.CheckpointError as e:
       reason = str(e).replace("\n", "\n    ")
       skipped.append(f"{path}: {reason}")
       if rank == 0:
-        log.warning(f"mpijax.train.resume_or_init: skipping unreadable checkpoint {path}: "
-                    f"{reason}")
+        log.warning(f"mpijax.train.resume_or_init: skipping unreadable checkpoint {path}: {reason}")
       continue
     log.notice(f"mpijax.train.resume_or_init: resumed from {path} (step {step})")
     return restored
   if skipped:
     raise _ckpt.CheckpointError(
-        f"resume_or_init({os.fspath(directory)!r}): no checkpoint could be read, so nothing is "
-        "resumed (starting afresh would overwrite the run's progress):\n  " + "\n  ".join(skipped)
-        + "\nMove the directory away to start afresh.")
+      f"resume_or_init({os.fspath(directory)!r}): no checkpoint could be read, so nothing is "
+      "resumed (starting afresh would overwrite the run's progress):\n  "
+      + "\n  ".join(skipped)
+      + "\nMove the directory away to start afresh."
+    )
   return fresh

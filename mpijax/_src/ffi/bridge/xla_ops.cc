@@ -18,6 +18,7 @@
 #include "common.h"
 #include "inspector.h"
 #include "node_local.h"
+#include "ring.h"
 #include "settings.h"
 #include "spans.h"
 #include "timeline.h"
@@ -158,13 +159,15 @@ thread_local std::string t_error;
 // (once per communicator: from its first rank, the text being the same on
 // every rank when `same_everywhere`), and an error code whose text XLA's
 // exception carries (MPI_Error_string: at most 255 bytes reach it).
-int Fail(const XlaComm& c, const std::string& text, bool same_everywhere) {
+int Fail(const XlaComm& c, const std::string& text, bool same_everywhere,
+         const std::string& summary = "") {
   if (!same_everywhere || c.rank == 0) {
     std::string block = text + "\n";
     std::fwrite(block.data(), 1, block.size(), stderr);
     std::fflush(stderr);
   }
-  t_error = text.size() <= 255 ? text : text.substr(0, 251) + " ...";
+  const std::string& e = summary.empty() ? text : summary;
+  t_error = e.size() <= 255 ? e : e.substr(0, 251) + " ...";
   return kErrXla;
 }
 
@@ -222,6 +225,9 @@ class Op {
 
   CallInfo& info() { return *info_; }
   int64_t sig() const { return sig_; }
+  int type_code() const { return type_; }
+  int op_code() const { return op_; }
+  int64_t count() const { return count_; }
   const Type& type() const { return t_; }
 
   // "XLA all-reduce float32[1024] (sum) in jit(f)/psum".
@@ -321,22 +327,30 @@ int Mismatch(XlaComm& c, Op& op) {
       members[it - sigs.begin()].push_back(r);
     }
   }
-  std::ostringstream s;
+  // The whole text on stderr; the exception's (at most 255 bytes) without
+  // the programs' names.
+  std::ostringstream s, brief;
+  int64_t call = dc->status.calls.load(std::memory_order_relaxed);
   s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
-    << dc->status.calls.load(std::memory_order_relaxed) << ": ";
+    << call << ": ";
+  brief << "mpijax: mismatch in XLA's collectives on XLA communicator #"
+        << c.number << ", call #" << call << ": ";
   for (size_t g = 0; g < sigs.size(); ++g) {
     const auto& m = members[g];
-    if (g) s << (g + 1 == sigs.size() ? ", but " : ", ");
-    s << (m.size() > 1 ? "ranks " : "rank ");
-    for (size_t i = 0; i < m.size(); ++i) s << (i ? "," : "") << world[m[i]];
-    s << (m.size() > 1 ? " run " : " runs ")
-      << texts.substr(displs[m[0]], counts[m[0]]);
+    std::string who = m.size() > 1 ? "ranks " : "rank ";
+    for (size_t i = 0; i < m.size(); ++i)
+      who += (i ? "," : "") + std::to_string(world[m[i]]);
+    std::string what = texts.substr(displs[m[0]], counts[m[0]]);
+    std::string sep = g == 0 ? "" : g + 1 == sigs.size() ? ", but " : ", ";
+    s << sep << who << (m.size() > 1 ? " run " : " runs ") << what;
+    brief << sep << who << " " << what.substr(0, what.find(" in "));
   }
   s << ". No data was exchanged. Every rank must run the same jitted programs, "
        "in the same order, on arrays of the same shapes and dtypes (a last "
        "batch of another size on some ranks, or a branch on the rank, "
        "breaks this).";
-  return Fail(c, s.str(), true);
+  brief << " (details on stderr)";
+  return Fail(c, s.str(), true, brief.str());
 }
 
 // Compares this operation across the communicator's ranks before any data
@@ -914,25 +928,35 @@ int MemberReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
 
 // --- point-to-point, with a header -----------------------------------------------
 
-// Every message XLA sends through the bridge carries what the sender meant
+// Every message XLA sends through the bridge carries what the sender means
 // to send; the receiver compares it with what it expects before it hands XLA
 // the data. Up to kInlineBytes the header travels in front of the data (one
-// message, one copy on each side), above in a message of its own.
+// message, one copy on each side), above in a message of its own, and the
+// data follows once the receiver found the header right. A receive is never
+// posted smaller than the message that may come: every first message goes
+// into a buffer of a header plus kInlineBytes, the most a sender puts in
+// one, and data of another size than the header's is never received. (A
+// truncated receive is not safe: Open MPI's single-copy path has written a
+// whole larger message into the smaller buffer, corrupting the heap.)
 constexpr size_t kInlineBytes = size_t{64} << 10;
 constexpr uint64_t kHeaderMagic = 0x6d706a7868647221ULL;
+// SmallAllreduce's messages; XLA's own use tag 0.
+constexpr int kSmallTag = 0x6d6a;
 
 struct Header {
   uint64_t magic;
   int64_t sig;
   int64_t bytes;
-  int64_t kind;
+  int32_t kind, type, op, pad;  // what the sender runs, to name it
+  int64_t count;
 };
+constexpr size_t kFirstBytes = sizeof(Header) + kInlineBytes;
 
 struct Request {
   XlaComm* c = nullptr;
   bool recv = false;
-  int peer = 0;
-  int n = 0;  // requests posted (1 inline, 2 with a separate header)
+  int peer = 0, tag = 0;
+  int n = 0;  // requests posted
   MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   std::unique_ptr<char[]> staging;  // header (+ data when inline)
   char* user = nullptr;             // a receive's destination
@@ -944,44 +968,49 @@ struct Request {
   int local_from = -1;
 };
 
-// A received message's header against what this rank expects: 0, or the
-// end of the job naming both (a receive cannot be undone: XLA would free
-// buffers other requests of the operation still use).
-void CheckHeader(XlaComm& c, Op& op, const Request& r, const MPI_Status* st,
-                 int wait_rc) {
-  int got = 0;
-  MPI_Get_count(&st[0], MPI_BYTE, &got);
-  const Header* h = reinterpret_cast<const Header*>(r.staging.get());
+// A rank of `c` as the job numbers it, for messages.
+int WorldRank(const XlaComm& c, int rank) {
+  int world = -1;
+  MPI_Group g, wg;
+  MPI_Comm_group(c.comm, &g);
+  MPI_Comm_group(MPI_COMM_WORLD, &wg);
+  MPI_Group_translate_ranks(g, 1, &rank, wg, &world);
+  MPI_Group_free(&g);
+  MPI_Group_free(&wg);
+  return world;
+}
+
+// The first message from `peer` (`got` bytes at `message`) against what this
+// rank expects; on a difference the job ends naming both (a receive cannot
+// be undone: XLA would free buffers other requests of the operation use).
+void CheckHeader(XlaComm& c, Op& op, const char* message, int got, int peer,
+                 const Header& want) {
+  const Header* h = reinterpret_cast<const Header*>(message);
   bool whole = static_cast<size_t>(got) >= sizeof(Header) &&
                h->magic == kHeaderMagic;
-  if (whole && wait_rc == MPI_SUCCESS && h->sig == r.want.sig &&
-      h->bytes == r.want.bytes) {
-    if (r.bytes <= kInlineBytes &&
-        static_cast<size_t>(got) != sizeof(Header) + r.bytes)
-      whole = false;
-    else
-      return;
-  }
-  int world = -1;
-  {
-    MPI_Group g, wg;
-    MPI_Comm_group(c.comm, &g);
-    MPI_Comm_group(MPI_COMM_WORLD, &wg);
-    MPI_Group_translate_ranks(g, 1, &r.peer, wg, &world);
-    MPI_Group_free(&g);
-    MPI_Group_free(&wg);
-  }
+  size_t bytes = static_cast<size_t>(want.bytes);
+  size_t expect = sizeof(Header) + (bytes <= kInlineBytes ? bytes : 0);
+  if (whole && h->sig == want.sig && h->bytes == want.bytes &&
+      static_cast<size_t>(got) == expect)
+    return;
   std::ostringstream s;
   s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
-    << op.Describe() << " and expects " << r.bytes << " bytes from rank "
-    << world << ", ";
+    << op.Describe() << " and receives from rank " << WorldRank(c, peer)
+    << ", ";
   if (whole) {
-    s << "which sent " << h->bytes << " bytes for "
-      << (h->kind >= 0 && h->kind < kKinds ? kKindNames[h->kind]
-                                           : "another operation");
+    s << "which runs ";
+    if (h->kind < 0 || h->kind >= kKinds) {
+      s << "another operation (" << h->bytes << " bytes)";
+    } else if (h->type == MJB_BYTE) {
+      s << kKindNames[h->kind] << " " << h->bytes << " bytes";
+    } else {
+      s << kKindNames[h->kind] << " " << TypeOf(h->type).name << "["
+        << h->count << "]";
+      if (OpName(h->op)[0] != 0) s << " (" << OpName(h->op) << ")";
+    }
   } else {
     s << "which sent a message of " << got << " bytes that is not one of "
-      << "XLA's operations through mpijax (" << MpiText(wait_rc) << ")";
+      << "XLA's operations through mpijax";
   }
   s << ". Every rank must run the same jitted programs, in the same order, on "
        "arrays of the same shapes and dtypes.";
@@ -989,7 +1018,8 @@ void CheckHeader(XlaComm& c, Op& op, const Request& r, const MPI_Status* st,
 }
 
 Header MakeHeader(const Op& op, int kind, size_t bytes) {
-  return {kHeaderMagic, op.sig(), static_cast<int64_t>(bytes), kind};
+  return {kHeaderMagic,   op.sig(),      static_cast<int64_t>(bytes), kind,
+          op.type_code(), op.op_code(), 0,                            op.count()};
 }
 
 // Posts a send of `bytes` from `buf` to `dest` with its header.
@@ -997,6 +1027,7 @@ void PostSend(XlaComm& c, Op& op, int kind, const void* buf, size_t bytes,
               int dest, int tag, Request* r) {
   r->c = &c;
   r->peer = dest;
+  r->tag = tag;
   r->bytes = bytes;
   Header h = MakeHeader(op, kind, bytes);
   bool inline_data = bytes <= kInlineBytes;
@@ -1017,60 +1048,56 @@ void PostSend(XlaComm& c, Op& op, int kind, const void* buf, size_t bytes,
   }
 }
 
-// Posts a receive of `bytes` into `buf` from `source`.
+// Posts the receive of the first message of `bytes` from `source`; data
+// beyond kInlineBytes is received in Complete, once the header is right.
 void PostRecv(XlaComm& c, Op& op, int kind, void* buf, size_t bytes,
               int source, int tag, Request* r) {
   r->c = &c;
   r->recv = true;
   r->peer = source;
+  r->tag = tag;
   r->bytes = bytes;
   r->user = static_cast<char*>(buf);
   r->want = MakeHeader(op, kind, bytes);
-  bool inline_data = bytes <= kInlineBytes;
-  size_t first = sizeof(Header) + (inline_data ? bytes : 0);
-  r->staging.reset(new char[first]);
-  int rc = MPI_Irecv(r->staging.get(), static_cast<int>(first), MPI_BYTE,
+  r->staging.reset(new char[kFirstBytes]);
+  int rc = MPI_Irecv(r->staging.get(), static_cast<int>(kFirstBytes), MPI_BYTE,
                      source, tag, c.comm, &r->reqs[0]);
   if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
   r->n = 1;
-  if (!inline_data) {
-    rc = MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, source, tag, c.comm,
-                   &r->reqs[1]);
-    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
-    r->n = 2;
-  }
 }
 
-// Waits for `r` under the stall inspector; a receive's header first, which
-// is checked before the data is waited for or handed to XLA. A wrong size
-// surfaces as MPI_ERR_TRUNCATE: the header, the message's start, is still
-// there to name it.
+// Waits for `r` under the stall inspector. A receive checks the header
+// first, then hands over the data of the same message or receives it (of
+// the size both now agree on).
 void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   MPI_Status st[2];
+  int rc = WaitRequests(op, r.recv ? 1 : r.n, r.reqs, st);
+  if (rc != MPI_SUCCESS) {
+    if (rc == MPI_ERR_IN_STATUS)
+      for (int i = 0; i < r.n; ++i)
+        if (st[i].MPI_ERROR != MPI_SUCCESS) rc = st[i].MPI_ERROR;
+    Fatal(c, std::string("MPI failed ") + (r.recv ? "receiving " : "sending ") +
+                 op.Describe() + " on " + Where(c) + ": " + MpiText(rc) + ".");
+  }
   if (r.recv) {
-    int rc = WaitRequests(op, 1, &r.reqs[0], &st[0]);
-    if (rc == MPI_ERR_IN_STATUS) rc = st[0].MPI_ERROR;
-    CheckHeader(c, op, r, st, rc);
-    if (r.n == 2) {
-      rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
+    int got = 0;
+    MPI_Get_count(&st[0], MPI_BYTE, &got);
+    CheckHeader(c, op, r.staging.get(), got, r.peer, r.want);
+    if (r.bytes > kInlineBytes) {
+      rc = MPI_Irecv(r.user, static_cast<int>(r.bytes), MPI_BYTE, r.peer,
+                     r.tag, c.comm, &r.reqs[1]);
+      if (rc == MPI_SUCCESS) rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
       if (rc != MPI_SUCCESS) {
         Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
-                     ": " + MpiText(rc == MPI_ERR_IN_STATUS ? st[1].MPI_ERROR
-                                                            : rc) + ".");
+                     ": " + MpiText(rc) + ".");
       }
     } else if (r.bytes > 0) {
       std::memcpy(r.user, r.staging.get() + sizeof(Header), r.bytes);
     }
-  } else {
-    int rc = WaitRequests(op, r.n, r.reqs, st);
-    if (rc != MPI_SUCCESS) {
-      Fatal(c, "MPI failed sending " + op.Describe() + " on " + Where(c) +
-                   ": " + MpiText(rc) + ".");
-    }
   }
   if (status3 != nullptr) {
     status3[0] = r.peer;
-    status3[1] = st[0].MPI_TAG;
+    status3[1] = r.tag;
     status3[2] = MPI_SUCCESS;
   }
 }
@@ -1165,6 +1192,82 @@ int FailedOp(const XlaComm& c) {
   return kErrXla;
 }
 
+// An all-reduce of at most kInlineBytes across nodes, checked in band: each
+// message carries its sender's header (kind, dtype, count, op), so a
+// mismatch is found in the exchange itself instead of by a separate check
+// (one network round trip each). Recursive doubling: the ranks beyond the
+// largest power of two first hand their data to a partner and get the
+// result back at the end. Every rank combines the same halves in the same
+// association, and the ops are commutative, so every rank gets the same
+// bits. A rank that finds another's message different stops the job naming
+// both (its partners may already be in a later exchange).
+void SmallAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                    MPI_Op mop) {
+  const Type& t = op.type();
+  size_t bytes = n * t.bytes;
+  int p = c.size, r = c.rank, p2 = 1;
+  while (p2 * 2 <= p) p2 *= 2;
+  if (dst != src) std::memcpy(dst, src, bytes);
+  // One staging buffer out, one in: header + data.
+  thread_local std::vector<char> out_buf, in_buf;
+  out_buf.resize(sizeof(Header) + bytes);
+  in_buf.resize(kFirstBytes);  // never smaller than a message that may come
+  Header mine = MakeHeader(op, kAllReduce, bytes);
+  auto send_to = [&](int peer, MPI_Request* req) {
+    std::memcpy(out_buf.data(), &mine, sizeof mine);
+    std::memcpy(out_buf.data() + sizeof mine, dst, bytes);
+    int rc = MPI_Isend(out_buf.data(), static_cast<int>(out_buf.size()), MPI_BYTE,
+                       peer, kSmallTag, c.comm, req);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Isend failed: " + MpiText(rc));
+  };
+  // Receives a partner's header and data and checks the header; returns its data.
+  auto receive = [&](int peer, MPI_Request* send_req) -> const char* {
+    MPI_Request req;
+    int rc = MPI_Irecv(in_buf.data(), static_cast<int>(in_buf.size()), MPI_BYTE,
+                       peer, kSmallTag, c.comm, &req);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Irecv failed: " + MpiText(rc));
+    MPI_Status st;
+    rc = WaitRequests(op, 1, &req, &st);
+    if (rc != MPI_SUCCESS) {
+      Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
+                   ": " + MpiText(rc) + ".");
+    }
+    int got = 0;
+    MPI_Get_count(&st, MPI_BYTE, &got);
+    CheckHeader(c, op, in_buf.data(), got, peer, mine);
+    if (send_req != nullptr) {
+      MPI_Status sst;
+      rc = WaitRequests(op, 1, send_req, &sst);
+      if (rc != MPI_SUCCESS) Fatal(c, "MPI failed sending " + op.Describe() + ": " + MpiText(rc));
+    }
+    return in_buf.data() + sizeof(Header);
+  };
+  auto fold_in = [&](const char* theirs) {
+    int rc = MPI_Reduce_local(theirs, dst, static_cast<int>(n), t.mpi, mop);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Reduce_local failed: " + MpiText(rc));
+  };
+  if (r >= p2) {  // hand the data over, get the result back
+    MPI_Request req;
+    send_to(r - p2, &req);
+    const char* result = receive(r - p2, &req);
+    std::memcpy(dst, result, bytes);
+    return;
+  }
+  if (r + p2 < p) fold_in(receive(r + p2, nullptr));
+  for (int mask = 1; mask < p2; mask <<= 1) {
+    MPI_Request req;
+    send_to(r ^ mask, &req);
+    fold_in(receive(r ^ mask, &req));
+  }
+  if (r + p2 < p) {
+    MPI_Request req;
+    send_to(r + p2, &req);
+    MPI_Status st;
+    int rc = WaitRequests(op, 1, &req, &st);
+    if (rc != MPI_SUCCESS) Fatal(c, "MPI failed sending " + op.Describe() + ": " + MpiText(rc));
+  }
+}
+
 }  // namespace
 
 std::string ErrorText() { return t_error; }
@@ -1200,9 +1303,22 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
     }
     return NodeAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
   }
-  if (int rc = Compare(c, op); rc != 0) return rc;
   op.info().path |= detail::kPathMpi;
+  if (bytes <= kInlineBytes && !every) {
+    SmallAllreduce(c, op, src, dst, static_cast<size_t>(count), mop);
+    return 0;
+  }
+  if (int rc = Compare(c, op); rc != 0) return rc;
   MPI_Comm comm = c.comm;
+  if (detail::UseRing(op.info(), bytes, src == dst)) {
+    op.info().path = detail::kPathRing;
+    Spans spans(t.bytes);
+    spans.Add(src, dst, static_cast<size_t>(count));
+    if (auto e = detail::RingSegments(op.info(), comm, spans, t.ffi, t.mpi, mop, 1);
+        e.failure())
+      Fatal(c, e.message());
+    return 0;
+  }
   const void* in = send ? send : MPI_IN_PLACE;
   RunCollective(
       c, op, bytes,

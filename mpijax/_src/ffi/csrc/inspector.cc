@@ -222,11 +222,34 @@ std::string Elsewhere(int64_t key, int64_t device, int64_t since_ns) {
 
 }  // namespace
 
+std::mutex g_place_mu;
+std::function<std::string()> g_place;
+
+void SetPythonPlace(std::function<std::string()> place) {
+  std::lock_guard<std::mutex> lock(g_place_mu);
+  g_place = std::move(place);
+}
+
+namespace {
+
+// "; Python: ..." or "".
+std::string PythonPlace() {
+  std::function<std::string()> place;
+  {
+    std::lock_guard<std::mutex> lock(g_place_mu);
+    place = g_place;
+  }
+  std::string where = place ? place() : "";
+  return where.empty() ? "" : "; Python: " + where;
+}
+
+}  // namespace
+
 std::string DescribeStatus(int64_t key, int64_t device) {
   DevComm* dc = FindDev(key, device);
   if (dc == nullptr) {
     return "0 0 has not used this communicator yet; " +
-           Elsewhere(key, device, 0);
+           Elsewhere(key, device, 0) + PythonPlace();
   }
   const Status& st = dc->status;
   int64_t calls = st.calls.load(std::memory_order_relaxed);
@@ -237,12 +260,14 @@ std::string DescribeStatus(int64_t key, int64_t device) {
   std::ostringstream s;
   s << calls << " " << phase << " ";
   if (calls == 0) {
-    s << "idle, no call on this communicator yet; " << Elsewhere(key, device, 0);
+    s << "idle, no call on this communicator yet; " << Elsewhere(key, device, 0)
+      << PythonPlace();
   } else if (phase == 0) {
     s << "idle since " << Seconds(secs) << " s; last: " << SiteText(site)
       << ", call #" << calls;
     std::string more = Elsewhere(key, device, since);
     if (!more.empty()) s << "; " << more;
+    s << PythonPlace();
   } else {
     s << "in call #" << calls << " since " << Seconds(secs) << " s: "
       << (phase == 1 ? "signature check before " : "") << SiteText(site);

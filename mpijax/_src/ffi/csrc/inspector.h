@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "call.h"
@@ -29,6 +30,11 @@ void StopInspector();
 
 // "<calls> <phase> <human text>" for (key, device), as sent to an asker.
 std::string DescribeStatus(int64_t key, int64_t device);
+
+// Where this process's Python main thread is ("stall.py:19 in <module>:
+// time.sleep(600)"), added to the answers of a rank that is not in the
+// asked-about call; the function returns "" when it cannot tell in time.
+void SetPythonPlace(std::function<std::string()> place);
 
 // Asks every other rank of the stalled op's communicator for its status,
 // prints the report on stderr, then ends the job (MPIJAX_STALL_ACTION=abort)

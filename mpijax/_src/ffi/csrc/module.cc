@@ -5,6 +5,10 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <thread>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -278,6 +282,41 @@ NB_MODULE(_mpijax_ffi, m) {
     nb::gil_scoped_release release;
     StopInspector();
   }, "Stops and joins the responder thread (before its communicator is freed).");
+
+  m.def("set_python_place", [](nb::object fn) {
+    if (fn.is_none()) {
+      SetPythonPlace(nullptr);
+      return;
+    }
+    // Called on the responder thread: the GIL may be busy (a pure-Python
+    // loop gives it up every few ms) or never free (a C extension holding
+    // it); the answer cannot wait, so the call runs on a thread of its own
+    // and is dropped after kPlaceWaitS. Leaked on purpose: it may still be
+    // called while Python shuts down.
+    auto* held = new nb::object(fn);
+    SetPythonPlace([held]() -> std::string {
+      constexpr double kPlaceWaitS = 0.3;
+      auto result = std::make_shared<std::promise<std::string>>();
+      std::future<std::string> got = result->get_future();
+      std::thread([held, result] {
+        std::string text;
+        {
+          nb::gil_scoped_acquire gil;
+          try {
+            text = nb::cast<std::string>((*held)());
+          } catch (...) {
+          }
+        }
+        result->set_value(text);
+      }).detach();
+      if (got.wait_for(std::chrono::duration<double>(kPlaceWaitS)) !=
+          std::future_status::ready)
+        return "";
+      return got.get();
+    });
+  }, nb::arg("fn").none(),
+  "Sets the function (no arguments, returns str) that tells where the Python "
+  "main thread is, for the stall inspector's answers; None removes it.");
 
   m.def("status", &DescribeStatus, nb::arg("key"), nb::arg("device"),
   "This process's status line for (communicator key, device), as the stall "

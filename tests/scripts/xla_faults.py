@@ -1,0 +1,129 @@
+"""Faults in plain-JAX code, whose collectives XLA runs over MPI through mpijax's bridge.
+
+usage: xla_faults.py MODE
+
+The job all-reduces a global array sharded over the ranks with a jitted
+``x.sum(0)`` (XLA's partitioner inserts the all-reduce), once for warm-up,
+then the fault:
+
+  stall          the last rank never reaches the second all-reduce (it sleeps)
+  stall_mpijax   the last rank is inside one of mpijax's own collectives
+                 (an mpijax.ops.allreduce the others never make) instead
+  count          the last rank all-reduces 4,096 floats, the others 1,024
+  count_large    the same with 131,072 and 65,536 floats
+  dtype          the last rank all-reduces int32, the others float32
+  op             the last rank's jax.lax.pmax meets the others' jax.lax.psum
+  permute        a jax.lax.ppermute whose blocks differ in size on the last rank
+  kill           the last rank kills itself (SIGKILL) before the all-reduce
+  ok             no fault: every rank prints the all-reduce's result
+  timeline       3 steps of an XLA all-reduce and an mpijax psum (run with
+                 MPIJAX_TIMELINE); the last rank sleeps 0.3 s before each
+
+Each rank prints "entering" (with time.time()) right before the faulty call.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpijax
+import mpijax.ops
+
+mpijax.init()
+mode = sys.argv[1]
+rank, size = jax.process_index(), jax.process_count()
+last = rank == size - 1
+mesh = jax.make_mesh((jax.device_count(),), ("x",))
+row = NamedSharding(mesh, P("x"))
+
+
+def rows(n, dtype=np.float32):
+  local = np.full((jax.local_device_count(), n), rank + 1, dtype)
+  return jax.make_array_from_process_local_data(row, local, (jax.device_count(), n))
+
+
+def total(x):
+  return jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
+
+
+def mapped(fn, x):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+
+
+def entering():
+  print(f"rank {rank} entering {time.time():.3f}", flush=True)
+
+
+warm = total(rows(1024))
+print(f"rank {rank} warm {float(np.asarray(warm.addressable_data(0))[0])}", flush=True)
+
+if mode == "stall":
+  entering()
+  if last:
+    time.sleep(600)
+  total(rows(1024)).block_until_ready()
+elif mode == "stall_mpijax":
+  mpijax.ops.allreduce(np.ones(4, np.float32)).block_until_ready()  # registers its communicator
+  entering()
+  if last:
+    mpijax.ops.allreduce(np.ones(4, np.float32)).block_until_ready()
+  else:
+    total(rows(1024)).block_until_ready()
+elif mode == "count":
+  x = rows(4096 if last else 1024)
+  entering()
+  total(x).block_until_ready()
+elif mode == "count_large":
+  x = rows(131072 if last else 65536)
+  entering()
+  total(x).block_until_ready()
+elif mode == "dtype":
+  x = rows(1024, np.int32 if last else np.float32)
+  entering()
+  total(x).block_until_ready()
+elif mode == "op":
+  x = rows(1024)
+  entering()
+  fn = (lambda b: jax.lax.pmax(b, "x")) if last else (lambda b: jax.lax.psum(b, "x"))
+  mapped(fn, x).block_until_ready()
+elif mode == "permute":
+  x = rows(4096 if last else 1024)
+  entering()
+  ring = [(i, (i + 1) % size) for i in range(size)]
+  mapped(lambda b: jax.lax.ppermute(b, "x", ring), x).block_until_ready()
+elif mode == "kill":
+  entering()
+  if last:
+    os.kill(os.getpid(), signal.SIGKILL)
+  total(rows(1024)).block_until_ready()
+elif mode == "timeline":
+  import mpijax.lax as mlax
+  import mpijax.timeline
+
+  psum = jax.jit(
+    mpijax.shard_map(
+      lambda v: mlax.psum(v, "x"),
+      mesh=mpijax.make_mesh((size,), ("x",)),
+      in_specs=P("x"),
+      out_specs=P(),
+    )
+  )
+  x = rows(1024)
+  for _ in range(3):
+    with mpijax.timeline.span("step", step=True):
+      if last:
+        time.sleep(0.3)
+      total(x).block_until_ready()
+      psum(np.ones((1, 256), np.float32)).block_until_ready()
+elif mode == "ok":
+  y = total(rows(1024))
+  print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)
+else:
+  raise SystemExit(f"unknown mode {mode!r}")
+print(f"rank {rank} done", flush=True)

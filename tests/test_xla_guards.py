@@ -1,0 +1,257 @@
+"""Plain-JAX code's collectives over MPI run under mpijax's guards.
+
+XLA's partitioner inserts collectives into jitted programs over global
+jax.Arrays; mpijax's bridge carries them over MPI. These jobs check that a
+stall, a mismatch and a dead rank end the job the way they do for mpijax's
+own collectives, within the same time bounds, at 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests._launch import REPO
+from tests._launch import mpirun_command
+from tests._launch import tail
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MPI jobs on Linux")
+
+SCRIPT = str(REPO / "tests" / "scripts" / "xla_faults.py")
+TIMEOUT = 5  # MPIJAX_TIMEOUT of these jobs, seconds
+
+
+def _job(n: int, mode: str, env: dict[str, str] | None = None, limit: float = 120):
+  """Runs xla_faults.py MODE on n ranks; (exit code, output, seconds from the
+  first "entering" line to each line that matches, by pattern, and to the end)."""
+  import os
+
+  full_env = dict(os.environ, MPIJAX_TIMEOUT=str(TIMEOUT), **(env or {}))
+  cmd = mpirun_command(n, timeout=limit) + [sys.executable, SCRIPT, mode]
+  proc = subprocess.Popen(
+    cmd,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=full_env,
+    cwd=str(REPO),
+    start_new_session=True,
+  )
+  lines: list[tuple[float, str]] = []
+  for line in proc.stdout:
+    lines.append((time.monotonic(), line))
+  proc.wait()
+  end = time.monotonic()
+  out = "".join(text for _, text in lines)
+  entered = [t for t, text in lines if " entering " in text]
+  return proc.returncode, out, (entered[0] if entered else None), lines, end
+
+
+def _every_rank_raised(out: str, n: int) -> None:
+  """mpijax-run shows the first rank's report and says every rank raised it alike."""
+  assert re.search(
+    r"\[rank \d+/\d+\] mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
+    r"job \(exit code 1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives",
+    out,
+  ), tail(out)
+  assert re.search(
+    rf"uncaught JaxRuntimeError: UNKNOWN: MPI error: mpijax: mismatch in XLA's "
+    rf"collectives.*\(ranks 0-{n - 1} alike\)",
+    out,
+  ), tail(out)
+
+
+def _first(lines, pattern: str) -> float | None:
+  for t, text in lines:
+    if re.search(pattern, text):
+      return t
+  return None
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_that_never_arrives_is_reported_and_the_job_ends(n):
+  rc, out, entered, lines, end = _job(n, "stall")
+  assert rc != 0, tail(out)
+  report = _first(lines, r"mpijax: stall: rank \d+ waited")
+  assert report is not None and entered is not None, tail(out)
+  assert report - entered <= TIMEOUT + 2, (report - entered, tail(out))
+  assert end - entered <= TIMEOUT + 5, (end - entered, tail(out))
+  # The collective, the program it is in, the communicator and the call's number;
+  # the rank that did not arrive and what it does.
+  assert re.search(
+    r"waited [\d.]+ s in XLA all-reduce float32\[1024\] \(sum\) in "
+    r"jit\(<lambda>\)/reduce_sum \(call #2 on XLA communicator #1 \(ranks "
+    + ("0,1" if n == 2 else "0-3")
+    + r"\)\)",
+    out,
+  ), tail(out)
+  assert re.search(
+    rf"Not arrived: rank {n - 1} \(idle since [\d.]+ s; last: XLA all-reduce "
+    r"float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, call #1; Python: "
+    r"xla_faults.py:\d+ in <module>: time.sleep\(600\)\)",
+    out,
+  ), tail(out)
+  if n > 2:
+    assert (
+      "Waiting in the same call: ranks 1,2" in out
+      or "Waiting in the same call: ranks 0,1,2" in out
+      or re.search(r"Waiting in the same call: ranks? [\d,]+", out)
+    ), tail(out)
+
+
+def test_a_rank_inside_mpijax_own_collective_is_named_with_it():
+  rc, out, entered, lines, end = _job(2, "stall_mpijax")
+  assert rc != 0, tail(out)
+  assert entered is not None and end - entered <= TIMEOUT + 5, tail(out)
+  # Rank 0 waits in XLA's all-reduce; rank 1 is in mpijax's allreduce, and says so.
+  assert re.search(
+    r"rank 0 waited [\d.]+ s in XLA all-reduce float32\[1024\].*Not arrived: rank 1 "
+    r"\(.*now in allreduce\(float32\[4\], sum\) at xla_faults.py:\d+ on "
+    r"communicator \d+ since [\d.]+ s; Python: xla_faults.py:\d+ in <module>: "
+    r"mpijax.ops.allreduce",
+    out,
+  ), tail(out)
+  # And rank 1's own report says rank 0 is in XLA's all-reduce.
+  assert re.search(
+    r"rank 1 waited [\d.]+ s in allreduce\(float32\[4\], sum\).*Not arrived: rank 0 \(.*now in "
+    r"XLA all-reduce float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum on XLA communicator "
+    r"#1 \(ranks 0,1\) since [\d.]+ s",
+    out,
+  ), tail(out)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+  "mode, theirs, mine",
+  [
+    ("count", r"XLA all-reduce float32\[1024\] \(sum\)", r"XLA all-reduce float32\[4096\] \(sum\)"),
+    ("dtype", r"XLA all-reduce float32\[1024\] \(sum\)", r"XLA all-reduce int32\[1024\] \(sum\)"),
+    ("op", r"XLA all-reduce float32\[1024\] \(sum\)", r"XLA all-reduce float32\[1024\] \(max\)"),
+  ],
+)
+def test_ranks_that_disagree_get_an_error_naming_both_operations(n, mode, theirs, mine):
+  rc, out, entered, lines, end = _job(n, mode)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  others = "rank 0" if n == 2 else "ranks 0,1,2"
+  assert re.search(
+    rf"mpijax: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks "
+    rf"[\d,-]+\), call #\d+: {others} runs? {theirs}.*, but rank {n - 1} runs {mine}",
+    out,
+  ), tail(out)
+  assert "No data was exchanged." in out, tail(out)
+  # Every rank raises it, well before any timeout.
+  _every_rank_raised(out, n)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+def test_point_to_point_blocks_of_different_sizes_are_named_not_delivered():
+  rc, out, entered, lines, end = _job(2, "permute")
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert re.search(
+    r"mpijax: rank 0: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0,1\): this "
+    r"rank runs XLA collective-permute 4096 bytes in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
+    r"ppermute and receives from rank 1, which runs XLA collective-permute 16384 bytes\.",
+    out,
+  ), tail(out)
+  assert "double free" not in out and "corruption" not in out, tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+# The paths across nodes, taken here by turning the node-local ones off.
+MPI_PATHS = {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_CMA_MIN_BYTES": "0"}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+  "mode, mine, theirs",
+  [
+    ("count", r"float32\[1024\] \(sum\)", r"float32\[4096\] \(sum\)"),
+    ("dtype", r"float32\[1024\] \(sum\)", r"int32\[1024\] \(sum\)"),
+    ("op", r"float32\[1024\] \(sum\)", r"float32\[1024\] \(max\)"),
+  ],
+)
+def test_small_all_reduces_across_nodes_compare_in_their_exchange(n, mode, mine, theirs):
+  # Each exchange carries its sender's operation: the pair that differs names
+  # both and stops the job (the other ranks may be in a later exchange).
+  rc, out, entered, lines, end = _job(n, mode, env=MPI_PATHS)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  # Either rank of the pair may tell first.
+  low, high = n - 2, n - 1
+  assert re.search(
+    rf"mpijax: rank {low}: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks "
+    rf"[\d,-]+\): this rank runs XLA all-reduce {mine}.* and receives from rank {high}, which "
+    rf"runs XLA all-reduce {theirs}\.",
+    out,
+  ) or re.search(
+    rf"mpijax: rank {high}: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks "
+    rf"[\d,-]+\): this rank runs XLA all-reduce {theirs}.* and receives from rank {low}, which "
+    rf"runs XLA all-reduce {mine}\.",
+    out,
+  ), tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_large_all_reduces_across_nodes_are_compared_first(n):
+  rc, out, entered, lines, end = _job(n, "count_large", env=MPI_PATHS)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  others = "rank 0" if n == 2 else "ranks 0,1,2"
+  assert re.search(
+    rf"{others} runs? XLA all-reduce float32\[65536\] \(sum\).*, but rank {n - 1} runs XLA "
+    r"all-reduce float32\[131072\] \(sum\)",
+    out,
+  ), tail(out)
+  _every_rank_raised(out, n)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_killed_rank_ends_the_job(n):
+  rc, out, entered, lines, end = _job(n, "kill")
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert end - entered <= 6, (end - entered, tail(out))
+
+
+def test_no_fault_no_message():
+  rc, out, entered, lines, end = _job(2, "ok")
+  assert rc == 0, tail(out)
+  assert out.count("total 3.0") == 2 and "mpijax: stall" not in out and "mismatch" not in out, tail(
+    out
+  )
+
+
+def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):
+  import json
+
+  path = tmp_path / "trace.json"
+  rc, out, entered, lines, end = _job(2, "timeline", env={"MPIJAX_TIMELINE": str(path)})
+  assert rc == 0, tail(out)
+  events = json.loads(path.read_text())["traceEvents"]
+  calls = [e for e in events if e.get("cat") == "mpijax"]
+  xla = [e for e in calls if e["name"] == "XLA all-reduce"]
+  own = [e for e in calls if e["name"] == "allreduce"]
+  # Warm-up plus 3 steps of XLA's all-reduce, 3 psums, on each rank.
+  assert sorted(e["pid"] for e in xla) == [0] * 4 + [1] * 4, [e["pid"] for e in xla]
+  assert sorted(e["pid"] for e in own) == [0, 0, 0, 1, 1, 1], [e["name"] for e in calls]
+  for e in xla:
+    a = e["args"]
+    assert a["bytes"] == 4096 and a["dtype"] == "float32" and a["path"] == "shared memory", a
+    assert "jit(<lambda>)/reduce_sum" in a["call_site"], a
+  # Rank 1 arrives 0.3 s late at every step's XLA all-reduce: rank 0's recorded
+  # wait covers it and names rank 1.
+  late = [
+    e["args"]["wait_ns"] for e in xla if e["pid"] == 0 and e["args"].get("waited_for_rank") == 1
+  ]
+  assert len([w for w in late if w >= 0.25e9]) == 3, late
+  png = tmp_path / "step.png"
+  r = subprocess.run(
+    [sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o", str(png), "--step", "1"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 0 and png.stat().st_size > 0, r.stdout + r.stderr
