@@ -1,0 +1,353 @@
+// What XLA asks for, the operation's guard and its failure paths, the check
+// across ranks and the node-local all-reduce (xla_op.h).
+#include "xla_op.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "idle.h"
+#include "spans.h"
+
+namespace mpijax::bridge {
+
+using detail::g_settings;
+
+// --- what XLA asks for -------------------------------------------------------
+
+Type TypeOf(int code) {
+  using D = ffi::DataType;
+  switch (code) {
+    case MJB_BYTE: return {MPI_BYTE, D::U8, 1, "bytes"};
+    case MJB_INT8: return {MPI_INT8_T, D::S8, 1, "int8"};
+    case MJB_UINT8: return {MPI_UINT8_T, D::U8, 1, "uint8"};
+    case MJB_INT16: return {MPI_INT16_T, D::S16, 2, "int16"};
+    case MJB_UINT16: return {MPI_UINT16_T, D::U16, 2, "uint16"};
+    case MJB_INT32: return {MPI_INT32_T, D::S32, 4, "int32"};
+    case MJB_UINT32: return {MPI_UINT32_T, D::U32, 4, "uint32"};
+    case MJB_INT64: return {MPI_INT64_T, D::S64, 8, "int64"};
+    case MJB_UINT64: return {MPI_UINT64_T, D::U64, 8, "uint64"};
+    case MJB_FLOAT: return {MPI_FLOAT, D::F32, 4, "float32"};
+    case MJB_DOUBLE: return {MPI_DOUBLE, D::F64, 8, "float64"};
+    case MJB_C_FLOAT_COMPLEX: return {MPI_C_FLOAT_COMPLEX, D::C64, 8, "complex64"};
+    case MJB_C_DOUBLE_COMPLEX:
+      return {MPI_C_DOUBLE_COMPLEX, D::C128, 16, "complex128"};
+    case MJB_CHAR: return {MPI_CHAR, D::S8, 1, "int8"};
+    case MJB_INT: return {MPI_INT, D::S32, 4, "int32"};
+    case MJB_LONG: return {MPI_LONG, D::S64, 8, "int64"};
+    case MJB_UNSIGNED: return {MPI_UNSIGNED, D::U32, 4, "uint32"};
+    case MJB_UNSIGNED_LONG: return {MPI_UNSIGNED_LONG, D::U64, 8, "uint64"};
+    default: return {};
+  }
+}
+
+MPI_Op OpOf(int code) {
+  switch (code) {
+    case MJB_SUM: return MPI_SUM;
+    case MJB_PROD: return MPI_PROD;
+    case MJB_MIN: return MPI_MIN;
+    case MJB_MAX: return MPI_MAX;
+    case MJB_LAND: return MPI_LAND;
+    case MJB_LOR: return MPI_LOR;
+    case MJB_BAND: return MPI_BAND;
+    case MJB_BOR: return MPI_BOR;
+    default: return MPI_OP_NULL;
+  }
+}
+
+const char* OpName(int code) {
+  switch (code) {
+    case MJB_SUM: return "sum";
+    case MJB_PROD: return "product";
+    case MJB_MIN: return "min";
+    case MJB_MAX: return "max";
+    case MJB_LAND: return "and";
+    case MJB_LOR: return "or";
+    case MJB_BAND: return "bitwise and";
+    case MJB_BOR: return "bitwise or";
+    default: return "";
+  }
+}
+
+int64_t Signature(int kind, int type, int64_t count, int op) {
+  uint64_t h = 0x6d706a78786c6121ULL;
+  for (uint64_t v : {uint64_t(kind), uint64_t(type), uint64_t(count),
+                     uint64_t(op)}) {
+    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    h *= 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 31;
+  }
+  h &= (uint64_t{1} << 63) - 1;
+  return static_cast<int64_t>(h == 0 ? 1 : h);
+}
+
+// --- labels: which jitted program an operation belongs to ---------------------
+
+namespace {
+
+std::mutex g_labels_mu;
+std::unordered_map<std::string, std::vector<std::string>> g_labels;
+
+std::string LabelKey(const std::string& kind, const std::string& dtype,
+                     int64_t elements, const std::string& op) {
+  return kind + "|" + dtype + "|" + std::to_string(elements) + "|" + op;
+}
+
+}  // namespace
+
+std::string LabelOf(int kind, const char* dtype, int64_t elements, int op) {
+  std::string key = LabelKey(kHloNames[kind], dtype, elements, OpName(op));
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  auto it = g_labels.find(key);
+  if (it == g_labels.end() || it->second.empty()) return "";
+  std::string s = " in ";
+  size_t shown = std::min<size_t>(it->second.size(), 3);
+  for (size_t i = 0; i < shown; ++i) s += (i ? " or " : "") + it->second[i];
+  if (it->second.size() > shown)
+    s += " or " + std::to_string(it->second.size() - shown) + " more";
+  return s;
+}
+
+std::string ErrorText() { return t_error; }
+
+void AddLabel(const std::string& kind, const std::string& dtype,
+              int64_t elements, const std::string& op,
+              const std::string& label) {
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  auto& v = g_labels[LabelKey(kind, dtype, elements, op)];
+  if (std::find(v.begin(), v.end(), label) == v.end()) v.push_back(label);
+}
+
+// --- errors ----------------------------------------------------------------------
+
+thread_local std::string t_error;
+
+int Fail(const XlaComm& c, const std::string& text, bool same_everywhere,
+         const std::string& summary) {
+  if (!same_everywhere || c.rank == 0) {
+    std::string block = text + "\n";
+    std::fwrite(block.data(), 1, block.size(), stderr);
+    std::fflush(stderr);
+  }
+  const std::string& e = summary.empty() ? text : summary;
+  t_error = e.size() <= 255 ? e : e.substr(0, 251) + " ...";
+  return kErrXla;
+}
+
+void Fatal(const XlaComm& c, const std::string& text) {
+  int world = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  std::fprintf(stderr, "mpijax: rank %d: %s Stopping the job.\n", world,
+               text.c_str());
+  std::fflush(stderr);
+  (void)c;
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+std::string MpiText(int rc) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(rc);
+  return std::string(text, len);
+}
+
+std::string Where(const XlaComm& c) {
+  if (!c.where.empty()) return c.where;
+  return "XLA communicator #" + std::to_string(c.number) + " (ranks " +
+         c.ranks + ")";
+}
+
+int FailedOp(const XlaComm& c) {
+  t_error = c.failed.size() <= 255 ? c.failed : c.failed.substr(0, 251) + " ...";
+  return kErrXla;
+}
+
+// --- the guard ---------------------------------------------------------------
+
+void EndOp(XlaComm& c) {
+  delete static_cast<Op*>(c.p2p);
+  c.p2p = nullptr;
+}
+
+// The ranks' operations differ: every rank of the communicator learns
+// every rank's operation (collective on the check communicator) and gets the
+// same text.
+int Mismatch(XlaComm& c, Op& op) {
+  if (c.clique != nullptr) return MemberMismatch(c, op);
+  detail::DevComm* dc = c.dc;
+  int n = CommSize(dc->check);
+  std::string text = detail::SiteText(op.info().site);
+  int64_t mine[2] = {op.sig(), static_cast<int64_t>(text.size())};
+  std::vector<int64_t> all(2 * n);
+  MPI_Request req;
+  int rc = MPI_Iallgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T,
+                          dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgather failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  std::vector<int> counts(n), displs(n);
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    counts[r] = static_cast<int>(all[2 * r + 1]);
+    displs[r] = total;
+    total += counts[r];
+  }
+  std::string texts(std::max(total, 1), '\0');
+  rc = MPI_Iallgatherv(text.data(), static_cast<int>(text.size()), MPI_CHAR,
+                       texts.data(), counts.data(), displs.data(), MPI_CHAR,
+                       dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgatherv failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  // The communicator's ranks in the job, to name them as the user knows them.
+  std::vector<int> world(n);
+  {
+    std::vector<int> mine_ranks(n);
+    for (int i = 0; i < n; ++i) mine_ranks[i] = i;
+    MPI_Group g, wg;
+    MPI_Comm_group(dc->comm, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    MPI_Group_translate_ranks(g, n, mine_ranks.data(), wg, world.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+  }
+  std::vector<int64_t> sigs;
+  std::vector<std::vector<int>> members;
+  for (int r = 0; r < n; ++r) {
+    auto it = std::find(sigs.begin(), sigs.end(), all[2 * r]);
+    if (it == sigs.end()) {
+      sigs.push_back(all[2 * r]);
+      members.push_back({r});
+    } else {
+      members[it - sigs.begin()].push_back(r);
+    }
+  }
+  // The whole text on stderr; the exception's (at most 255 bytes) without
+  // the programs' names.
+  std::ostringstream s, brief;
+  int64_t call = dc->status.calls.load(std::memory_order_relaxed);
+  s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
+    << call << ": ";
+  brief << "mpijax: mismatch in XLA's collectives on XLA communicator #"
+        << c.number << ", call #" << call << ": ";
+  for (size_t g = 0; g < sigs.size(); ++g) {
+    const auto& m = members[g];
+    std::string who = m.size() > 1 ? "ranks " : "rank ";
+    for (size_t i = 0; i < m.size(); ++i)
+      who += (i ? "," : "") + std::to_string(world[m[i]]);
+    std::string what = texts.substr(displs[m[0]], counts[m[0]]);
+    std::string sep = g == 0 ? "" : g + 1 == sigs.size() ? ", but " : ", ";
+    s << sep << who << (m.size() > 1 ? " run " : " runs ") << what;
+    brief << sep << who << " " << what.substr(0, what.find(" in "));
+  }
+  s << ". No data was exchanged. Every rank must run the same jitted programs, "
+       "in the same order, on arrays of the same shapes and dtypes (a last "
+       "batch of another size on some ranks, or a branch on the rank, "
+       "breaks this).";
+  brief << " (details on stderr)";
+  return Fail(c, s.str(), true, brief.str());
+}
+
+// Compares this operation across the communicator's ranks before any data
+// moves (one small all-reduce on the check communicator); the waiting rank
+// reports a stall past MPIJAX_TIMEOUT. kErrXla on a mismatch, else 0.
+int Compare(XlaComm& c, Op& op) {
+  if (c.size < 2) return 0;
+  detail::DevComm* dc = c.dc;
+  dc->status.phase.store(1, std::memory_order_relaxed);
+  int64_t buf[2] = {op.sig(), -op.sig()};
+  MPI_Request req;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
+                          dc->check, &req);
+  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallreduce failed: " + MpiText(rc));
+  if (auto e = detail::Wait(&req, op.info()); e.failure())
+    Fatal(c, e.message());
+  dc->status.phase.store(2, std::memory_order_relaxed);
+  return buf[0] != -buf[1] ? Mismatch(c, op) : 0;
+}
+
+// Polls `n` requests to completion; a wait past MPIJAX_TIMEOUT is reported
+// by the stall inspector (then MPIJAX_STALL_ACTION applies) and goes on.
+// Returns MPI's error code, with the statuses filled: a receive of the wrong
+// size ends in MPI_ERR_TRUNCATE, which the caller words.
+int WaitRequests(Op& op, int n, MPI_Request* reqs, MPI_Status* st) {
+  double timeout = g_settings.timeout_s.load(std::memory_order_relaxed);
+  idle::Backoff backoff(g_settings.wait_spin_s.load(std::memory_order_relaxed));
+  int64_t start = NowNs();
+  int64_t period = static_cast<int64_t>(timeout * 1e9);
+  int64_t deadline = start + period;
+  for (uint64_t spin = 0;; ++spin) {
+    int done = 0;
+    int rc = MPI_Testall(n, reqs, &done, st);
+    if (rc != MPI_SUCCESS) return rc;
+    if (done) return MPI_SUCCESS;
+    if (timeout > 0 && (spin & 255) == 255) {
+      int64_t now = NowNs();
+      if (now > deadline) {
+        detail::ReportStall(op.info(), (now - start) * 1e-9);
+        deadline = NowNs() + period;
+      }
+    }
+    backoff.Pause(spin);
+  }
+}
+
+int NodeResult(XlaComm& c, Op& op, NodeCaller& caller,
+               const node_local::Status& s) {
+  if (s.ok()) return 0;
+  if (caller.mismatched && s.message == "signature") return Mismatch(c, op);
+  if (caller.mismatched) {
+    return Fail(c, "mpijax: " + op.Describe() + " on " + Where(c) + ": " +
+                       s.message, false);
+  }
+  Fatal(c, op.Describe() + " on " + Where(c) + ": " + s.message + ".");
+}
+
+// The node-local all-reduce on `node`: c's own segments, or a member's view
+// of its clique's (several devices per process).
+int NodeAllreduceOn(XlaComm& c, Op& op, node_local::Comm& node,
+                    const char* src, char* dst, size_t n, MPI_Op mop) {
+  const Type& t = op.type();
+  size_t es = static_cast<size_t>(t.bytes), bytes = n * es;
+  NodeCaller caller(c, op);
+  int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
+  if (node.cma_ok && cma_min > 0 &&
+      (bytes >= static_cast<size_t>(cma_min) ||
+       bytes > node.segment_bytes())) {
+    op.info().path |= detail::kPathCma;
+    Spans spans(es);
+    spans.Add(src, dst, n);
+    node_local::Status s =
+        node_local::CmaAllreduce(node, caller, spans, t.mpi, mop);
+    if (!s.ok() && !caller.mismatched) node.cma_ok = false;
+    return NodeResult(c, op, caller, s);
+  }
+  // Shared memory, a segment at a time; the signature covers the whole
+  // operation, so ranks that reduce different totals differ at the first.
+  op.info().path |= detail::kPathShm;
+  size_t chunk = std::max<size_t>(node.segment_bytes() / es, 1);
+  for (size_t at = 0; at < n; at += chunk) {
+    size_t m = std::min(chunk, n - at);
+    node_local::Status s = node_local::ShmAllreduce(
+        node, caller, src + at * es, dst + at * es, m, es, t.mpi, mop);
+    if (int rc = NodeResult(c, op, caller, s); rc != 0) return rc;
+  }
+  return 0;
+}
+
+int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
+                  MPI_Op mop) {
+  std::lock_guard<std::mutex> lock(c.node_mu);
+  return NodeAllreduceOn(c, op, c.dc->node, src, dst, n, mop);
+}
+
+}  // namespace mpijax::bridge
