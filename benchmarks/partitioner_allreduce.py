@@ -18,6 +18,13 @@ whose collectives XLA runs itself. Rows (µs per blocking call: p10 / median
   job (the transport is chosen when JAX's backend starts), with the mpijax
   all-reduce timed again in that job.
 
+``--devices L`` gives every rank L CPU devices
+(``--xla_force_host_platform_device_count``): the rows then span every
+device of every rank, each (rank, local device) a member of XLA's
+communicators, and two references join them: XLA's all-reduce between the L
+devices of one process (1 rank, JAX not distributed) and the all-reduce of
+the same rows at 1 device per rank over MPI (``P`` x 1).
+
 Every row's result is checked against NumPy before it is timed; the script
 exits 1 if any result is wrong.
 
@@ -26,12 +33,13 @@ rank count)::
 
   python benchmarks/partitioner_allreduce.py            # 2 and 4 ranks
   python benchmarks/partitioner_allreduce.py --np 2 --quick
+  python benchmarks/partitioner_allreduce.py --np 2 --devices 2   # 2 x 2
 
 or as an MPI job (that job measures the MPI phase; rank 0 starts the gloo one)::
 
   timeout 900 mpirun --allow-run-as-root --oversubscribe -n 2 python benchmarks/partitioner_allreduce.py
 
-Writes ``partitioner_allreduce_np{P}.json``, ``.md`` and ``.png`` to ``--out``
+Writes ``partitioner_allreduce_np{P}.json`` (``..._np{P}x{L}`` with ``--devices``), ``.md`` and ``.png`` to ``--out``
 (default ``benchmarks/results/``) and prints the tables and the targets.
 """
 
@@ -51,32 +59,58 @@ from _common import Row  # noqa: E402
 SCRIPT = os.path.abspath(__file__)
 DEFAULT_SIZES = (4, 4 << 10, 64 << 10, 256 << 10, 4 << 20, 16 << 20)
 QUICK_SIZES = (4, 4 << 10, 256 << 10)
+# With several devices per rank: the targets name 4 KiB and 1 MiB.
+DEVICES_SIZES = (4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 CALLS = 300  # blocking calls timed per row and size (QUICK_CALLS with --quick)
 QUICK_CALLS = 60
 
 KINDS = ("all_gather", "psum_scatter", "all_to_all", "ppermute")
 # key -> label, in table order.
 LABELS = {
-    "xla_mpi": "jit x.sum(0): XLA's all-reduce over MPI (mpijax bridge)",
-    "mpijax_psum": "mpijax.shard_map + mpijax.lax.psum",
-    **{f"xla_{k}_mpi": f"jax.lax.{k} in jax.shard_map, over MPI" for k in KINDS},
-    **{f"mpijax_{k}": f"mpijax.lax.{k} in mpijax.shard_map" for k in KINDS},
-    "xla_gloo": "jit x.sum(0): XLA's all-reduce over gloo",
-    **{f"xla_{k}_gloo": f"jax.lax.{k} in jax.shard_map, over gloo" for k in KINDS},
-    "mpijax_psum_gloojob": "mpijax.shard_map + mpijax.lax.psum [gloo job]",
-    "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
-    "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
+  "xla_mpi": "jit x.sum(0): XLA's all-reduce over MPI (mpijax bridge)",
+  "mpijax_psum": "mpijax.shard_map + mpijax.lax.psum",
+  **{f"xla_{k}_mpi": f"jax.lax.{k} in jax.shard_map, over MPI" for k in KINDS},
+  **{f"mpijax_{k}": f"mpijax.lax.{k} in mpijax.shard_map" for k in KINDS},
+  "xla_gloo": "jit x.sum(0): XLA's all-reduce over gloo",
+  **{f"xla_{k}_gloo": f"jax.lax.{k} in jax.shard_map, over gloo" for k in KINDS},
+  "mpijax_psum_gloojob": "mpijax.shard_map + mpijax.lax.psum [gloo job]",
+  "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
+  "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
+  "xla_local": "jit x.sum(0): XLA's all-reduce between one process's devices (1 rank)",
+  "xla_mpi_flat": "jit x.sum(0) over MPI at 1 device per rank",
 }
 # phase -> (its rows, its environment)
 PHASES = {
-    "mpi": (("xla_mpi", "mpijax_psum") + tuple(f"xla_{k}_mpi" for k in KINDS)
-            + tuple(f"mpijax_{k}" for k in KINDS), {}),
-    "gloo": (("xla_gloo",) + tuple(f"xla_{k}_gloo" for k in KINDS) + ("mpijax_psum_gloojob",),
-             {"MPIJAX_XLA_COLLECTIVES": "gloo"}),
-    # What comparing every call in a message of its own would cost, against
-    # the default, which compares the ranks' operations inside the exchange.
-    "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
+  "mpi": (
+    ("xla_mpi", "mpijax_psum")
+    + tuple(f"xla_{k}_mpi" for k in KINDS)
+    + tuple(f"mpijax_{k}" for k in KINDS),
+    {},
+  ),
+  "gloo": (
+    ("xla_gloo",) + tuple(f"xla_{k}_gloo" for k in KINDS) + ("mpijax_psum_gloojob",),
+    {"MPIJAX_XLA_COLLECTIVES": "gloo"},
+  ),
+  # What comparing every call in a message of its own would cost, against
+  # the default, which compares the ranks' operations inside the exchange.
+  "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
+  # With --devices L: the references (1 rank x L devices; P ranks x 1).
+  "local": (("xla_local",), {}),
+  "flat": (("xla_mpi_flat",), {}),
 }
+
+
+def phase_plan(nprocs: int, devices: int) -> dict[str, tuple[int, dict[str, str]]]:
+  """phase -> (ranks, environment) of a run at ``nprocs`` x ``devices``."""
+  if devices == 1:
+    return {p: (nprocs, env) for p, (_, env) in PHASES.items() if p not in ("local", "flat")}
+  dev = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return {
+    "mpi": (nprocs, dev),
+    "gloo": (nprocs, {**PHASES["gloo"][1], **dev}),
+    "local": (1, dev),
+    "flat": (nprocs, {}),
+  }
 
 
 def _check(got, want: float, what: str) -> None:
@@ -87,6 +121,7 @@ def _rows(n_global: int, nbytes: int):
   """This rank's rows of the global (devices, SIZE) array: device g's row is g + 1."""
   import jax
   import numpy as np
+
   L = jax.local_device_count()
   first = jax.process_index() * L
   return np.stack([np.full(max(nbytes // 4, 1), first + l + 1, np.float32) for l in range(L)])
@@ -101,7 +136,8 @@ def _elements(n: int, nbytes: int) -> int:
 def _full(n: int, m: int):
   """The global (n, m) array the kind rows use: row g holds g * m + 0 .. m - 1, mod 251."""
   import numpy as np
-  return (np.arange(n * m, dtype=np.float32).reshape(n, m) % 251)
+
+  return np.arange(n * m, dtype=np.float32).reshape(n, m) % 251
 
 
 def _expected(kind: str, full, g: int, n: int):
@@ -110,7 +146,7 @@ def _expected(kind: str, full, g: int, n: int):
   if kind == "all_gather":
     return full
   if kind == "psum_scatter":
-    return full.sum(0)[g * m // n:(g + 1) * m // n][None]
+    return full.sum(0)[g * m // n : (g + 1) * m // n][None]
   if kind == "all_to_all":
     return full.reshape(n, n, m // n)[:, g, :].reshape(n, m // n)
   return full[(g - 1) % n][None]  # ppermute: the ring i -> i + 1
@@ -134,23 +170,32 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
   from jax.sharding import PartitionSpec as P
 
   import mpijax
+
   rt = mpijax.init()
-  if rt.xla_collectives != transport:
-    raise ar.Skip(f"XLA's collectives run over {rt.xla_collectives or 'nothing'} in this job, "
-                  f"not {transport} (see mpijax's warning above)")
+  if transport == "local":
+    if jax.process_count() != 1 or jax.local_device_count() < 2:
+      raise ar.Skip("the local reference wants 1 rank with several devices")
+  elif rt.xla_collectives != transport:
+    raise ar.Skip(
+      f"XLA's collectives run over {rt.xla_collectives or 'nothing'} in this job, "
+      f"not {transport} (see mpijax's warning above)"
+    )
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("x",))
   rows = NamedSharding(mesh, P("x", None))
   if kind == "sum":
     f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
   else:
-    f = jax.jit(jax.shard_map(_body(jax.lax, kind, n), mesh=mesh, in_specs=P("x"),
-                              out_specs=P("x"), check_vma=False))
+    f = jax.jit(
+      jax.shard_map(
+        _body(jax.lax, kind, n), mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+      )
+    )
 
   def build(nbytes: int):
     if kind == "sum":
       host = _rows(n, nbytes)
-      shards = [jax.device_put(host[i:i + 1], d) for i, d in enumerate(jax.local_devices())]
+      shards = [jax.device_put(host[i : i + 1], d) for i, d in enumerate(jax.local_devices())]
       x = jax.make_array_from_single_device_arrays((n, host.shape[1]), rows, shards)
       _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
     else:
@@ -163,6 +208,7 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
         if got.shape != want.shape or not np.array_equal(got, want):
           raise _common.WrongResult(f"jax.lax.{kind} over {transport} on device {g}")
     return (lambda: f(x).block_until_ready()), 1
+
   return build
 
 
@@ -173,17 +219,25 @@ def _mpijax_factory(hc: HarnessComm, kind: str = "sum"):
 
   import mpijax
   import mpijax.lax as mlax
+
   mpijax.init()
-  n = jax.device_count() if jax.process_count() > 1 else mpijax.process_count() * \
-      mpijax.local_device_count()
+  n = (
+    jax.device_count()
+    if jax.process_count() > 1
+    else mpijax.process_count() * mpijax.local_device_count()
+  )
   L, r = mpijax.local_device_count(), mpijax.process_index()
   mesh = mpijax.make_mesh((n,), ("x",))
   if kind == "sum":
-    f = jax.jit(mpijax.shard_map(lambda v: mlax.psum(v.sum(0), "x"), mesh=mesh,
-                                 in_specs=P("x"), out_specs=P()))
+    f = jax.jit(
+      mpijax.shard_map(
+        lambda v: mlax.psum(v.sum(0), "x"), mesh=mesh, in_specs=P("x"), out_specs=P()
+      )
+    )
   else:
-    f = jax.jit(mpijax.shard_map(_body(mlax, kind, n), mesh=mesh, in_specs=P("x"),
-                                 out_specs=P("x")))
+    f = jax.jit(
+      mpijax.shard_map(_body(mlax, kind, n), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    )
 
   def build(nbytes: int):
     if kind == "sum":
@@ -191,12 +245,13 @@ def _mpijax_factory(hc: HarnessComm, kind: str = "sum"):
       _check(f(x), n * (n + 1) / 2, "mpijax.shard_map psum")
     else:
       full = _full(n, _elements(n, nbytes))
-      x = jax.device_put(full[r * L:(r + 1) * L])
+      x = jax.device_put(full[r * L : (r + 1) * L])
       got = np.asarray(f(x))
       want = np.concatenate([_expected(kind, full, r * L + l, n) for l in range(L)])
       if got.shape != want.shape or not np.array_equal(got, want):
         raise _common.WrongResult(f"mpijax.lax.{kind}")
     return (lambda: f(x).block_until_ready()), 1
+
   return build
 
 
@@ -207,6 +262,7 @@ def _time_calls(args):
 
 def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
   import mpijax  # before jax: names mpijax's bridge for XLA (see docs/jax-integration.md)
+
   init_error = None
   try:
     mpijax.init()
@@ -221,21 +277,79 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
       if init_error:
         raise ar.Skip(init_error)
       return factory()
+
     return wrapped
 
   keys = PHASES[phase][0]
-  factories = {"xla_mpi": lambda: _xla_factory(hc, "mpi"),
-               "xla_gloo": lambda: _xla_factory(hc, "gloo"),
-               "mpijax_psum": lambda: _mpijax_factory(hc),
-               "mpijax_psum_gloojob": lambda: _mpijax_factory(hc),
-               "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
-               "mpijax_psum_checkjob": lambda: _mpijax_factory(hc)}
+  factories = {
+    "xla_mpi": lambda: _xla_factory(hc, "mpi"),
+    "xla_gloo": lambda: _xla_factory(hc, "gloo"),
+    "mpijax_psum": lambda: _mpijax_factory(hc),
+    "mpijax_psum_gloojob": lambda: _mpijax_factory(hc),
+    "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
+    "mpijax_psum_checkjob": lambda: _mpijax_factory(hc),
+    "xla_local": lambda: _xla_factory(hc, "local"),
+    "xla_mpi_flat": lambda: _xla_factory(hc, "mpi"),
+  }
   for k in KINDS:
     factories[f"xla_{k}_mpi"] = lambda k=k: _xla_factory(hc, "mpi", k)
     factories[f"xla_{k}_gloo"] = lambda k=k: _xla_factory(hc, "gloo", k)
     factories[f"mpijax_{k}"] = lambda k=k: _mpijax_factory(hc, k)
-  return ar._measure(hc, [(k, LABELS[k], phase, guarded(factories[k])) for k in keys], sizes,
-                     args, time_fn=_time_calls(args))
+  return ar._measure(
+    hc,
+    [(k, LABELS[k], phase, guarded(factories[k])) for k in keys],
+    sizes,
+    args,
+    time_fn=_time_calls(args),
+  )
+
+
+def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> list[str]:
+  """The targets at several devices per rank, as PASS / FAIL / N/A lines."""
+  t = _common.Targets(rows)
+  get, line, out = t.get, t.line, t.lines
+  for s in sizes:
+    size = _common.fmt_size(s)
+    mpi, gloo, own = get("xla_mpi", s), get("xla_gloo", s), get("mpijax_psum", s)
+    local, flat = get("xla_local", s), get("xla_mpi_flat", s)
+    if s in (4 << 10, 1 << 20):
+      if mpi is None or gloo is None:
+        line(None, f"{size} all-reduce over MPI >= 3x faster than gloo: missing")
+      else:
+        line(
+          gloo >= 3 * mpi,
+          f"{size} all-reduce over MPI >= 3x faster than gloo: "
+          f"{gloo:.1f} / {mpi:.1f} us = {gloo / mpi:.1f}x",
+        )
+    if mpi is None or local is None or flat is None:
+      line(None, f"{size} all-reduce <= 1.3x (local + 1 device per rank): missing")
+    else:
+      ref = local + flat
+      line(
+        mpi <= 1.3 * ref,
+        f"{size} all-reduce <= 1.3x (local + 1 device per rank): "
+        f"{mpi:.1f} / ({local:.1f} + {flat:.1f}) us = {mpi / ref:.2f}x",
+      )
+    if s >= 256 << 10:
+      if mpi is None or own is None:
+        line(None, f"{size} all-reduce no slower than mpijax's psum: missing")
+      else:
+        line(
+          mpi <= own,
+          f"{size} all-reduce no slower than mpijax's psum over the same devices: "
+          f"{mpi:.1f} / {own:.1f} us = {mpi / own:.2f}x",
+        )
+    for k in KINDS:
+      km, kg, mine = get(f"xla_{k}_mpi", s), get(f"xla_{k}_gloo", s), get(f"mpijax_{k}", s)
+      if km is not None and kg is not None:
+        out.append(f"info  {size} {k}, gloo / MPI: {kg:.1f} / {km:.1f} us = {kg / km:.1f}x")
+      if km is not None and mine is not None:
+        out.append(
+          f"info  {size} {k}, XLA over MPI / mpijax.lax: {km:.1f} / {mine:.1f} us = "
+          f"{km / mine:.2f}x"
+        )
+  out.append(f"({devices} devices per rank: the targets of 1 device per rank do not apply)")
+  return out
 
 
 def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
@@ -253,39 +367,54 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     if mpi is None or ref is None:
       line(None, f"{size} all-reduce against mpijax's psum: missing")
     elif s <= 64 << 10:
-      line(mpi <= 1.5 * ref, f"{size} all-reduce median <= 1.5x mpijax's psum: "
-           f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x")
+      line(
+        mpi <= 1.5 * ref,
+        f"{size} all-reduce median <= 1.5x mpijax's psum: "
+        f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x",
+      )
       p90 = stat("xla_mpi", s, "p90")
-      line(p90 is not None and p90 <= 2 * mpi, f"{size} all-reduce p90 <= 2x its median: "
-           f"{p90:.1f} / {mpi:.1f} us = {p90 / mpi:.2f}x")
+      line(
+        p90 is not None and p90 <= 2 * mpi,
+        f"{size} all-reduce p90 <= 2x its median: {p90:.1f} / {mpi:.1f} us = {p90 / mpi:.2f}x",
+      )
     else:
-      line(mpi <= 1.2 * ref, f"{size} all-reduce median <= 1.2x mpijax's psum: "
-           f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x")
+      line(
+        mpi <= 1.2 * ref,
+        f"{size} all-reduce median <= 1.2x mpijax's psum: "
+        f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x",
+      )
     gloo = get("xla_gloo", s)
     if mpi is not None and gloo is not None:
-      out.append(f"info  {size} all-reduce, gloo / MPI: {gloo:.1f} / {mpi:.1f} us = "
-                 f"{gloo / mpi:.1f}x")
+      out.append(
+        f"info  {size} all-reduce, gloo / MPI: {gloo:.1f} / {mpi:.1f} us = {gloo / mpi:.1f}x"
+      )
     for k in KINDS:
       km, kg, own = get(f"xla_{k}_mpi", s), get(f"xla_{k}_gloo", s), get(f"mpijax_{k}", s)
       if 4 << 10 <= s <= 256 << 10:
         if km is None or kg is None:
           line(None, f"{size} {k} over MPI >= 5x faster than gloo: missing")
         else:
-          line(kg >= 5 * km, f"{size} {k} over MPI >= 5x faster than gloo: "
-               f"{kg:.1f} / {km:.1f} us = {kg / km:.1f}x")
+          line(
+            kg >= 5 * km,
+            f"{size} {k} over MPI >= 5x faster than gloo: {kg:.1f} / {km:.1f} us = {kg / km:.1f}x",
+          )
       if km is not None and own is not None:
-        out.append(f"info  {size} {k}, XLA over MPI / mpijax.lax: {km:.1f} / {own:.1f} us = "
-                   f"{km / own:.2f}x")
+        out.append(
+          f"info  {size} {k}, XLA over MPI / mpijax.lax: {km:.1f} / {own:.1f} us = {km / own:.2f}x"
+        )
     # The two transports run in separate jobs; the mpijax row, timed in both,
     # shows how far the machine drifted between them.
     a, b = get("mpijax_psum", s), get("mpijax_psum_gloojob", s)
     if a is not None and b is not None:
-      out.append(f"info  {size} mpijax psum, gloo job / MPI job: {b:.1f} / "
-                 f"{a:.1f} us = {b / a:.2f}x")
+      out.append(
+        f"info  {size} mpijax psum, gloo job / MPI job: {b:.1f} / {a:.1f} us = {b / a:.2f}x"
+      )
     checked = get("xla_mpi_check", s)
     if mpi is not None and checked is not None:
-      out.append(f"info  {size} all-reduce, MPIJAX_CHECK=1 / default: {checked:.1f} / {mpi:.1f} us "
-                 f"(+{checked - mpi:.1f} us)")
+      out.append(
+        f"info  {size} all-reduce, MPIJAX_CHECK=1 / default: {checked:.1f} / {mpi:.1f} us "
+        f"(+{checked - mpi:.1f} us)"
+      )
   if nprocs not in (2, 4):
     out.append(f"(targets are stated for 2 and 4 ranks; this run has {nprocs})")
   return out
@@ -295,26 +424,53 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   order = list(LABELS)
   rows = sorted(rows, key=lambda r: order.index(r.key))
   by = {r.key: r for r in rows}
-  title = (f"XLA's cross-process collectives, {nprocs} ranks: median µs per blocking call "
-           "(max over ranks)")
+  devices = getattr(args, "devices", 1)
+  layout = f"{nprocs} ranks" + (f" x {devices} devices" if devices > 1 else "")
+  title = f"XLA's cross-process collectives, {layout}: median µs per blocking call (max over ranks)"
   parts = [f"### {title}", "", _common.markdown_table(rows, sizes)]
   if by.get("xla_mpi"):
-    parts += ["", "Ratio to XLA's all-reduce over MPI:", "",
-              _common.markdown_table(rows, sizes, ratio_to=by["xla_mpi"])]
+    parts += [
+      "",
+      "Ratio to XLA's all-reduce over MPI:",
+      "",
+      _common.markdown_table(rows, sizes, ratio_to=by["xla_mpi"]),
+    ]
   for which in ("p10", "p90"):
-    parts += ["", f"{which} of single calls (µs, max over ranks):", "",
-              _common.markdown_table(rows, sizes, stat=which)]
+    parts += [
+      "",
+      f"{which} of single calls (µs, max over ranks):",
+      "",
+      _common.markdown_table(rows, sizes, stat=which),
+    ]
   notes = _common.skip_notes(rows)
   if notes:
     parts += ["", "Not measured:", ""] + notes
-  targets = check_targets(rows, sizes, nprocs)
+  targets = (
+    check_devices_targets(rows, sizes, devices)
+    if devices > 1
+    else check_targets(rows, sizes, nprocs)
+  )
   parts += ["", "Targets:", "", "```"] + targets + ["```", "", _common.load_note()]
   text = "\n".join(parts)
   print("\n" + text, flush=True)
-  _common.write_report(args.out, f"partitioner_allreduce_np{nprocs}", text,
-                       {"benchmark": "partitioner_allreduce", "nprocs": nprocs, "sizes": sizes,
-                        "meta": meta, "targets": targets, "rows": [r.to_json() for r in rows]},
-                       rows, sizes, title)
+  name = f"partitioner_allreduce_np{nprocs}" + (f"x{devices}" if devices > 1 else "")
+  _common.write_report(
+    args.out,
+    name,
+    text,
+    {
+      "benchmark": "partitioner_allreduce",
+      "nprocs": nprocs,
+      "devices": devices,
+      "sizes": sizes,
+      "meta": meta,
+      "targets": targets,
+      "rows": [r.to_json() for r in rows],
+    },
+    rows,
+    sizes,
+    title,
+  )
   return _common.exit_status(rows)
 
 
@@ -332,24 +488,42 @@ def _phase_args(args, sizes: list[int]) -> list[str]:
 
 
 def _run_phase(args, sizes, nprocs, phase) -> tuple[list[Row], dict[str, Any]]:
-  res = _common.run_phase(SCRIPT, nprocs, phase, _phase_args(args, sizes),
-                          env=PHASES[phase][1], timeout=args.phase_timeout)
+  ranks, env = phase_plan(nprocs, args.devices)[phase]
+  res = _common.run_phase(
+    SCRIPT, ranks, phase, _phase_args(args, sizes), env=env, timeout=args.phase_timeout
+  )
   if isinstance(res, str):
     return _failed_rows(phase, res, sizes), {}
   return res[0], res[1]
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sizes", default=None,
-                 help="comma-separated bytes per rank (default 4,4KiB,64KiB,256KiB,4MiB,16MiB)")
-  p.add_argument("--np", default="2,4",
-                 help="rank counts to run from a plain shell, comma-separated (default 2,4)")
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument(
+    "--sizes",
+    default=None,
+    help="comma-separated bytes per rank (default 4,4KiB,64KiB,256KiB,4MiB,16MiB)",
+  )
+  p.add_argument(
+    "--np",
+    default="2,4",
+    help="rank counts to run from a plain shell, comma-separated (default 2,4)",
+  )
   p.add_argument("--trials", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--trial-seconds", type=float, default=0.005, help=argparse.SUPPRESS)
-  p.add_argument("--quick", action="store_true",
-                 help=f"smoke test: 4 B, 4 KiB, 256 KiB; {QUICK_CALLS} calls per cell")
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=1,
+    help="CPU devices per rank (default 1); more adds the several-devices references and targets",
+  )
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help=f"smoke test: 4 B, 4 KiB, 256 KiB; {QUICK_CALLS} calls per cell",
+  )
   p.add_argument("--out", default=_common.default_out_dir(), help="output directory")
   p.add_argument("--phase-timeout", type=float, default=900, help="seconds per sub-job")
   p.add_argument("--verbose", action="store_true")
@@ -362,13 +536,18 @@ def parse_args(argv=None):
     p.error(f"--np wants rank counts like 2,4, got {args.np!r}")
   if any(v < 2 for v in args.np):
     p.error("--np: a cross-process all-reduce needs at least 2 ranks")
+  if args.devices < 1:
+    p.error(f"--devices wants a device count of at least 1, got {args.devices}")
   return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  sizes = (_common.parse_sizes(args.sizes) if args.sizes
-           else list(QUICK_SIZES if args.quick else DEFAULT_SIZES))
+  sizes = (
+    _common.parse_sizes(args.sizes)
+    if args.sizes
+    else list(QUICK_SIZES if args.quick else DEVICES_SIZES if args.devices > 1 else DEFAULT_SIZES)
+  )
 
   if args.phase is not None:  # one sub-job of an orchestrated run
     if args.phase not in PHASES:
@@ -377,6 +556,8 @@ def main(argv=None) -> int:
     return _common.finish_phase(args.phase_out, rows)
 
   if _common.under_mpi_launcher():
+    if args.devices > 1:
+      raise SystemExit("--devices runs from a plain shell (its phases have other rank counts)")
     # This job measures the MPI phase; rank 0 then runs the gloo phase as a
     # fresh mpirun job of the same size while the others wait.
     rows = phase_rows("mpi", args, sizes)
@@ -392,7 +573,7 @@ def main(argv=None) -> int:
   status = 0
   for nprocs in args.np:
     rows, meta = [], {}
-    for phase in PHASES:
+    for phase in phase_plan(nprocs, args.devices):
       phase_rows_, phase_meta = _run_phase(args, sizes, nprocs, phase)
       rows += phase_rows_
       meta = meta or phase_meta
