@@ -112,10 +112,10 @@ _define("xla_collectives", _parse_collectives, "auto",
         "Transport of the cross-process collectives XLA itself inserts (jit "
         "over global jax.Arrays) when JAX's distributed runtime is on. auto: "
         "MPI, through mpijax's bridge library, wherever XLA's MPI collectives "
-        "can serve (one CPU device per rank, a jaxlib that accepts the "
-        "bridge), else gloo with a warning; mpi: the same, but an error where "
-        "they cannot; gloo: JAX's TCP collectives (MPITRAMPOLINE_LIB is then "
-        "not set).")
+        "can serve (any number of CPU devices per rank; a jaxlib that accepts "
+        "the bridge), else gloo with a warning; mpi: the same, but an error "
+        "where they cannot; gloo: JAX's TCP collectives (MPITRAMPOLINE_LIB is "
+        "then not set).")
 _define("xla_dispatch", _parse_dispatch, "inline",
         "Where XLA runs a jitted program when its collectives go over MPI. "
         "inline: on the thread that calls it, as XLA already does for programs "

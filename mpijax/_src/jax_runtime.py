@@ -186,6 +186,8 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
         # cross-process collective, most of a small one's time.
         jax.config.update("jax_cpu_enable_async_dispatch", False)
       xla_labels.install()
+  if chosen == "gloo" and local_devices > 1:
+    xla_labels.guard_gloo_reduce_scatter(local_devices)
   owns = not adopted
   if owns:
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:

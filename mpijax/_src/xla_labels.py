@@ -158,3 +158,48 @@ def install() -> None:
 
   compiler.compile_or_get_cached = wrapped
   _installed = True
+
+
+_gloo_guarded = False
+GLOO_REDUCE_SCATTER = (
+  "{program} has a reduce-scatter, and XLA's collectives run over gloo with "
+  "{devices} devices per rank: jaxlib 0.10's gloo reduce-scatter between the "
+  "devices of one process can return wrong values for chunks of a few MiB "
+  "(https://github.com/jax-ml/jax/issues/40830). Unset MPIJAX_XLA_COLLECTIVES=gloo: "
+  "over MPI (the default) it is right."
+)
+
+
+def guard_gloo_reduce_scatter(local_devices: int) -> None:
+  """Warns, once (rank 0), at the first compiled program with a
+  reduce-scatter when XLA's collectives run over gloo with several devices
+  per rank, where jaxlib's can be wrong; the warning never stops the job."""
+  global _gloo_guarded
+  if _gloo_guarded:
+    return
+  from mpijax._src import jax_compat
+  from mpijax._src import log
+
+  compiler = jax_compat.compiler
+  compile_or_get_cached = compiler.compile_or_get_cached
+  warned = []
+
+  @functools.wraps(compile_or_get_cached)
+  def wrapped(backend, computation, devices, *args, **kwargs):
+    executable = compile_or_get_cached(backend, computation, devices, *args, **kwargs)
+    if not warned:
+      try:
+        for module in executable.hlo_modules():
+          kinds = {c[0] for c in collectives(module.to_string(), module.name)}
+          if "reduce-scatter" in kinds:
+            warned.append(module.name)
+            if log.rank_and_size()[0] != 0:
+              break  # every rank compiles the same programs: rank 0 says it
+            log.warning(GLOO_REDUCE_SCATTER.format(program=module.name, devices=local_devices))
+            break
+      except Exception as e:  # a warning's source, never a reason to fail
+        logging.getLogger("mpijax").debug("reading a program's collectives failed: %r", e)
+    return executable
+
+  compiler.compile_or_get_cached = wrapped
+  _gloo_guarded = True

@@ -18,6 +18,8 @@ then the fault:
   ok             no fault: every rank prints the all-reduce's result
   timeline       3 steps of an XLA all-reduce and an mpijax psum (run with
                  MPIJAX_TIMELINE); the last rank sleeps 0.3 s before each
+  reduce_scatter no fault: a jax.lax.psum_scatter over every device, checked;
+                 every rank prints "scatter ok"
 
 Each rank prints "entering" (with time.time()) right before the faulty call.
 """
@@ -121,6 +123,16 @@ elif mode == "timeline":
         time.sleep(0.3)
       total(x).block_until_ready()
       psum(np.ones((1, 256), np.float32)).block_until_ready()
+elif mode == "reduce_scatter":
+  n = jax.device_count()
+  full = np.arange(n * n * 8, dtype=np.float32).reshape(n, n * 8)
+  x = jax.make_array_from_callback(full.shape, row, lambda i: full[i])
+  y = mapped(lambda b: jax.lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True), x)
+  want = full.sum(0).reshape(n, 8)
+  for s in y.addressable_shards:
+    g = list(mesh.devices.flat).index(s.device)
+    assert np.array_equal(np.asarray(s.data)[0], want[g]), (g, np.asarray(s.data), want[g])
+  print(f"rank {rank} scatter ok", flush=True)
 elif mode == "ok":
   y = total(rows(1024))
   print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)

@@ -155,7 +155,7 @@ mpijax_bridge_make_table(const void* comm_handle, double split_timeout_s,
   MPI_Comm dup = MPI_COMM_NULL;
   if (MPI_Comm_dup(base, &dup) != MPI_SUCCESS)
     return fail("MPI_Comm_dup of the job's communicator failed");
-  // MPI's errors come back as codes: the operations word them (xla_ops.cc).
+  // MPI's errors come back as codes: the operations word them (xla_op.cc).
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   MPI_Comm_set_name(dup, "mpijax-xla");
   g_world = dup;

@@ -2,7 +2,7 @@
 // collectives split through the bridge becomes one mpijax communicator in the
 // registry (csrc/registry.h), with a key every member rank agrees on, a
 // private duplicate for signature checks, and a status the stall inspector
-// reads and answers about. The calls XLA makes on it (xla_ops.cc) run under
+// reads and answers about. The calls XLA makes on it (xla_ops.h) run under
 // the same guards as mpijax's own handlers.
 #ifndef MPIJAX_BRIDGE_XLA_COMM_H_
 #define MPIJAX_BRIDGE_XLA_COMM_H_
@@ -47,7 +47,7 @@ struct XlaComm {
   std::mutex node_mu;
 
   // Point-to-point operations (all-to-all, collective-permute) are made of
-  // several MPI calls: the open operation's guard lives here (xla_ops.cc).
+  // several MPI calls: the open operation's guard lives here (xla_p2p.cc).
   void* p2p = nullptr;
   int pending = 0;  // requests posted and not yet waited for
   int sendrecvs = 0;  // MPI_Sendrecv calls of the open all-to-all

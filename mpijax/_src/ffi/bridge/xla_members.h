@@ -14,7 +14,7 @@
 // programs find theirs made.
 //
 // Each member is an XlaComm (xla_comm.h) of rank = its rank in the clique
-// and size = the clique's size; its operations (xla_ops.cc) meet the other
+// and size = the clique's size; its operations (xla_member_ops.cc, xla_p2p.cc) meet the other
 // members of this process in a LocalGroup or Mailbox (xla_local.h), and one
 // thread per process crosses processes with MPI on the clique's
 // communicator. Where every member shares one node and each process has the
