@@ -255,3 +255,109 @@ def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):
     timeout=120,
   )
   assert r.returncode == 0 and png.stat().st_size > 0, r.stdout + r.stderr
+
+
+# Several devices per rank: each (rank, local device) is a member of XLA's
+# communicators, under the same guards.
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+CLIQUE = r"XLA communicator of devices 0,1,2048,2049 on ranks 0,1"
+
+
+def test_several_devices_per_rank_a_stall_names_each_missing_device():
+  rc, out, entered, lines, end = _job(2, "stall", env=TWO_DEVICES)
+  assert rc != 0, tail(out)
+  report = _first(lines, r"mpijax: stall: rank 0 waited")
+  assert report is not None and entered is not None, tail(out)
+  assert report - entered <= TIMEOUT + 2, (report - entered, tail(out))
+  assert end - entered <= TIMEOUT + 5, (end - entered, tail(out))
+  idle = (
+    r"\(idle since [\d.]+ s; last: XLA all-reduce float32\[1024\] \(sum\) in "
+    r"jit\(<lambda>\)/reduce_sum, call #\d+; Python: xla_faults.py:\d+ in <module>: "
+    r"time.sleep\(600\)\)"
+  )
+  assert re.search(
+    r"rank 0 waited [\d.]+ s in XLA all-reduce float32\[1024\] \(sum\) in "
+    rf"jit\(<lambda>\)/reduce_sum \(call #\d+ on {CLIQUE}.*\)\. Not arrived: "
+    rf"rank 1 local device 0 {idle}, rank 1 local device 1 {idle}\. "
+    r"Waiting in the same call: rank 0 local device [01]\.",
+    out,
+  ), tail(out)
+
+
+def test_several_devices_per_rank_a_mismatch_names_every_device():
+  rc, out, entered, lines, end = _job(2, "count", env=TWO_DEVICES)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert re.search(
+    rf"mpijax: mismatch in XLA's collectives on {CLIQUE}, call #\d+: rank 0 local devices "
+    r"0,1 run XLA all-reduce float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, but rank 1 "
+    r"local devices 0,1 run XLA all-reduce float32\[4096\] \(sum\) in jit\(<lambda>\)/reduce_sum\. "
+    r"No data was exchanged\.",
+    out,
+  ), tail(out)
+  # The exception (at most 255 bytes) without the programs' names, on every rank.
+  assert re.search(
+    r"\[rank \d/2\] mpijax: uncaught JaxRuntimeError on rank \d/2, aborting the job \(exit code "
+    r"1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives on XLA communicator on "
+    r"ranks 0,1, call #\d+: rank 0 local devices 0,1 run XLA all-reduce float32\[1024\] \(sum\), "
+    r"but rank 1 local devices 0,1 run XLA all-reduce float32\[4096\] \(sum\) \(details on "
+    r"stderr\)",
+    out,
+  ), tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+def test_several_devices_per_rank_point_to_point_blocks_of_different_sizes():
+  rc, out, entered, lines, end = _job(2, "permute", env=TWO_DEVICES)
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert re.search(
+    rf"mismatch in XLA's collectives on {CLIQUE}: this rank runs XLA collective-permute "
+    r"(4096|16384) bytes .*receives from rank [01], which runs XLA collective-permute "
+    r"(16384|4096) bytes\.",
+    out,
+  ), tail(out)
+  assert "double free" not in out and "corruption" not in out, tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+def test_several_devices_per_rank_the_timeline_shows_each_device(tmp_path):
+  import json
+
+  path = tmp_path / "trace.json"
+  env = {**TWO_DEVICES, "MPIJAX_TIMELINE": str(path)}
+  rc, out, entered, lines, end = _job(2, "timeline", env=env)
+  assert rc == 0, tail(out)
+  events = json.loads(path.read_text())["traceEvents"]
+  xla = [
+    e
+    for e in events
+    if e.get("cat") == "mpijax" and e["name"] == "XLA all-reduce" and e["args"]["bytes"] == 4096
+  ]
+  # Warm-up plus 3 steps on each (rank, device).
+  assert sorted((e["pid"], e["tid"]) for e in xla) == sorted(
+    [(r, 1 + d) for r in (0, 1) for d in (0, 1)] * 4
+  ), xla
+  # Rank 1 arrives 0.3 s late at every step: both of rank 0's devices wait for it.
+  for tid in (1, 2):
+    late = [
+      e["args"]["wait_ns"]
+      for e in xla
+      if e["pid"] == 0 and e["tid"] == tid and e["args"].get("waited_for_rank") == 1
+    ]
+    assert len([w for w in late if w >= 0.25e9]) == 3, (tid, late)
+
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_several_devices_per_rank_reduce_scatter(transport):
+  # Right over MPI; over gloo (jax-ml/jax#40830) rank 0 warns at the first program.
+  env = dict(TWO_DEVICES)
+  if transport == "gloo":
+    env["MPIJAX_XLA_COLLECTIVES"] = "gloo"
+  rc, out, entered, lines, end = _job(2, "reduce_scatter", env=env)
+  assert rc == 0 and out.count("scatter ok") == 2, tail(out)
+  warning = re.findall(
+    r"mpijax\[rank 0/2\]: warning: jit_\S+ has a reduce-scatter, and XLA's collectives run over "
+    r"gloo with 2 devices per rank: .*jax-ml/jax/issues/40830\)\. Unset "
+    r"MPIJAX_XLA_COLLECTIVES=gloo",
+    out,
+  )
+  assert len(warning) == (1 if transport == "gloo" else 0), tail(out)

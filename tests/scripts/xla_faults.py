@@ -97,7 +97,7 @@ elif mode == "op":
 elif mode == "permute":
   x = rows(4096 if last else 1024)
   entering()
-  ring = [(i, (i + 1) % size) for i in range(size)]
+  ring = [(i, (i + 1) % jax.device_count()) for i in range(jax.device_count())]
   mapped(lambda b: jax.lax.ppermute(b, "x", ring), x).block_until_ready()
 elif mode == "kill":
   entering()
@@ -111,7 +111,7 @@ elif mode == "timeline":
   psum = jax.jit(
     mpijax.shard_map(
       lambda v: mlax.psum(v, "x"),
-      mesh=mpijax.make_mesh((size,), ("x",)),
+      mesh=mpijax.make_mesh((jax.device_count(),), ("x",)),
       in_specs=P("x"),
       out_specs=P(),
     )
@@ -122,7 +122,7 @@ elif mode == "timeline":
       if last:
         time.sleep(0.3)
       total(x).block_until_ready()
-      psum(np.ones((1, 256), np.float32)).block_until_ready()
+      psum(np.ones((jax.local_device_count(), 256), np.float32)).block_until_ready()
 elif mode == "reduce_scatter":
   n = jax.device_count()
   full = np.arange(n * n * 8, dtype=np.float32).reshape(n, n * 8)

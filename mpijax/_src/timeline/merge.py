@@ -116,13 +116,27 @@ def split_calls(calls: Sequence[Call], syncs: dict[int, ClockSync]) -> list[Spli
     enter = sync.to_reference(c.enter) if sync else c.enter
     exit_ = max(sync.to_reference(c.exit) if sync else c.exit, enter)
     aligned.append((c, enter, exit_))
-  groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+  by_call: dict[tuple[int, int], list[int]] = defaultdict(list)
   for i, (c, _, _) in enumerate(aligned):
     if c.seq >= 0:
-      groups[(c.key, c.device, c.seq)].append(i)
+      by_call[(c.key, c.seq)].append(i)
+  # A communicator's members are (rank, device) pairs: one per rank for
+  # mpijax's per-device communicators (a rank's devices share the key: each
+  # device's calls are a group of their own), several per rank for XLA's
+  # with several devices per rank (one group).
+  groups: list[list[int]] = []
+  for members in by_call.values():
+    if len(members) > aligned[members[0]][0].comm_size:
+      per_device: dict[int, list[int]] = defaultdict(list)
+      for i in members:
+        per_device[aligned[i][0].device].append(i)
+      groups += per_device.values()
+    else:
+      groups.append(members)
   out: list[Split | None] = [None] * len(aligned)
-  for members in groups.values():
-    complete = len({aligned[i][0].rank for i in members}) >= aligned[members[0]][0].comm_size
+  for members in groups:
+    seen = {(aligned[i][0].rank, aligned[i][0].device) for i in members}
+    complete = len(seen) >= aligned[members[0]][0].comm_size
     last_i = max(members, key=lambda i: (aligned[i][1], aligned[i][0].rank))
     last, last_rank = aligned[last_i][1], aligned[last_i][0].rank
     for i in members:

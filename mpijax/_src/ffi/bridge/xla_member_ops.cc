@@ -197,7 +197,7 @@ int MemberMismatch(XlaComm& c, Op& op) {
         return kErrXla;
       },
       &text);
-  return Fail(c, text, true);
+  return Fail(c, text, true, Brief(text));
 }
 
 // Maps the clique's node-local segments at its first all-reduce, every
@@ -289,7 +289,7 @@ int MemberAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
         return 0;
       },
       &text);
-  return rc == 0 ? 0 : Fail(c, text, true);
+  return rc == 0 ? 0 : Fail(c, text, true, Brief(text));
 }
 
 // An all-gather among the members (`src` null: in place, the member's block
@@ -354,7 +354,7 @@ int MemberAllgather(XlaComm& c, Op& op, const char* src, char* dst,
         return 0;
       },
       &text);
-  return rc == 0 ? 0 : Fail(c, text, true);
+  return rc == 0 ? 0 : Fail(c, text, true, Brief(text));
 }
 
 // A reduce-scatter among the members (`src` null: in place, the input in
@@ -415,7 +415,7 @@ int MemberReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
         return 0;
       },
       &text);
-  return rc == 0 ? 0 : Fail(c, text, true);
+  return rc == 0 ? 0 : Fail(c, text, true, Brief(text));
 }
 
 }  // namespace mpijax::bridge

@@ -171,6 +171,26 @@ int FailedOp(const XlaComm& c) {
   return kErrXla;
 }
 
+std::string Brief(const std::string& mismatch) {
+  std::string s = mismatch.substr(0, mismatch.find(". No data was exchanged"));
+  size_t at = s.find(": ", s.find("call #"));
+  if (at == std::string::npos) return s;
+  std::string out = s.substr(0, at);
+  // "XLA communicator of devices 0,1,2048,2049 on ranks 0,1": the ranks.
+  size_t of = out.find(" of devices ");
+  size_t on = of == std::string::npos ? of : out.find(" on ranks ", of);
+  if (on != std::string::npos) out.erase(of, on - of);
+  // " ... runs XLA all-reduce float32[4] (sum) in jit(f)/psum, but ...": the
+  // program runs from " in " to the next ", ".
+  while (at < s.size()) {
+    size_t in = s.find(" in ", at);
+    out += s.substr(at, in == std::string::npos ? std::string::npos : in - at);
+    if (in == std::string::npos) break;
+    at = s.find(", ", in);
+  }
+  return out + " (details on stderr)";
+}
+
 // --- the guard ---------------------------------------------------------------
 
 void EndOp(XlaComm& c) {

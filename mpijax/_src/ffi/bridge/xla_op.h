@@ -87,6 +87,9 @@ std::string MpiText(int rc);
 std::string Where(const XlaComm& c);
 // An operation on a communicator mpijax could not give XLA.
 int FailedOp(const XlaComm& c);
+// A mismatch's text for the exception (at most 255 bytes reach it): the
+// operations without their programs' names, up to ". No data was exchanged".
+std::string Brief(const std::string& mismatch);
 
 // --- one operation's guard ------------------------------------------------------
 
