@@ -7,14 +7,14 @@ out). That part is a ``jax.Array`` over the rank's local devices, sharded over
 it with the global shape, dtype, :class:`~mpijax.GlobalMesh` and
 ``PartitionSpec`` so that gathering, resharding, checkpointing and
 visualizing can be done without the user doing index arithmetic. Which
-block each device and each rank holds is :mod:`.geometry`'s.
+block each device and each rank holds is :mod:`.geometry`'s; whether the host
+parts the ranks pass fit one global array is checked in :mod:`.part_checks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,8 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from mpijax._src import config
 from mpijax._src import mpi_util
+from mpijax._src import part_checks
 from mpijax._src import runtime
 from mpijax._src.geometry import Index
 from mpijax._src.geometry import block_counts
@@ -37,10 +37,7 @@ from mpijax._src.geometry import index_shape
 from mpijax._src.geometry import local_shape_of
 from mpijax._src.geometry import local_sharding
 from mpijax._src.geometry import normalize_spec
-from mpijax._src.geometry import process_block_counts
-from mpijax._src.geometry import process_boxes
 from mpijax._src.geometry import process_index_of
-from mpijax._src.geometry import replicated_axes
 from mpijax._src.mesh import GlobalMesh
 
 P = PartitionSpec
@@ -296,68 +293,10 @@ class GlobalArray:
         ranks and off for others.
     """
     rt = runtime.get("GlobalArray.from_process_local")
-    check = bool(config.get("check"))
     data = local_data if isinstance(local_data, jax.Array) else np.asarray(local_data)
-    status: dict[str, Any] = {}
-    try:
-      nspec = normalize_spec(spec, np.ndim(data), mesh)
-      check_contiguous(mesh, nspec)
-      counts = process_block_counts(mesh, nspec)
-      lshape = tuple(np.shape(data))
-      for d, (n, k, c) in enumerate(zip(lshape, block_counts(mesh, nspec), counts)):
-        per_rank = k // c  # devices of one rank along d
-        if n % per_rank:
-          raise ValueError(
-            f"dimension {d} of its part (shape {lshape}) has size {n}, not divisible by its "
-            f"{per_rank} local devices sharding it (PartitionSpec {nspec})"
-          )
-      status = {
-        "shape": [n * c for n, c in zip(lshape, counts)],
-        "dtype": np.dtype(data.dtype).name,
-      }
-    except (ValueError, TypeError) as e:
-      status = {"error": str(e)}
-    if "error" not in status and rt.size > 1:  # one rank: nothing to compare with
-      if check:
-        status.update(check=1, digest=mpi_util.value_digest(data))
-      elif not isinstance(data, jax.Array):
-        status["sample"] = mpi_util.sample_digest(data)
-    reports = [json.loads(s) for s in mpi_util.allgather_str(rt.comm, json.dumps(status))]
-    errors = [(r, s["error"]) for r, s in enumerate(reports) if "error" in s]
-    if errors:
-      raise ValueError(
-        "GlobalArray.from_process_local: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:8])
-      )
-    keys = [(tuple(s["shape"]), s["dtype"]) for s in reports]
-    # Ties (e.g. two ranks) go to the lowest rank's view.
-    majority = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
-    odd = [r for r, k in enumerate(keys) if k != majority]
-    if odd:
-      raise ValueError(
-        "GlobalArray.from_process_local: the ranks' parts do not fit one global array "
-        f"(PartitionSpec {nspec}, mesh {mesh}). Most ranks' parts imply global shape "
-        f"{majority[0]} dtype {majority[1]}, but "
-        + ", ".join(f"rank {r}'s part (global {keys[r][0]} {keys[r][1]})" for r in odd[:8])
-        + " does not. Give every rank the block mesh and spec assign to it "
-        "(global shape divided by the number of process blocks along each dimension)."
-      )
-    mpi_util.mixed_check("GlobalArray.from_process_local", [bool(s.get("check")) for s in reports])
-    digests = [s.get("digest" if check else "sample") for s in reports]
-    if rt.size > 1 and any(d is not None for d in digests):
-      diffs = mpi_util.differing_copies(process_boxes(majority[0], mesh, nspec), digests)
-      if diffs:
-        axes = replicated_axes(mesh, nspec)
-        raise ValueError(
-          f"GlobalArray.from_process_local: ranks that hold the same block of the global "
-          f"{majority[0]} {majority[1]} array (PartitionSpec {nspec}, mesh {mesh}; they differ "
-          f"only along mesh axes {axes}, which the spec does not name) passed different "
-          f"values ({mpi_util.how_compared(check)}): {mpi_util.copies_text(diffs, blocks=True)}. Pass equal "
-          "copies on those ranks (e.g. the same seed for random data), or, if each rank's "
-          f"data is its own, name {' and '.join(repr(a) for a in axes)} in the spec so that "
-          "each rank holds its own block."
-        )
+    shape, nspec = part_checks.check_process_local(rt, data, mesh, spec)
     local = jax.device_put(data, local_sharding(mesh, nspec))
-    return cls(local, majority[0], local.dtype, mesh, nspec)
+    return cls(local, shape, local.dtype, mesh, nspec)
 
   @classmethod
   def from_global(cls, host_array: Any, mesh: GlobalMesh, spec) -> GlobalArray:
@@ -381,51 +320,7 @@ class GlobalArray:
     """
     host = np.asarray(host_array)
     rt = runtime.get("GlobalArray.from_global")
-    check = bool(config.get("check"))
-    shape_text = f"{host.dtype.name}{list(host.shape)}"
-    # A bad spec raises only after the collective: ranks whose shapes differ
-    # could otherwise disagree on raising before it and leave the others waiting.
-    error: ValueError | None = None
-    try:
-      nspec = normalize_spec(spec, host.ndim, mesh)
-      check_divisible(host.shape, mesh, nspec, "GlobalArray.from_global")
-      check_contiguous(mesh, nspec)
-      box = process_index_of(host.shape, mesh, nspec, rt.rank)
-    except (ValueError, TypeError) as e:
-      error = e
-    status: dict[str, Any] = {"shape": shape_text, "check": check}
-    if rt.size > 1 and error is None:  # one rank: nothing to compare with
-      if check:
-        status["digest"] = mpi_util.value_digest(host)
-      else:
-        status["sample"] = mpi_util.sample_digest(host[box])
-    reports = [json.loads(t) for t in mpi_util.allgather_str(rt.comm, json.dumps(status))]
-    rank = next((r for r, t in enumerate(reports) if t["shape"] != reports[0]["shape"]), None)
-    if rank is not None:
-      raise ValueError(
-        f"GlobalArray.from_global needs the same whole array on every rank, but rank 0 "
-        f"passed {reports[0]['shape']} and rank {rank} passed {reports[rank]['shape']}. Pass "
-        "the same array everywhere, or each rank's own block with "
-        "GlobalArray.from_process_local."
-      )
-    if error is not None:
-      raise error
-    mpi_util.mixed_check("GlobalArray.from_global", [t["check"] for t in reports])
-    if check:  # the whole array, compared between all ranks
-      diffs = mpi_util.differing_copies([None] * rt.size, [t.get("digest") for t in reports])
-    else:  # the sampled part, compared between ranks that keep the same part
-      diffs = mpi_util.differing_copies(
-        process_boxes(host.shape, mesh, nspec), [t.get("sample") for t in reports]
-      )
-    if diffs:
-      raise ValueError(
-        f"GlobalArray.from_global needs the same whole array on every rank, but the ranks "
-        f"passed {shape_text} arrays with different values ({mpi_util.how_compared(check)}): "
-        f"{mpi_util.copies_text(diffs, blocks=not check)}. Pass the same array everywhere (e.g. seed "
-        "random data the same way on every rank), or give each rank's own block to "
-        "GlobalArray.from_process_local with a spec that names the mesh axis the ranks' "
-        "data differs along."
-      )
+    nspec, box = part_checks.check_global(rt, host, mesh, spec)
     part = host[box]
     local = jax.device_put(part, local_sharding(mesh, nspec))
     return cls(local, host.shape, local.dtype, mesh, nspec)

@@ -50,6 +50,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/mapping.py",
     "_src/replication.py",
     "_src/global_array.py",
+    "_src/part_checks.py",
     "_src/reshard.py",
     "_src/visualize.py",
     "_src/array_checkpoint.py",
