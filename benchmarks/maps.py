@@ -2,8 +2,8 @@
 
 After ``mpijax.init()`` JAX spans the ranks, so ``jax.pmap`` and
 ``jax.shard_map`` over ``jax.devices()`` already reduce across them (XLA's
-collectives: over MPI through mpijax's bridge with one CPU device per rank,
-over gloo with several); ``mpijax.pmap`` and ``mpijax.shard_map`` run
+collectives, over MPI through mpijax's bridge at any number of CPU devices
+per rank); ``mpijax.pmap`` and ``mpijax.shard_map`` run
 mpijax's own (the local XLA step plus MPI). Rows, per size per device
 (median µs per blocking call, max over ranks; the rows of a layout are timed
 interleaved in one job):
