@@ -13,7 +13,7 @@ dispatched back to back) is timed with its trials interleaved:
 * mpijax's all-reduce of SIZE bytes over the 2 ranks from one device
   (``mpijax.ops.allreduce`` in ``jax.jit``);
 * JAX's own psum over the same 4 devices (``jax.distributed``, which
-  ``mpijax.init()`` starts; XLA's cross-process collectives over gloo here);
+  ``mpijax.init()`` starts; XLA's collectives over MPI through mpijax's bridge);
 * ``x + 1`` over this rank's 2 devices: the floor of any 2-device program.
 
 Targets, per size and mode, printed PASS/FAIL: mpijax <= 1.3 x (XLA's local
