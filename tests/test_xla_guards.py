@@ -283,6 +283,8 @@ def test_several_devices_per_rank_a_stall_names_each_missing_device():
     r"Waiting in the same call: rank 0 local device [01]\.",
     out,
   ), tail(out)
+  # One report for the rank, not one per waiting device.
+  assert len(re.findall(r"mpijax: stall: rank 0 waited", out)) == 1, tail(out)
 
 
 def test_several_devices_per_rank_a_mismatch_names_every_device():

@@ -284,4 +284,15 @@ int FreeMember(XlaComm* c) {
   return MPI_SUCCESS;
 }
 
+bool MemberReportsStall(XlaComm& c) {
+  XlaClique& q = *c.clique;
+  int64_t call = c.dc->status.calls.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(q.stall_mu);
+  if (q.stall_call != call) {
+    q.stall_call = call;
+    q.stall_slot = c.slot;
+  }
+  return q.stall_slot == c.slot;
+}
+
 }  // namespace mpijax::bridge

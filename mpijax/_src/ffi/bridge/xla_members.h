@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,11 @@ struct XlaClique {
   std::vector<std::unique_ptr<XlaComm>> handles;
   std::vector<bool> taken;
   int freed = 0;
+  // The stall report of a call: one per process, by the first member whose
+  // wait times out (MemberReportsStall).
+  std::mutex stall_mu;
+  int64_t stall_call = -1;
+  int stall_slot = -1;
 };
 
 // Makes the XLA world communicator known (the bridge's table, made once).
@@ -90,6 +96,10 @@ XlaComm* TakeMember(int color, int key);
 
 // XLA freed `c` (a member).
 int FreeMember(XlaComm* c);
+
+// Whether member `c` reports its stall: the members of a process wait in the
+// same call, so the first whose wait times out reports for all of them.
+bool MemberReportsStall(XlaComm& c);
 
 }  // namespace mpijax::bridge
 

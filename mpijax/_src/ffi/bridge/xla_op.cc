@@ -313,7 +313,8 @@ int WaitRequests(Op& op, int n, MPI_Request* reqs, MPI_Status* st) {
     if (timeout > 0 && (spin & 255) == 255) {
       int64_t now = NowNs();
       if (now > deadline) {
-        detail::ReportStall(op.info(), (now - start) * 1e-9);
+        if (op.comm().clique == nullptr || MemberReportsStall(op.comm()))
+          detail::ReportStall(op.info(), (now - start) * 1e-9);
         deadline = NowNs() + period;
       }
     }

@@ -26,6 +26,7 @@
 #include "timeline.h"
 #include "wait.h"
 #include "xla_comm.h"
+#include "xla_members.h"
 #include "xla_ops.h"
 
 namespace mpijax::bridge {
@@ -117,6 +118,7 @@ class Op {
   }
 
   detail::CallInfo& info() { return *info_; }
+  XlaComm& comm() { return c_; }
   int64_t sig() const { return sig_; }
   int type_code() const { return type_; }
   int op_code() const { return op_; }
@@ -222,6 +224,7 @@ class NodeCaller : public node_local::Caller {
     return detail::g_settings.wait_spin_s.load(std::memory_order_relaxed);
   }
   void Stalled(double waited_s) override {
+    if (c_.clique != nullptr && !MemberReportsStall(c_)) return;
     detail::ReportStall(op_.info(), waited_s);
   }
   void Blocking(bool inside) override {
