@@ -45,8 +45,9 @@ def _global_values(rt):
   return np.arange(4 * rt.size * 2 * n, dtype=np.float32).reshape(4 * rt.size, 2 * n)
 
 
-@pytest.mark.parametrize("spec", [P("data", "model"), P(), P(None, "model"), P("model", "data"),
-                                  P(("data", "model"))])
+@pytest.mark.parametrize(
+  "spec", [P("data", "model"), P(), P(None, "model"), P("model", "data"), P(("data", "model"))]
+)
 def test_to_jax_and_from_jax_hand_over_the_same_buffers(rt, grid, spec):
   g = _global_values(rt)
   ga = mpijax.GlobalArray.from_global(g, grid, spec)
@@ -63,14 +64,16 @@ def test_from_jax_of_arrays_jax_made(rt, grid):
   g = _global_values(rt)
   # JAX's own global array over JAX's devices in their usual order: mpijax's order.
   mesh = Mesh(np.array(jax.devices()).reshape(rt.size, rt.local_device_count), ("data", "model"))
-  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("model", "data")),
-                                     lambda index: g[index])
+  arr = jax.make_array_from_callback(
+    g.shape, NamedSharding(mesh, P("model", "data")), lambda index: g[index]
+  )
   ga = mpijax.GlobalArray.from_jax(arr, grid)
   assert ga.spec == P("model", "data") and _buffers(ga.local) == _buffers(arr)
   np.testing.assert_array_equal(ga.gather(), g)
   # Devices in another order: the layout differs, JAX moves the data (a copy).
-  flipped = Mesh(np.array(jax.devices()[::-1]).reshape(rt.size, rt.local_device_count),
-                 ("data", "model"))
+  flipped = Mesh(
+    np.array(jax.devices()[::-1]).reshape(rt.size, rt.local_device_count), ("data", "model")
+  )
   moved = jax.device_put(arr, NamedSharding(flipped, P("data", None)))
   ga = mpijax.GlobalArray.from_jax(moved, grid)
   assert ga.spec == P("data", None)
@@ -84,10 +87,15 @@ def test_from_jax_of_arrays_jax_made(rt, grid):
 def test_shard_map_takes_and_returns_global_jax_arrays(rt, grid):
   g = _global_values(rt)
   mesh = jax_mesh(grid)
-  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("data", "model")),
-                                     lambda index: g[index])
-  col_sums = mpijax.shard_map(lambda x: mlax.psum(x.sum(0, keepdims=True), "data"), mesh=grid,
-                              in_specs=P("data", "model"), out_specs=P(None, "model"))(arr)
+  arr = jax.make_array_from_callback(
+    g.shape, NamedSharding(mesh, P("data", "model")), lambda index: g[index]
+  )
+  col_sums = mpijax.shard_map(
+    lambda x: mlax.psum(x.sum(0, keepdims=True), "data"),
+    mesh=grid,
+    in_specs=P("data", "model"),
+    out_specs=P(None, "model"),
+  )(arr)
   # A global jax.Array comes back: plain JAX code goes on with it.
   assert isinstance(col_sums, jax.Array) and not isinstance(col_sums, mpijax.GlobalArray)
   assert col_sums.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
@@ -96,15 +104,19 @@ def test_shard_map_takes_and_returns_global_jax_arrays(rt, grid):
   assert float(total.addressable_data(0)) == g.sum()
   # An array laid out otherwise than in_specs says: JAX reshards it first, as jax.shard_map.
   by_rows = jax.device_put(arr, NamedSharding(mesh, P(("data", "model"))))
-  doubled = mpijax.shard_map(lambda x: x * 2, mesh=grid, in_specs=P("data", "model"),
-                             out_specs=P("data", "model"))(by_rows)
+  doubled = mpijax.shard_map(
+    lambda x: x * 2, mesh=grid, in_specs=P("data", "model"), out_specs=P("data", "model")
+  )(by_rows)
   _check_global(doubled, 2 * g)
   # Pytrees mixing global jax.Arrays and GlobalArrays give jax.Arrays. (In a
   # one-rank job every jax.Array is also this rank's part: GlobalArrays then.)
   ga = mpijax.GlobalArray.from_global(g, grid, P("data", "model"))
-  out = mpijax.shard_map(lambda t: {"sum": t["a"] + t["b"]}, mesh=grid,
-                         in_specs=P("data", "model"), out_specs=P("data", "model"))(
-                             {"a": arr, "b": ga})
+  out = mpijax.shard_map(
+    lambda t: {"sum": t["a"] + t["b"]},
+    mesh=grid,
+    in_specs=P("data", "model"),
+    out_specs=P("data", "model"),
+  )({"a": arr, "b": ga})
   if rt.size > 1:
     _check_global(out["sum"], 2 * g)
   else:
@@ -115,8 +127,9 @@ def test_pmap_takes_and_returns_global_jax_arrays(rt):
   n, L = rt.size * rt.local_device_count, rt.local_device_count
   g = np.arange(n * 3, dtype=np.float32).reshape(n, 3)  # one row per device of the job
   mesh = Mesh(jax.devices(), ("rows",))
-  arr = jax.make_array_from_callback(g.shape, NamedSharding(mesh, P("rows")),
-                                     lambda index: g[index])
+  arr = jax.make_array_from_callback(
+    g.shape, NamedSharding(mesh, P("rows")), lambda index: g[index]
+  )
   out = mpijax.pmap(lambda x: mlax.psum(x, "i") + mlax.axis_index("i"), axis_name="i")(arr)
   assert isinstance(out, jax.Array) and out.shape == g.shape
   _check_global(out, g.sum(0) + np.arange(n)[:, None])
@@ -126,5 +139,37 @@ def test_pmap_takes_and_returns_global_jax_arrays(rt):
   _check_global(total, g.sum(0))
   # This rank's rows (a plain local array) still give this rank's rows.
   local = mpijax.pmap(lambda x: mlax.psum(x, "i"), axis_name="i")(
-      jnp.asarray(g[rt.rank * L:(rt.rank + 1) * L]))
+    jnp.asarray(g[rt.rank * L : (rt.rank + 1) * L])
+  )
   np.testing.assert_array_equal(np.asarray(local), np.broadcast_to(g.sum(0), (L, 3)))
+
+
+def test_xla_narrow_int_sums_across_ranks_wrap_as_in_one_process():
+  """JAX's own 8/16-bit sums across ranks wrap around, as in one process.
+
+  They run over MPI through mpijax's bridge, where Open MPI's AVX kernels
+  would saturate them (100 + 100 in int8 gave 127).
+  """
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("x",))
+  rows = NamedSharding(mesh, P("x"))
+  rng = np.random.default_rng(8)
+  for dtype, scale in ((np.int8, 1), (np.uint8, 2), (np.int16, 300), (np.uint16, 600)):
+    g = (rng.integers(90, 110, size=(n, 4096 * n)) * scale).astype(dtype)
+    x = jax.make_array_from_callback(g.shape, rows, lambda i, g=g: g[i])
+    total = g.sum(0, dtype=dtype)  # wraps
+    psum = jax.jit(
+      jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())
+    )
+    _check_global(psum(x), total[None])
+    scatter = jax.jit(
+      jax.shard_map(
+        lambda b: jax.lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+      )
+    )
+    _check_global(scatter(x), total.reshape(n, -1))
+    reduced = jax.jit(lambda a: a.sum(0, dtype=dtype), out_shardings=NamedSharding(mesh, P()))
+    _check_global(reduced(x), total)

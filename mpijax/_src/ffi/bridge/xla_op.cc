@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "idle.h"
+#include "reduce_ops.h"
 #include "spans.h"
 
 namespace mpijax::bridge {
@@ -48,7 +49,16 @@ Type TypeOf(int code) {
   }
 }
 
-MPI_Op OpOf(int code) {
+MPI_Op OpOf(int code, const Type& t) {
+  using D = ffi::DataType;
+  if (code == MJB_SUM && (t.ffi == D::S8 || t.ffi == D::U8 ||
+                          t.ffi == D::S16 || t.ffi == D::U16)) {
+    MPI_Datatype dt;
+    MPI_Op wrap;
+    detail::InitTypesOnce();
+    if (!detail::ReductionTypes(t.ffi, detail::kSum, &dt, &wrap).failure())
+      return wrap;
+  }
   switch (code) {
     case MJB_SUM: return MPI_SUM;
     case MJB_PROD: return MPI_PROD;

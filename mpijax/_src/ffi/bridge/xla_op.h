@@ -60,7 +60,9 @@ struct Type {
 };
 
 Type TypeOf(int code);
-MPI_Op OpOf(int code);
+// MPI's op for `code` on elements of type `t`: a sum of 8- or 16-bit
+// integers wraps around as XLA's does (Open MPI's AVX kernels saturate it).
+MPI_Op OpOf(int code, const Type& t);
 // "sum", ... or "" where the code names no op.
 const char* OpName(int code);
 // A 63-bit signature of what every rank must agree on (never 0, never

@@ -21,7 +21,7 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
   Op op(c, kAllReduce, type, count, op_code);
   op.Enter();
   const Type& t = op.type();
-  MPI_Op mop = OpOf(op_code);
+  MPI_Op mop = OpOf(op_code, op.type());
   char* dst = static_cast<char*>(recv);
   const char* src = send ? static_cast<const char*>(send) : dst;
   size_t bytes = static_cast<size_t>(count) * t.bytes;
@@ -117,11 +117,11 @@ int ReduceScatter(XlaComm& c, const void* send, void* recv,
   if (c.clique != nullptr) {
     return MemberReduceScatter(c, op, static_cast<const char*>(send),
                                static_cast<char*>(recv),
-                               static_cast<size_t>(count), OpOf(op_code));
+                               static_cast<size_t>(count), OpOf(op_code, op.type()));
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
   const Type& t = op.type();
-  MPI_Op mop = OpOf(op_code);
+  MPI_Op mop = OpOf(op_code, op.type());
   op.info().path |= detail::kPathMpi;
   MPI_Comm comm = c.comm;
   const void* in = send ? send : MPI_IN_PLACE;
