@@ -466,6 +466,33 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
       else:
         line(v <= 1.2 * b, f"{_common.fmt_size(s)} {name} <= 1.2x raw: {v:.1f} / {b:.1f} us "
              f"= {v / b:.2f}x")
+  # Without donation XLA gives the all-reduce a fresh output buffer on every
+  # call; a NumPy user reduces one hot buffer in place. The target holds the
+  # out-of-place jitted call to that in-place floor at 4 MiB (64 MiB: info),
+  # on medians; the fastest trials are shown too, since Open MPI's in-place
+  # figure can differ several-fold between jobs.
+  for s in sizes:
+    if s not in (4 << 20, 64 << 20):
+      continue
+    v, b = get("mpijax_1", s), get("raw_inplace", s)
+    name = f"{_common.fmt_size(s)} out of place (no donation) <= 1.1x raw in place"
+    if v is None or b is None:
+      line(None, f"{name}: missing")
+      continue
+    text = f"{name}: {v:.1f} / {b:.1f} us = {v / b:.2f}x"
+    vb, bb = t.by["mpijax_1"].us(s, "best"), t.by["raw_inplace"].us(s, "best")
+    if vb is not None and bb:
+      text += f" (fastest trials {vb:.1f} / {bb:.1f} us = {vb / bb:.2f}x)"
+    if s == 4 << 20:
+      line(v <= 1.1 * b, text)
+    else:
+      out.append(f"info  {text}")
+    # The floor of any out-of-place jitted op on these bytes: it reads the
+    # input and writes a fresh output, as jit(x + 1) does.
+    floor = get("jit_floor", s)
+    if floor is not None:
+      out.append(f"info  {_common.fmt_size(s)} jax.jit(x + 1) / raw in place, same job: "
+                 f"{floor:.1f} / {b:.1f} us = {floor / b:.2f}x")
   for s in sizes:
     if s > 4 << 20:
       continue

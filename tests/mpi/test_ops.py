@@ -650,22 +650,26 @@ def test_narrow_integer_sums_wrap_around(allreduce_path):
 
 
 @pytest.mark.parametrize("path", ["ring", "cma"])
-def test_large_in_place_all_reduce_runs_in_pieces(path):
+def test_large_all_reduce_runs_in_pieces(path):
   # In place, the ring receives into a 256 KiB scratch, and cross-memory
-  # attach reduces 256 KiB chunks: a 40 MiB intermediate is reduced in many
-  # segments or chunks (the default thresholds, but cma_min_bytes for the ring).
+  # attach reduces 256 KiB chunks (1 MiB out of place, straight into the
+  # outputs): a 40 MiB intermediate, and a 40 MiB argument into a fresh
+  # output, are reduced in many segments or chunks (the default thresholds,
+  # but cma_min_bytes for the ring).
   n = 10 * (1 << 20) + 3
   x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
-  want = 2 * (N * (np.arange(n, dtype=np.float32) % 1000) + N * (N - 1) / 2)
+  want = N * (np.arange(n, dtype=np.float32) % 1000) + N * (N - 1) / 2
   with transport_settings(**({"cma_min_bytes": 0} if path == "ring" else {})):
-    got = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
-  np.testing.assert_array_equal(got, want)
+    in_place = np.asarray(jax.jit(lambda v: ops.allreduce(v * 2))(x))
+    out_of_place = np.asarray(jax.jit(ops.allreduce)(x))
+  np.testing.assert_array_equal(in_place, 2 * want)
+  np.testing.assert_array_equal(out_of_place, want)
 
 
 @pytest.mark.parametrize("count", [50, 300])
 def test_fused_all_reduce_of_many_buffers(count):
   # Up to 224 buffers, one cross-memory all-reduce takes them all (on one node
-  # with one device per rank), its 256 KiB chunks spanning several buffers;
+  # with one device per rank), its chunks spanning several buffers;
   # more run the ring. Out of place and in place (intermediates).
   from mpijax._src.ops.allreduce import allreduce_many
   sizes = [(i * 7919) % 30000 + 1 for i in range(count)]
