@@ -40,12 +40,9 @@ using internal::Publish;
 using internal::Wait;
 
 // Cache-sized chunks for the cross-memory all-reduce: through the scratch
-// (in place), whose two chunks stay in L2; straight into the outputs, larger
-// ones, as fewer kernel copies (each pins its pages anew) cost less there
-// while the chunk still fits L2 for the fold: measured per jitted 4 MiB call
-// without donation, 256 KiB -> 1 MiB: 332 -> 275 us at 2 ranks, 1179 -> 1046
-// us at 4 ranks on 2 cores (medians of 7 and 3 jobs); 64 MiB and donated
-// calls alike.
+// (in place) two chunks stay in L2; straight into the outputs fewer, larger
+// kernel copies (each pins its pages anew) cost less while a chunk fits L2.
+// 1 MiB direct: a jitted 4 MiB call, 2 ranks, 332 -> 275 us (medians).
 constexpr size_t kCmaChunkBytes = size_t{256} << 10;
 constexpr size_t kCmaDirectChunkBytes = size_t{1} << 20;
 
