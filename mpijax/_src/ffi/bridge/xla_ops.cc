@@ -8,8 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "ring.h"
-#include "spans.h"
 #include "xla_op.h"
 
 namespace mpijax::bridge {
@@ -45,16 +43,9 @@ int Allreduce(XlaComm& c, const void* send, void* recv, int count, int type,
     return 0;
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
+  // MPI's own algorithm, not mpijax's ring: across two hosts on a 1 Gbit/s
+  // link, 4 MiB took 36 ms (the link bound 33.5) against the ring's 71.
   MPI_Comm comm = c.comm;
-  if (detail::UseRing(op.info(), bytes, src == dst)) {
-    op.info().path = detail::kPathRing;
-    Spans spans(t.bytes);
-    spans.Add(src, dst, static_cast<size_t>(count));
-    if (auto e = detail::RingSegments(op.info(), comm, spans, t.ffi, t.mpi, mop, 1);
-        e.failure())
-      Fatal(c, e.message());
-    return 0;
-  }
   const void* in = send ? send : MPI_IN_PLACE;
   RunCollective(
       c, op, bytes,
