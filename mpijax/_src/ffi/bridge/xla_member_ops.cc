@@ -126,17 +126,7 @@ std::string MemberMismatchText(XlaComm& c, Op& op,
       at += len;
     }
   }
-  std::vector<int64_t> sigs;
-  std::vector<std::vector<int>> groups;
-  for (int k = 0; k < q.n; ++k) {
-    auto it = std::find(sigs.begin(), sigs.end(), sig[k]);
-    if (it == sigs.end()) {
-      sigs.push_back(sig[k]);
-      groups.push_back({k});
-    } else {
-      groups[it - sigs.begin()].push_back(k);
-    }
-  }
+  auto groups = detail::GroupBySignature(q.n, [&](int k) { return sig[k]; });
   std::ostringstream s;
   s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
     << c.dc->status.calls.load(std::memory_order_relaxed) << ": ";

@@ -250,17 +250,7 @@ int Mismatch(XlaComm& c, Op& op) {
     MPI_Group_free(&g);
     MPI_Group_free(&wg);
   }
-  std::vector<int64_t> sigs;
-  std::vector<std::vector<int>> members;
-  for (int r = 0; r < n; ++r) {
-    auto it = std::find(sigs.begin(), sigs.end(), all[2 * r]);
-    if (it == sigs.end()) {
-      sigs.push_back(all[2 * r]);
-      members.push_back({r});
-    } else {
-      members[it - sigs.begin()].push_back(r);
-    }
-  }
+  auto members = detail::GroupBySignature(n, [&](int r) { return all[2 * r]; });
   // The whole text on stderr; the exception's (at most 255 bytes) without
   // the programs' names.
   std::ostringstream s, brief;
@@ -269,13 +259,13 @@ int Mismatch(XlaComm& c, Op& op) {
     << call << ": ";
   brief << "mpijax: mismatch in XLA's collectives on XLA communicator #"
         << c.number << ", call #" << call << ": ";
-  for (size_t g = 0; g < sigs.size(); ++g) {
+  for (size_t g = 0; g < members.size(); ++g) {
     const auto& m = members[g];
     std::string who = m.size() > 1 ? "ranks " : "rank ";
     for (size_t i = 0; i < m.size(); ++i)
       who += (i ? "," : "") + std::to_string(world[m[i]]);
     std::string what = texts.substr(displs[m[0]], counts[m[0]]);
-    std::string sep = g == 0 ? "" : g + 1 == sigs.size() ? ", but " : ", ";
+    std::string sep = g == 0 ? "" : g + 1 == members.size() ? ", but " : ", ";
     s << sep << who << (m.size() > 1 ? " run " : " runs ") << what;
     brief << sep << who << " " << what.substr(0, what.find(" in "));
   }

@@ -23,6 +23,7 @@
 #include "inspector.h"
 #include "node_local.h"
 #include "settings.h"
+#include "signature.h"
 #include "timeline.h"
 #include "wait.h"
 #include "xla_comm.h"

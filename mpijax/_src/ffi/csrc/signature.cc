@@ -34,35 +34,24 @@ ffi::Error MismatchError(const CallInfo& info, int64_t sig) {
                                    displs.data(), MPI_CHAR, dc->check, &req),
                    info);
   if (auto e = Wait(&req, info); e.failure()) return e;
-  // Group ranks by signature, in order of first appearance.
-  std::vector<int64_t> sigs;
-  std::vector<std::vector<int>> members;
-  for (int r = 0; r < n; ++r) {
-    auto it = std::find(sigs.begin(), sigs.end(), all[2 * r]);
-    if (it == sigs.end()) {
-      sigs.push_back(all[2 * r]);
-      members.push_back({r});
-    } else {
-      members[it - sigs.begin()].push_back(r);
-    }
-  }
+  auto members = GroupBySignature(n, [&](int r) { return all[2 * r]; });
   std::ostringstream s;
   s << "mpijax: collective mismatch on "
     << (dc->label.empty() ? "communicator " + std::to_string(dc->key)
                           : dc->label)
     << " (call #" << dc->status.calls.load(std::memory_order_relaxed)
     << "): ";
-  for (size_t g = 0; g < sigs.size(); ++g) {
+  for (size_t g = 0; g < members.size(); ++g) {
     const auto& m = members[g];
     int first = m[0];
-    if (g) s << (g + 1 == sigs.size() ? " but " : ", ");
+    if (g) s << (g + 1 == members.size() ? " but " : ", ");
     s << (m.size() > 1 ? "ranks " : "rank ");
     for (size_t i = 0; i < m.size(); ++i) s << (i ? "," : "") << m[i];
     s << (m.size() > 1 ? " run " : " runs ")
       << texts.substr(displs[first], counts[first]);
     char hex[32];
     std::snprintf(hex, sizeof(hex), "%016llx",
-                  static_cast<unsigned long long>(sigs[g]));
+                  static_cast<unsigned long long>(all[2 * first]));
     s << " [signature " << hex << "]";
   }
   s << ". Every rank must call the same collectives in the same order with "

@@ -5,7 +5,9 @@
 #ifndef MPIJAX_FFI_SIGNATURE_H_
 #define MPIJAX_FFI_SIGNATURE_H_
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "call.h"
 #include "xla/ffi/api/ffi.h"
@@ -21,6 +23,24 @@ ffi::Error CheckSignature(const CallInfo& info, int64_t sig);
 // groups the ranks by what they run. Collective on the check communicator:
 // every rank of the communicator gets this error, from the same check.
 ffi::Error MismatchError(const CallInfo& info, int64_t sig);
+
+// Indices 0 .. n-1 grouped by sig_of(i), the groups in order of first
+// appearance: a mismatch report names each group once.
+template <typename SigOf>
+std::vector<std::vector<int>> GroupBySignature(int n, SigOf sig_of) {
+  std::vector<int64_t> sigs;
+  std::vector<std::vector<int>> groups;
+  for (int i = 0; i < n; ++i) {
+    auto it = std::find(sigs.begin(), sigs.end(), sig_of(i));
+    if (it == sigs.end()) {
+      sigs.push_back(sig_of(i));
+      groups.push_back({i});
+    } else {
+      groups[it - sigs.begin()].push_back(i);
+    }
+  }
+  return groups;
+}
 
 }  // namespace mpijax::detail
 
