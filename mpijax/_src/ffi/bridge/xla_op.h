@@ -271,6 +271,10 @@ int NodeAllreduceOn(XlaComm& c, Op& op, node_local::Comm& node,
 // ... on c's own segments.
 int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
                   MPI_Op mop);
+// The node-local reduce-scatter on c's own segments: `src` holds c.size
+// blocks of `count` elements, this rank's reduced block goes to `dst`.
+int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
+                      size_t count, MPI_Op mop);
 
 // --- the other files' paths ---------------------------------------------------------
 

@@ -117,20 +117,13 @@ int ReduceScatter(XlaComm& c, const void* send, void* recv,
   size_t bytes = block * c.size;
   bool every = g_settings.check_every.load(std::memory_order_relaxed);
   if (NodeReady(c)) {
-    // On one node, the node-local all-reduce of the whole operand, then this
-    // rank's block: MPI's reduce-scatter took 17x its time at 256 KiB.
     if (every) {
       if (int rc = Compare(c, op); rc != 0) return rc;
     }
-    thread_local std::vector<char> whole;
-    if (whole.size() < bytes) whole.resize(bytes);
-    const char* src = static_cast<const char*>(send ? send : recv);
-    if (int rc = NodeAllreduce(c, op, src, whole.data(),
-                               static_cast<size_t>(count) * c.size, mop);
-        rc != 0)
-      return rc;
-    std::memcpy(recv, whole.data() + c.rank * block, block);
-    return 0;
+    return NodeReduceScatter(c, op,
+                             static_cast<const char*>(send ? send : recv),
+                             static_cast<char*>(recv),
+                             static_cast<size_t>(count), mop);
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
   op.info().path |= detail::kPathMpi;

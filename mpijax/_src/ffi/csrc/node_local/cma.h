@@ -16,6 +16,14 @@ namespace mpijax::node_local {
 Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
                     MPI_Datatype datatype, MPI_Op op);
 
+// Reduce-scatter by cross-memory attach: `src` holds c.size blocks of
+// `count` elements of `es` bytes on every rank; this rank's reduced block
+// goes to `dst` (which must not overlap `src`). Each rank reads only its
+// block of the others' inputs and writes only its own output.
+Status CmaReduceScatter(Comm& c, Caller& caller, const char* src, char* dst,
+                        size_t count, size_t es, MPI_Datatype datatype,
+                        MPI_Op op);
+
 namespace internal {
 
 // Whether every rank of c's communicator can read and write every other
