@@ -163,6 +163,21 @@ def test_point_to_point_blocks_of_different_sizes_are_named_not_delivered():
   assert end - entered <= 4, (end - entered, tail(out))
 
 
+def test_all_to_all_blocks_of_different_sizes_are_named_not_delivered():
+  # 4 ranks: each rank's three exchanges are posted together and their
+  # headers checked before any data is received.
+  rc, out, entered, lines, end = _job(4, "all_to_all")
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  assert re.search(
+    r"mpijax: rank [0-2]: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0-3\): "
+    r"this rank runs XLA all-to-all 131072 bytes to each of 4 ranks in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
+    r"all_to_all and receives from rank 3, which runs XLA all-to-all 262144 bytes\.",
+    out,
+  ), tail(out)
+  assert "double free" not in out and "corruption" not in out, tail(out)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
 # The paths across nodes, taken here by turning the node-local ones off.
 MPI_PATHS = {"MPIJAX_SHM_MAX_BYTES": "0", "MPIJAX_CMA_MIN_BYTES": "0"}
 

@@ -14,6 +14,8 @@ then the fault:
   dtype          the last rank all-reduces int32, the others float32
   op             the last rank's jax.lax.pmax meets the others' jax.lax.psum
   permute        a jax.lax.ppermute whose blocks differ in size on the last rank
+  all_to_all     a jax.lax.all_to_all whose blocks (over 64 KiB, sent after
+                 their header) differ in size on the last rank
   kill           the last rank kills itself (SIGKILL) before the all-reduce
   ok             no fault: every rank prints the all-reduce's result
   timeline       3 steps of an XLA all-reduce and an mpijax psum (run with
@@ -99,6 +101,11 @@ elif mode == "permute":
   entering()
   ring = [(i, (i + 1) % jax.device_count()) for i in range(jax.device_count())]
   mapped(lambda b: jax.lax.ppermute(b, "x", ring), x).block_until_ready()
+elif mode == "all_to_all":
+  d = jax.device_count()
+  x = rows(d * (65536 if last else 32768))
+  entering()
+  mapped(lambda b: jax.lax.all_to_all(b.reshape(d, -1), "x", 0, 0, tiled=True), x).block_until_ready()
 elif mode == "kill":
   entering()
   if last:

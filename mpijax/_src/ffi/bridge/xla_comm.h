@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -51,6 +52,8 @@ struct XlaComm {
   void* p2p = nullptr;
   int pending = 0;  // requests posted and not yet waited for
   int sendrecvs = 0;  // MPI_Sendrecv calls of the open all-to-all
+  // Its exchanges, posted and completed together at its last one.
+  std::shared_ptr<void> exchanges;
 
   // A member: its clique, its place among this process's members, and its
   // local device index (for reports and the timeline).

@@ -156,34 +156,49 @@ void PostRecv(XlaComm& c, Op& op, int kind, void* buf, size_t bytes,
   r->n = 1;
 }
 
-// Waits for `r` under the stall inspector. A receive checks the header
-// first, then hands over the data of the same message or receives it (of
-// the size both now agree on).
+// Waits for `n` requests at `reqs` under the stall inspector; an MPI error
+// ends the job (`what`: "sending" or "receiving").
+void WaitOrDie(XlaComm& c, Op& op, int n, MPI_Request* reqs, MPI_Status* st,
+               const char* what) {
+  int rc = WaitRequests(op, n, reqs, st);
+  if (rc == MPI_SUCCESS) return;
+  if (rc == MPI_ERR_IN_STATUS)
+    for (int i = 0; i < n; ++i)
+      if (st[i].MPI_ERROR != MPI_SUCCESS) rc = st[i].MPI_ERROR;
+  Fatal(c, std::string("MPI failed ") + what + " " + op.Describe() + " on " +
+               Where(c) + ": " + MpiText(rc) + ".");
+}
+
+// A receive's first message: waits for it and checks its header, then
+// copies the data it carried or posts the receive of the data (r.reqs[1],
+// of the size both now agree on).
+void ReceiveFirst(XlaComm& c, Op& op, Request& r) {
+  MPI_Status st;
+  WaitOrDie(c, op, 1, &r.reqs[0], &st, "receiving");
+  int got = 0;
+  MPI_Get_count(&st, MPI_BYTE, &got);
+  CheckHeader(c, op, r.staging.get(), got, r.peer, r.want);
+  if (r.bytes > kInlineBytes) {
+    int rc = MPI_Irecv(r.user, static_cast<int>(r.bytes), MPI_BYTE, r.peer,
+                       r.tag, c.comm, &r.reqs[1]);
+    if (rc != MPI_SUCCESS) {
+      Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
+                   ": " + MpiText(rc) + ".");
+    }
+  } else if (r.bytes > 0) {
+    std::memcpy(r.user, r.staging.get() + sizeof(Header), r.bytes);
+  }
+}
+
+// Waits for `r` under the stall inspector (a receive: its header checked
+// before XLA gets the data).
 void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   MPI_Status st[2];
-  int rc = WaitRequests(op, r.recv ? 1 : r.n, r.reqs, st);
-  if (rc != MPI_SUCCESS) {
-    if (rc == MPI_ERR_IN_STATUS)
-      for (int i = 0; i < r.n; ++i)
-        if (st[i].MPI_ERROR != MPI_SUCCESS) rc = st[i].MPI_ERROR;
-    Fatal(c, std::string("MPI failed ") + (r.recv ? "receiving " : "sending ") +
-                 op.Describe() + " on " + Where(c) + ": " + MpiText(rc) + ".");
-  }
   if (r.recv) {
-    int got = 0;
-    MPI_Get_count(&st[0], MPI_BYTE, &got);
-    CheckHeader(c, op, r.staging.get(), got, r.peer, r.want);
-    if (r.bytes > kInlineBytes) {
-      rc = MPI_Irecv(r.user, static_cast<int>(r.bytes), MPI_BYTE, r.peer,
-                     r.tag, c.comm, &r.reqs[1]);
-      if (rc == MPI_SUCCESS) rc = WaitRequests(op, 1, &r.reqs[1], &st[1]);
-      if (rc != MPI_SUCCESS) {
-        Fatal(c, "MPI failed receiving " + op.Describe() + " on " + Where(c) +
-                     ": " + MpiText(rc) + ".");
-      }
-    } else if (r.bytes > 0) {
-      std::memcpy(r.user, r.staging.get() + sizeof(Header), r.bytes);
-    }
+    ReceiveFirst(c, op, r);
+    WaitOrDie(c, op, 1, &r.reqs[1], st, "receiving");
+  } else {
+    WaitOrDie(c, op, r.n, r.reqs, st, "sending");
   }
   if (status3 != nullptr) {
     status3[0] = r.peer;
@@ -192,6 +207,24 @@ void Complete(XlaComm& c, Op& op, Request& r, int* status3) {
   }
 }
 
+// Completes the exchanges of one all-to-all together: every header is
+// checked first, then every transfer is waited for at once.
+void CompleteAll(XlaComm& c, Op& op,
+                 std::vector<std::unique_ptr<Request>>& reqs) {
+  std::vector<MPI_Request> all;
+  for (auto& r : reqs) {
+    if (r->recv) {
+      ReceiveFirst(c, op, *r);
+      all.push_back(r->reqs[1]);
+    } else {
+      all.insert(all.end(), r->reqs, r->reqs + r->n);
+    }
+  }
+  std::vector<MPI_Status> st(all.size());
+  WaitOrDie(c, op, static_cast<int>(all.size()), all.data(), st.data(),
+            "exchanging");
+  reqs.clear();
+}
 
 // --- members' point-to-point: a letter within the process, MPI across ---------
 
@@ -362,8 +395,15 @@ int Sendrecv(XlaComm& c, const void* send, int send_count, int send_type,
   if (!c.failed.empty()) return FailedOp(c);
   size_t send_bytes = static_cast<size_t>(send_count) * TypeOf(send_type).bytes;
   size_t recv_bytes = static_cast<size_t>(recv_count) * TypeOf(recv_type).bytes;
+  using Exchanges = std::vector<std::unique_ptr<Request>>;
+  if (!c.exchanges) c.exchanges = std::make_shared<Exchanges>();
+  Exchanges& pending = *static_cast<Exchanges*>(c.exchanges.get());
   if (c.p2p == nullptr || c.sendrecvs == 0 || dest == (c.rank + 1) % c.size) {
-    if (c.p2p != nullptr) EndOp(c);
+    if (c.p2p != nullptr) {
+      // An all-to-all that ended early: its exchanges finish first.
+      if (!pending.empty()) CompleteAll(c, *static_cast<Op*>(c.p2p), pending);
+      EndOp(c);
+    }
     auto* op = new Op(c, kAllToAll, MJB_BYTE,
                       static_cast<int64_t>(recv_bytes), 0);
     op->Enter();
@@ -379,10 +419,21 @@ int Sendrecv(XlaComm& c, const void* send, int send_count, int send_type,
     MemberComplete(c, op, r_recv, status3);
     MemberComplete(c, op, r_send, nullptr);
   } else {
-    PostRecv(c, op, kAllToAll, recv, recv_bytes, source, recv_tag, &r_recv);
-    PostSend(c, op, kAllToAll, send, send_bytes, dest, send_tag, &r_send);
-    Complete(c, op, r_recv, status3);
-    Complete(c, op, r_send, nullptr);
+    // XLA reads none of its all-to-all's buffers before the last exchange
+    // returns, so the exchanges are only posted until then and proceed
+    // together, not one after another (4 ranks on 2 cores, 256 KiB: 350
+    // instead of 540-770 us per jitted call).
+    pending.emplace_back(new Request);
+    PostRecv(c, op, kAllToAll, recv, recv_bytes, source, recv_tag,
+             pending.back().get());
+    pending.emplace_back(new Request);
+    PostSend(c, op, kAllToAll, send, send_bytes, dest, send_tag,
+             pending.back().get());
+    if (c.sendrecvs + 1 >= c.size - 1) CompleteAll(c, op, pending);
+    if (status3 != nullptr) {
+      status3[1] = recv_tag;
+      status3[2] = MPI_SUCCESS;
+    }
   }
   if (status3 != nullptr) status3[0] = source;
   if (++c.sendrecvs >= c.size - 1) {
