@@ -6,6 +6,7 @@
 #include <thread>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -61,6 +62,16 @@ void Backoff::Pause(uint64_t spin) {
       return;
     }
     napping_ = true;
+#if defined(__linux__)
+    // The kernel's default timer slack (50 us) makes a 20 us nap last about
+    // 100 us here; 1 us: 58 us. Set once per waiting thread, and kept (it
+    // only makes the thread's later sleeps more precise).
+    thread_local bool slack_set = false;
+    if (!slack_set) {
+      prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+      slack_set = true;
+    }
+#endif
   }
   double nap = waited * kNapFraction;
   nap = nap < kMinNapS ? kMinNapS : nap > kMaxNapS ? kMaxNapS : nap;
