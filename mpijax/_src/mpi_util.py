@@ -51,13 +51,18 @@ def import_mpi():
 # has mapped -- found in /proc/self/maps, so never another job's -- once it
 # has seen MPI initialized.
 
+# The MPIs' shared-memory files a rank maps while it runs: Open MPI's above,
+# and MPICH's /dev/shm/mpich_shm_<id>_<n> (one per node, unlinked at its
+# finalize, so a killed job leaves it). launch/shm.py removes the same names.
+SEGMENT_PREFIXES = ("sm_segment.", "mpich_shm_")
+
 _segments_lock = threading.Lock()
 _segments_checked = False
 _singleton_segments: list[tuple[str, int, int]] = []
 
 
 def _mapped_shm_segments() -> list[tuple[str, int, int]]:
-  """(path, st_dev, st_ino) of each Open MPI segment file this process maps."""
+  """(path, st_dev, st_ino) of each MPI segment file this process maps."""
   found: dict[str, tuple[str, int, int]] = {}
   try:
     with open("/proc/self/maps") as f:
@@ -69,7 +74,7 @@ def _mapped_shm_segments() -> list[tuple[str, int, int]]:
     if len(fields) < 6:
       continue
     path = fields[5].strip()
-    if not os.path.basename(path).startswith("sm_segment.") or path in found:
+    if not os.path.basename(path).startswith(SEGMENT_PREFIXES) or path in found:
       continue
     try:
       st = os.stat(path)  # also drops "(deleted)" mappings, whose name is gone

@@ -17,6 +17,7 @@ A failing build of mpijax itself always fails.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -192,12 +193,15 @@ def test_mpijax_run_under_hydra_logs_per_rank_and_restarts(mpich_venv, tmp_path)
       del env[var]
   env.pop("PYTHONPATH", None)  # mpijax comes from the venv's (editable) install
   logs = tmp_path / "logs"
+  before = set(glob.glob("/dev/shm/mpich_shm_*"))
   r = subprocess.run([str(mpich_venv), "-m", "mpijax.launch", "--mpirun", str(VENV / "bin" / "mpiexec"),
                       "-n", "2", "--timeout", "150", "--max-restarts", "1", "--restart-backoff", "0",
                       "--log-dir", str(logs), "--", str(mpich_venv), "-c", KILLED_ONCE],
                      capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=180)
   assert r.returncode == 0, tail(r.stdout + r.stderr)
   assert "attempt 0: 2 ranks" in r.stderr and "exit code: 9" in r.stderr, r.stderr
+  # The killed attempt's MPICH segment file is removed with it.
+  assert set(glob.glob("/dev/shm/mpich_shm_*")) <= before, r.stderr
   for rank in (0, 1):
     lines = (logs / f"rank_{rank}.log").read_text().splitlines()
     for attempt in (0, 1):

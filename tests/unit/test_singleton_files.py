@@ -74,3 +74,32 @@ def test_unlink_only_in_the_registering_process(tmp_path):
   st = f.stat()
   mpi_util._unlink_segments([(str(f), st.st_dev, st.st_ino)], os.getpid())
   assert not f.exists()
+
+
+def test_mpijax_run_removes_the_mpi_files_its_ranks_noted(tmp_path):
+  """After an attempt, mpijax-run removes the shared-memory files its ranks noted on this host
+  (Open MPI's, MPICH's, mpijax's own), and nothing else in /dev/shm."""
+  import json
+  import socket
+
+  from mpijax._src.launch.shm import JobFiles
+
+  tag = f"{os.getpid()}-test"
+  noted = [f"/dev/shm/mpich_shm_{tag}_0", f"/dev/shm/sm_segment.host.0.{tag}.0"]
+  other = f"/dev/shm/mpich_shm_{tag}_other"  # another job's: not noted
+  stranger = f"/dev/shm/not_mpi_{tag}"  # noted, but not an MPI's file
+  for path in noted + [other, stranger]:
+    with open(path, "wb") as f:
+      f.write(b"x")
+  jf = JobFiles()
+  try:
+    with open(os.path.join(jf.path, "note.json"), "w") as f:
+      json.dump({"pid": 0, "host": socket.gethostname(), "segments": noted + [stranger]}, f)
+    assert sorted(jf.clean()) == sorted(noted)
+    assert not any(os.path.exists(p) for p in noted)
+    assert os.path.exists(other) and os.path.exists(stranger)
+  finally:
+    jf.close()
+    for path in noted + [other, stranger]:
+      if os.path.exists(path):
+        os.unlink(path)

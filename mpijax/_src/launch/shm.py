@@ -3,7 +3,9 @@
 Open MPI's shared-memory transport keeps one 16 MiB file per rank in
 ``/dev/shm`` (``sm_segment.<host>.<uid>.<job>.<rank>``), which its launcher
 removes at the job's end, unless the job ended too abruptly for it (an
-abort, a killed launcher). mpijax's own node-local segments
+abort, a killed launcher). MPICH keeps one file per node
+(``mpich_shm_<id>_<n>``) until its ranks finalize, so a killed rank leaves
+it. mpijax's own node-local segments
 (``/dev/shm/mpijax-<pid>-...``) are unlinked as soon as every rank mapped
 them, so only a job that dies in that moment leaves one. Each rank notes its
 process id and the segment files it maps in the job's directory
@@ -21,6 +23,9 @@ import socket
 import tempfile
 
 JOB_FILES_ENV = "MPIJAX_JOB_FILES"
+# Open MPI's, MPICH's (mpi_util.SEGMENT_PREFIXES, which the ranks note) and
+# mpijax's own.
+_PREFIXES = ("sm_segment.", "mpich_shm_", "mpijax-")
 
 
 class JobFiles:
@@ -62,7 +67,7 @@ def _remove(path: str) -> bool:
   if os.path.dirname(path) != "/dev/shm":
     return False
   name = os.path.basename(path)
-  if not (name.startswith("sm_segment.") or name.startswith("mpijax-")):
+  if not name.startswith(_PREFIXES):
     return False
   try:
     if os.stat(path).st_uid != os.getuid():
