@@ -150,30 +150,32 @@ def test_ranks_that_disagree_get_an_error_naming_both_operations(n, mode, theirs
   assert end - entered <= 4, (end - entered, tail(out))
 
 
-def test_point_to_point_blocks_of_different_sizes_are_named_not_delivered():
-  rc, out, entered, lines, end = _job(2, "permute")
+@pytest.mark.parametrize(
+  "n, mode, message",
+  [
+    (
+      2,
+      "permute",
+      r"rank 0: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0,1\): this rank "
+      r"runs XLA collective-permute 4096 bytes in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
+      r"ppermute and receives from rank 1, which runs XLA collective-permute 16384 bytes\.",
+    ),
+    # 4 ranks: each rank's three exchanges (128 KiB, sent after their header)
+    # are posted together, and every header is checked before any data.
+    (
+      4,
+      "all_to_all",
+      r"rank [0-2]: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0-3\): this "
+      r"rank runs XLA all-to-all 131072 bytes to each of 4 ranks in jit\(<lambda>\)/shard_map/"
+      r"jit\(<lambda>\)/all_to_all and receives from rank 3, which runs XLA all-to-all 262144 "
+      r"bytes\.",
+    ),
+  ],
+)
+def test_point_to_point_blocks_of_different_sizes_are_named_not_delivered(n, mode, message):
+  rc, out, entered, lines, end = _job(n, mode)
   assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
-  assert re.search(
-    r"mpijax: rank 0: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0,1\): this "
-    r"rank runs XLA collective-permute 4096 bytes in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
-    r"ppermute and receives from rank 1, which runs XLA collective-permute 16384 bytes\.",
-    out,
-  ), tail(out)
-  assert "double free" not in out and "corruption" not in out, tail(out)
-  assert end - entered <= 4, (end - entered, tail(out))
-
-
-def test_all_to_all_blocks_of_different_sizes_are_named_not_delivered():
-  # 4 ranks: each rank's three exchanges are posted together and their
-  # headers checked before any data is received.
-  rc, out, entered, lines, end = _job(4, "all_to_all")
-  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
-  assert re.search(
-    r"mpijax: rank [0-2]: mismatch in XLA's collectives on XLA communicator #\d+ \(ranks 0-3\): "
-    r"this rank runs XLA all-to-all 131072 bytes to each of 4 ranks in jit\(<lambda>\)/shard_map/jit\(<lambda>\)/"
-    r"all_to_all and receives from rank 3, which runs XLA all-to-all 262144 bytes\.",
-    out,
-  ), tail(out)
+  assert re.search("mpijax: " + message, out), tail(out)
   assert "double free" not in out and "corruption" not in out, tail(out)
   assert end - entered <= 4, (end - entered, tail(out))
 

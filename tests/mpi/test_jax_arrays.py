@@ -144,6 +144,18 @@ def test_pmap_takes_and_returns_global_jax_arrays(rt):
   np.testing.assert_array_equal(np.asarray(local), np.broadcast_to(g.sum(0), (L, 3)))
 
 
+def _xla_scatter(mesh):
+  """JAX's own reduce-scatter of each device's row over mesh axis "x", jitted."""
+  return jax.jit(
+    jax.shard_map(
+      lambda b: jax.lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True),
+      mesh=mesh,
+      in_specs=P("x"),
+      out_specs=P("x"),
+    )
+  )
+
+
 def test_xla_narrow_int_sums_across_ranks_wrap_as_in_one_process():
   """JAX's own 8/16-bit sums across ranks wrap around, as in one process.
 
@@ -162,15 +174,7 @@ def test_xla_narrow_int_sums_across_ranks_wrap_as_in_one_process():
       jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())
     )
     _check_global(psum(x), total[None])
-    scatter = jax.jit(
-      jax.shard_map(
-        lambda b: jax.lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True),
-        mesh=mesh,
-        in_specs=P("x"),
-        out_specs=P("x"),
-      )
-    )
-    _check_global(scatter(x), total.reshape(n, -1))
+    _check_global(_xla_scatter(mesh)(x), total.reshape(n, -1))
     reduced = jax.jit(lambda a: a.sum(0, dtype=dtype), out_shardings=NamedSharding(mesh, P()))
     _check_global(reduced(x), total)
 
@@ -186,14 +190,7 @@ def test_xla_reduce_scatter_equals_the_sum_on_every_path(dtype):
   mesh = jax.make_mesh((n,), ("x",))
   rows = NamedSharding(mesh, P("x"))
   rng = np.random.default_rng(9)
-  scatter = jax.jit(
-    jax.shard_map(
-      lambda b: jax.lax.psum_scatter(b, "x", scatter_dimension=1, tiled=True),
-      mesh=mesh,
-      in_specs=P("x"),
-      out_specs=P("x"),
-    )
-  )
+  scatter = _xla_scatter(mesh)
   es = np.dtype(dtype).itemsize
   for block_bytes in (1024, 96 << 10, (1 << 20) + 4 * 12345):
     count = block_bytes // es
