@@ -387,15 +387,18 @@ int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
   node_local::Comm& node = c.dc->node;
   size_t es = static_cast<size_t>(op.type().bytes), block = count * es;
   size_t bytes = block * c.size;
+  // The whole operand: the shared-memory path's all-reduce result, or this
+  // rank's input copied aside (not Scratch(), which CmaReduceScatter uses).
+  thread_local std::vector<char> whole;
   if (UseCma(node, bytes)) {
     // Every rank reads its block of the others' inputs: none writes into
     // another's memory, no scratch of the whole operand. An output inside
     // this rank's input gets its input copied aside first.
     auto at = [](const char* p) { return reinterpret_cast<uintptr_t>(p); };
     if (at(dst) < at(src) + bytes && at(src) < at(dst) + block) {
-      char* copy = Scratch(bytes);
-      std::memcpy(copy, src, bytes);
-      src = copy;
+      if (whole.size() < bytes) whole.resize(bytes);
+      std::memcpy(whole.data(), src, bytes);
+      src = whole.data();
     }
     op.info().path |= detail::kPathCma;
     NodeCaller caller(c, op);
@@ -406,7 +409,6 @@ int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
   }
   // Shared memory: the all-reduce of the whole operand, then this rank's
   // block (small operands; MPI's reduce-scatter took 17x the time).
-  thread_local std::vector<char> whole;
   if (whole.size() < bytes) whole.resize(bytes);
   if (int rc = NodeAllreduceOn(c, op, node, src, whole.data(), count * c.size,
                                mop);
