@@ -333,8 +333,6 @@ int NodeResult(XlaComm& c, Op& op, NodeCaller& caller,
   Fatal(c, op.Describe() + " on " + Where(c) + ": " + s.message + ".");
 }
 
-// The node-local all-reduce on `node`: c's own segments, or a member's view
-// of its clique's (several devices per process).
 namespace {
 
 // Whether the node-local collective of `bytes` on `node` goes by
@@ -348,6 +346,8 @@ bool UseCma(const node_local::Comm& node, size_t bytes) {
 
 }  // namespace
 
+// The node-local all-reduce on `node`: c's own segments, or a member's view
+// of its clique's (several devices per process).
 int NodeAllreduceOn(XlaComm& c, Op& op, node_local::Comm& node,
                     const char* src, char* dst, size_t n, MPI_Op mop) {
   const Type& t = op.type();
