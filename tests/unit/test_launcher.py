@@ -45,7 +45,7 @@ JOB = [("MPIJAX_RESTART_ATTEMPT", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_P
 X_JOB = [a for name, value in JOB for a in ("-x", f"{name}={value}")]
 
 
-def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
+def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun", fabric=True):
   return Situation(
     env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500"},
     euid=euid,
@@ -53,6 +53,7 @@ def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun"):
     mpi=mpi,
     mpirun=mpirun,
     mpirun_flavor=mpi.flavor if mpi else None,
+    fabric=fabric,
   )
 
 
@@ -243,6 +244,40 @@ def test_huge_pages_added_to_the_users_tunables():
 def test_openmpi_not_root_within_slots_has_neither_flag():
   got = cmd(["-n", "2", "python", "x.py"], sit(euid=1000, slots=2))
   assert "--allow-run-as-root" not in got and "--oversubscribe" not in got
+
+
+def test_no_ofi_btl_for_a_job_on_a_machine_without_a_fabric():
+  no_ofi = ["--mca", "btl", "^ofi"]
+  got = cmd(["-n", "4", "--", "python", "x.py"], sit(fabric=False))
+  i = got.index("--mca")
+  assert got[i : i + 3] == no_ofi and got.index("--output") > i
+  # A fabric device, other hosts, a batch allocation, the user's own btl choice, Open MPI
+  # before 4.1 (no such btl), or MPICH: Open MPI's default stays.
+  base = {"PATH": "/usr/bin", "MASTER_PORT": "29500"}
+  for argv, s in [
+    (["-n", "4", "--", "python", "x.py"], sit(fabric=True)),
+    (["-n", "4", "--hosts", "a:2,b:2", "--", "python", "x.py"], sit(fabric=False)),
+    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, env={**base, "SLURM_JOB_ID": "7"})),
+    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, env={**base, "OMPI_MCA_btl": "tcp,self"})),
+    (["-n", "4", "--launcher-args", "--mca btl self,sm", "--", "python", "x.py"], sit(fabric=False)),
+    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, mpi=MPIInfo("openmpi", (4, 0), "", None))),
+    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, mpi=MPICH, mpirun="/p/bin/mpiexec")),
+  ]:
+    got = cmd(argv, s)
+    assert "^ofi" not in got, (argv, s)
+
+
+def test_fabric_devices_are_found(tmp_path):
+  assert situation.has_fabric(str(tmp_path))  # no /dev at all: cannot tell, so assume one
+  (tmp_path / "dev").mkdir()
+  (tmp_path / "dev" / "null").touch()
+  (tmp_path / "sys" / "class" / "infiniband").mkdir(parents=True)  # the class, no device
+  assert not situation.has_fabric(str(tmp_path))
+  (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir()
+  assert situation.has_fabric(str(tmp_path))
+  (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").rmdir()
+  (tmp_path / "dev" / "hfi1_0").touch()
+  assert situation.has_fabric(str(tmp_path))
 
 
 def test_openmpi4_uses_tag_output():

@@ -31,6 +31,28 @@ class Situation:
   mpirun_flavor: str | None = None
   # MPITRAMPOLINE_LIB for the ranks: mpijax's bridge for XLA's MPI collectives.
   bridge: str | None = None
+  # Whether this machine has a device a libfabric provider drives (has_fabric).
+  fabric: bool = True
+
+
+# Where libfabric's high-speed providers find their devices: verbs and EFA
+# (/sys/class/infiniband), Slingshot (cxi), Omni-Path (hfi1).
+_FABRIC_DIRS = ("sys/class/infiniband", "sys/class/cxi", "dev/infiniband")
+_FABRIC_DEVICES = ("hfi1_", "cxi")
+
+
+def has_fabric(root: str = "/") -> bool:
+  """Whether this machine has an RDMA or HPC fabric device (without one: TCP and shared memory)."""
+  for d in _FABRIC_DIRS:
+    try:
+      if os.listdir(os.path.join(root, d)):
+        return True
+    except OSError:
+      pass
+  try:
+    return any(n.startswith(_FABRIC_DEVICES) for n in os.listdir(os.path.join(root, "dev")))
+  except OSError:
+    return True  # cannot tell: leave Open MPI's choice alone
 
 
 def in_slurm_allocation(env: dict[str, str]) -> bool:
@@ -105,4 +127,5 @@ def survey(opts: Options, env: dict[str, str] | None = None) -> Situation:
     mpirun=mpirun,
     mpirun_flavor=flavor,
     bridge=_bridge_for(opts, env),
+    fabric=has_fabric(),
   )
