@@ -128,9 +128,9 @@ def test_per_rank_set_order_raises_a_mismatch_error_on_every_rank():
 ], ids=["shm", "blocking", "polled", "cma", "ring"])
 def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
   rc, out, _ = _run("fault_hangs.py", mode,
-                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3", **transport})
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "2", **transport})
   assert rc == 0, tail(out)
-  assert re.search(rf"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[{shape}\], "
+  assert re.search(rf"mpijax: stall: rank [012] waited 2\.\d s in allreduce\(float32\[{shape}\], "
                    r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator 0\)\. Not arrived: "
                    r"rank 3 \(idle since", out), tail(out)
   assert "MPIJAX_STALL_ACTION=warn" in out and out.count("[8. 8. 8.]") == 4, tail(out)
@@ -138,9 +138,9 @@ def test_stall_action_warn_reports_and_keeps_waiting(mode, shape, transport):
 
 def test_stall_report_names_the_late_rank_in_a_program_with_xla_collectives_over_mpi():
   rc, out, _ = _run("fault_hangs.py", "late_mixed",
-                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "3"})
+                    env={"MPIJAX_STALL_ACTION": "warn", "MPIJAX_TIMEOUT": "2"})
   assert rc == 0, tail(out)
-  assert re.search(r"mpijax: stall: rank [012] waited 3\.\d s in allreduce\(float32\[1,3\], "
+  assert re.search(r"mpijax: stall: rank [012] waited 2\.\d s in allreduce\(float32\[1,3\], "
                    r"sum\) at fault_hangs.py:\d+ \(call #2 on communicator \d+\)\. Not arrived: "
                    r"rank 3 \(idle since", out), tail(out)
   assert out.count("(mpi): [8. 8. 8.]") == 4, tail(out)
