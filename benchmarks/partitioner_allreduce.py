@@ -78,6 +78,7 @@ LABELS = {
   "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
   "xla_local": "jit x.sum(0): XLA's all-reduce between one process's devices (1 rank)",
   "xla_mpi_flat": "jit x.sum(0) over MPI at 1 device per rank",
+  "xla_add1": "jit x + 1 over the same rows: reads and writes what any all-reduce must",
 }
 # phase -> (its rows, its environment)
 PHASES = {
@@ -185,6 +186,8 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
   rows = NamedSharding(mesh, P("x", None))
   if kind == "sum":
     f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
+  elif kind == "add1":
+    f = jax.jit(lambda x: x + 1)
   else:
     f = jax.jit(
       jax.shard_map(
@@ -193,11 +196,14 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
     )
 
   def build(nbytes: int):
-    if kind == "sum":
+    if kind in ("sum", "add1"):
       host = _rows(n, nbytes)
       shards = [jax.device_put(host[i : i + 1], d) for i, d in enumerate(jax.local_devices())]
       x = jax.make_array_from_single_device_arrays((n, host.shape[1]), rows, shards)
-      _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
+      if kind == "add1":
+        _check(f(x).addressable_shards[0].data, host[0, 0] + 1, "jit x + 1")
+      else:
+        _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
     else:
       full = _full(n, _elements(n, nbytes))
       x = jax.make_array_from_callback(full.shape, rows, lambda i: full[i])
@@ -281,6 +287,8 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
     return wrapped
 
   keys = PHASES[phase][0]
+  if phase == "mpi" and not init_error and mpijax.local_device_count() > 1:
+    keys += ("xla_add1",)  # the floor of the all-reduce at several devices per rank
   factories = {
     "xla_mpi": lambda: _xla_factory(hc, "mpi"),
     "xla_gloo": lambda: _xla_factory(hc, "gloo"),
@@ -290,6 +298,7 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
     "mpijax_psum_checkjob": lambda: _mpijax_factory(hc),
     "xla_local": lambda: _xla_factory(hc, "local"),
     "xla_mpi_flat": lambda: _xla_factory(hc, "mpi"),
+    "xla_add1": lambda: _xla_factory(hc, "mpi", "add1"),
   }
   for k in KINDS:
     factories[f"xla_{k}_mpi"] = lambda k=k: _xla_factory(hc, "mpi", k)
@@ -330,6 +339,15 @@ def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> li
         f"{size} all-reduce <= 1.3x (local + 1 device per rank): "
         f"{mpi:.1f} / ({local:.1f} + {flat:.1f}) us = {mpi / ref:.2f}x",
       )
+      floor = get("xla_add1", s)
+      if floor is not None:
+        # The local reference ran alone on the machine; here every rank's
+        # devices share its cores, and no all-reduce moves less than x + 1.
+        out.append(
+          f"info  {size} floor, jit x + 1 over the same rows: {floor:.1f} us = "
+          f"{floor / ref:.2f}x (local + 1 device per rank); all-reduce / floor "
+          f"= {mpi / floor:.2f}x"
+        )
     if s >= 256 << 10:
       if mpi is None or own is None:
         line(None, f"{size} all-reduce no slower than mpijax's psum: missing")
