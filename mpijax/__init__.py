@@ -6,6 +6,7 @@ whose named axis spans every device of every rank.
 """
 
 from mpijax._src import config as config
+from mpijax._src import cpu_bind as _cpu_bind
 from mpijax._src import heap as _heap
 from mpijax._src import log as _log
 
@@ -13,8 +14,10 @@ from mpijax._src import log as _log
 # logging itself (see mpijax/_src/log.py).
 _log.install()
 
-# Before MPI and JAX start their threads: see mpijax/_src/heap.py.
+# Before MPI and JAX start their threads: see mpijax/_src/heap.py and
+# mpijax/_src/cpu_bind.py.
 _heap.configure()
+_cpu_bind.configure()
 
 from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
 

@@ -1,0 +1,47 @@
+"""One core per rank where a node has more ranks than cores (mpijax/_src/cpu_bind.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpijax._src import cpu_bind
+
+
+def test_round_robin_only_where_ranks_exceed_cores():
+  assert [cpu_bind.choose(r, 4, [0, 1]) for r in range(4)] == [0, 1, 0, 1]
+  assert [cpu_bind.choose(r, 3, [5, 2]) for r in range(3)] == [2, 5, 2]  # the rank's cores, sorted
+  assert cpu_bind.choose(1, 2, [0, 1]) is None  # a core per rank: XLA keeps every core
+  assert cpu_bind.choose(0, 1, [0, 1, 2, 3]) is None
+  assert cpu_bind.choose(None, 4, [0, 1]) is None and cpu_bind.choose(0, None, [0]) is None
+
+
+_PROBE = "import json, os, mpijax; print(json.dumps(sorted(os.sched_getaffinity(0))))"
+
+
+def _affinity_after_import(local_rank: int, local_size: int, **extra: str) -> list[int]:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("OMPI_", "PMI_", "PMIX_", "PRTE", "SLURM_", "MPIJAX_"))}
+  env.update({
+    "OMPI_COMM_WORLD_RANK": str(local_rank), "OMPI_COMM_WORLD_SIZE": str(local_size),
+    "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+    "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size), "PRTE_LAUNCHED": "1", **extra,
+  })
+  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_import_binds_an_oversubscribed_rank_and_only_that():
+  cpus = sorted(os.sched_getaffinity(0))
+  n = len(cpus)
+  assert _affinity_after_import(n + 1, 2 * n + 1) == [cpus[(n + 1) % n]]
+  assert _affinity_after_import(n + 1, 2 * n + 1, MPIJAX_CPU_BIND="none") == cpus
+  assert _affinity_after_import(n + 1, 2 * n + 1, MPIJAX_XLA_COLLECTIVES="gloo") == cpus
+  assert _affinity_after_import(n - 1, n) == cpus  # a core per rank
