@@ -417,7 +417,8 @@ def _subphases(args) -> list[tuple[str, dict[str, str]]]:
   """(phase name, environment) of every phase that needs its own mpirun job."""
   phases = []
   if not args.no_gloo:
-    phases.append(("gloo", {}))
+    # A gloo job from its start, as a user's: mpijax binds no rank to a core then.
+    phases.append(("gloo", {"MPIJAX_XLA_COLLECTIVES": "gloo"}))
   for spec in args.env_row:
     name, _, value = spec.partition("=")
     phases.append((f"mpijax-env:{spec}", {name: value}))

@@ -68,7 +68,7 @@ EXTRA = {
     "raw4": ("mpi4py Allreduce out of place, 4 ranks", "flat"),
     "gloo4": ("JAX psum over gloo, 4 processes x 1 device", "gloo4"),
 }
-PHASES = {"hier": (2, TWO_DEVICES), "flat": (4, {}), "gloo4": (4, {})}
+PHASES = {"hier": (2, TWO_DEVICES), "flat": (4, {}), "gloo4": (4, {"MPIJAX_XLA_COLLECTIVES": "gloo"})}
 
 
 def _key(method: str, mode: str) -> str:

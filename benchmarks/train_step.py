@@ -643,7 +643,10 @@ def main(argv=None) -> int:
   meta: dict[str, Any] = {"env": _common.environment_info(), "phases": {}}
   for n in ranks:
     for phase in ["mpi"] + ([] if args.no_gloo else ["gloo"]):
-      got = _common.run_phase(SCRIPT, n, phase, _phase_args(args), timeout=args.phase_timeout)
+      # A gloo job from its start, as a user's: mpijax binds no rank to a core then.
+      env = {"MPIJAX_XLA_COLLECTIVES": "gloo"} if phase == "gloo" else {}
+      got = _common.run_phase(SCRIPT, n, phase, _phase_args(args), env=env,
+                              timeout=args.phase_timeout)
       if isinstance(got, str):
         keys = ["step_gloo"] if phase == "gloo" else [k for k in LABELS if k != "step_gloo"]
         for k in keys:
