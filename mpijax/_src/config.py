@@ -153,7 +153,8 @@ _define("cpu_bind", _parse_cpu_bind, "auto",
         "imported: ranks that wait for each other are then not queued behind "
         "one another by the kernel (4 ranks on 2 cores: jitted collectives of "
         "4 B to 256 KiB 1-5x faster and steady from job to job; of 4 MiB up "
-        "to 1.5x slower). With a core or more per rank, or with "
+        "to 1.5x slower). With a core or more per rank, for a rank its "
+        "launcher (or a cpuset) already bound to fewer than all cores, or with "
         "MPIJAX_XLA_COLLECTIVES=gloo (whose threads need the cores), nothing "
         "is bound. none: never.")
 _define("abort_on_exception", _parse_bool, True,

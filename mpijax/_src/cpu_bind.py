@@ -24,10 +24,15 @@ from mpijax._src import config
 from mpijax._src import rank_env
 
 
-def choose(local_rank: int | None, local_size: int | None, cpus: list[int]) -> int | None:
-  """The core for a rank at ``local_rank`` of ``local_size`` on a node whose cores are
-  ``cpus``; None where there is a core or more per rank (or the place is unknown)."""
-  if local_rank is None or local_size is None or not cpus or local_size <= len(cpus):
+def choose(local_rank: int | None, local_size: int | None, cpus: list[int],
+           online: int) -> int | None:
+  """The core for a rank at ``local_rank`` of ``local_size`` that may run on ``cpus`` of the
+  node's ``online`` ones; None where there is a core or more per rank, where the rank is
+  already bound to fewer than all of them (by its launcher, or a cpuset), or where its
+  place is unknown."""
+  if local_rank is None or local_size is None or not cpus or len(cpus) < online:
+    return None
+  if local_size <= len(cpus):
     return None
   return sorted(cpus)[local_rank % len(cpus)]
 
@@ -44,7 +49,8 @@ def configure() -> int | None:
   if info is None or not hasattr(os, "sched_setaffinity"):
     return None
   try:
-    cpu = choose(info.local_rank, info.local_size, list(os.sched_getaffinity(0)))
+    cpus = list(os.sched_getaffinity(0))
+    cpu = choose(info.local_rank, info.local_size, cpus, os.cpu_count() or len(cpus))
     if cpu is not None:
       os.sched_setaffinity(0, {cpu})
   except OSError:

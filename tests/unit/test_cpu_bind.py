@@ -13,11 +13,13 @@ from mpijax._src import cpu_bind
 
 
 def test_round_robin_only_where_ranks_exceed_cores():
-  assert [cpu_bind.choose(r, 4, [0, 1]) for r in range(4)] == [0, 1, 0, 1]
-  assert [cpu_bind.choose(r, 3, [5, 2]) for r in range(3)] == [2, 5, 2]  # the rank's cores, sorted
-  assert cpu_bind.choose(1, 2, [0, 1]) is None  # a core per rank: XLA keeps every core
-  assert cpu_bind.choose(0, 1, [0, 1, 2, 3]) is None
-  assert cpu_bind.choose(None, 4, [0, 1]) is None and cpu_bind.choose(0, None, [0]) is None
+  assert [cpu_bind.choose(r, 4, [0, 1], 2) for r in range(4)] == [0, 1, 0, 1]
+  assert [cpu_bind.choose(r, 3, [5, 2], 2) for r in range(3)] == [2, 5, 2]  # sorted
+  assert cpu_bind.choose(1, 2, [0, 1], 2) is None  # a core per rank: XLA keeps every core
+  assert cpu_bind.choose(0, 1, [0, 1, 2, 3], 4) is None
+  assert cpu_bind.choose(None, 4, [0, 1], 2) is None and cpu_bind.choose(0, None, [0], 1) is None
+  # Already bound by its launcher (2 of 8 cores for each of 4 ranks): left alone.
+  assert cpu_bind.choose(3, 4, [6, 7], 8) is None
 
 
 _PROBE = "import json, os, mpijax; print(json.dumps(sorted(os.sched_getaffinity(0))))"
