@@ -7,6 +7,7 @@ whose named axis spans every device of every rank.
 
 from mpijax._src import config as config
 from mpijax._src import cpu_bind as _cpu_bind
+from mpijax._src.ffi import settings as _ffi_settings
 from mpijax._src import heap as _heap
 from mpijax._src import log as _log
 
@@ -18,6 +19,7 @@ _log.install()
 # mpijax/_src/cpu_bind.py.
 _heap.configure()
 _cpu_bind.configure()
+_ffi_settings.set_oversubscribed(_cpu_bind.oversubscribed())
 
 from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
 

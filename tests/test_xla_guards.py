@@ -229,6 +229,35 @@ def test_large_all_reduces_across_nodes_are_compared_first(n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_large_all_gathers_on_one_node_read_each_others_blocks(n, tmp_path):
+  import json
+
+  path = tmp_path / "trace.json"
+  rc, out, entered, lines, end = _job(n, "gather", env={"MPIJAX_TIMELINE": str(path)})
+  assert rc == 0 and out.count(" gather ok") == n, tail(out)
+  events = json.loads(path.read_text())["traceEvents"]
+  gathers = [e["args"] for e in events if e.get("name") == "XLA all-gather"]
+  # 4 KiB per rank through MPI, 256 KiB by cross-memory attach; twice each, on every rank.
+  assert sorted((a["bytes"], a["path"]) for a in gathers) == sorted(
+    [(4096, "mpi")] * 2 * n + [(262144, "cross-memory attach")] * 2 * n
+  ), gathers
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_large_all_gathers_that_disagree_are_compared_first(n):
+  rc, out, entered, lines, end = _job(n, "gather_count")
+  assert rc != 0 and "job exceeded --timeout" not in out, tail(out)
+  others = "rank 0" if n == 2 else "ranks 0,1,2"
+  assert re.search(
+    rf"{others} runs? XLA all-gather float32\[65536\] from each of {n} ranks.*, but rank "
+    rf"{n - 1} runs XLA all-gather float32\[131072\] from each of {n} ranks",
+    out,
+  ), tail(out)
+  _every_rank_raised(out, n)
+  assert end - entered <= 4, (end - entered, tail(out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_a_killed_rank_ends_the_job(n):
   rc, out, entered, lines, end = _job(n, "kill")
   assert rc != 0 and "job exceeded --timeout" not in out, tail(out)

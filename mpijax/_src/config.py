@@ -229,7 +229,11 @@ _define("wait_spin_us", float, 50.0,
         "sixteenth of the wait so far; the waiting thread's timer slack is "
         "set to 1 us so a nap ends on time). A spinning waiter holds a core that "
         "a rank still computing its step may need: with as many ranks per "
-        "node as cores, each rank's XLA threads use them all. Negative: never "
+        "node as cores, each rank's XLA threads use them all. Where a node runs "
+        "more ranks than it has cores, a polled MPI wait spins at least 1 ms "
+        "and yields the core after every poll, as MPI's own waits do there: "
+        "the rank it waits for may need that very core (4 ranks on 2 cores: "
+        "a jitted 256 KiB collective-permute 1.6x faster). Negative: never "
         "sleep (spin, yielding now and then), for a core per rank and the "
         "last microseconds of latency. Must be the same on every rank only "
         "for the same timing.")

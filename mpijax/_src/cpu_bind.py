@@ -13,7 +13,9 @@ With a core or more per rank nothing is bound: XLA's thread pools use every
 core the rank may run on, as the launchers' ``--bind-to none`` intends.
 
 Runs when mpijax is imported, before MPI and JAX start their threads (a
-thread keeps the affinity of the thread that created it).
+thread keeps the affinity of the thread that created it). Also notes whether
+the node has more ranks than cores at all: there the transport's waits yield
+the core after every poll (``oversubscribed``), bound or not.
 """
 
 from __future__ import annotations
@@ -37,15 +39,27 @@ def choose(local_rank: int | None, local_size: int | None, cpus: list[int],
   return sorted(cpus)[local_rank % len(cpus)]
 
 
+_oversubscribed = False
+
+
+def oversubscribed() -> bool:
+  """Whether this rank's node runs more ranks than it has cores (known once mpijax is imported)."""
+  return _oversubscribed
+
+
 def configure() -> int | None:
   """Binds this process to one core where its node is oversubscribed; the core, or None."""
+  global _oversubscribed
+  info = rank_env.launch_info()
+  online = os.cpu_count() or 0
+  _oversubscribed = bool(info is not None and info.local_size is not None and online
+                         and info.local_size > online)
   try:
     # gloo's own threads need the cores: bound, its collectives took 2-9x as long.
     if config.get("cpu_bind") == "none" or config.get("xla_collectives") == "gloo":
       return None
   except ValueError:
     return None  # mpijax.init() reports the malformed value
-  info = rank_env.launch_info()
   if info is None or not hasattr(os, "sched_setaffinity"):
     return None
   try:

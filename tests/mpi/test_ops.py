@@ -10,6 +10,7 @@ computes the exact expected result locally and holds at any rank count.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import jax
@@ -505,6 +506,16 @@ def transport_settings(**values):
     for name in values:
       config.reset(name)
     settings.push_settings()
+
+
+def test_waits_know_whether_the_node_has_more_ranks_than_cores():
+  # There a polled wait yields the core after every poll (idle.h).
+  from mpijax._src import rank_env
+  from mpijax._src.ffi import settings
+  settings.push_settings()
+  info = rank_env.launch_info()
+  assert info is not None and info.local_size is not None
+  assert settings._pushed["oversubscribed"] == (info.local_size > os.cpu_count())
 
 
 @pytest.fixture

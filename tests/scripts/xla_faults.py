@@ -22,6 +22,10 @@ then the fault:
                  MPIJAX_TIMELINE); the last rank sleeps 0.3 s before each
   reduce_scatter no fault: a jax.lax.psum_scatter over every device, checked;
                  every rank prints "scatter ok"
+  gather         no fault: jax.lax.all_gather of 4 KiB and of 256 KiB per
+                 device, checked; every rank prints "gather ok"
+  gather_count   the last rank all-gathers 131,072 floats per device, the
+                 others 65,536
 
 Each rank prints "entering" (with time.time()) right before the faulty call.
 """
@@ -140,6 +144,23 @@ elif mode == "reduce_scatter":
     g = list(mesh.devices.flat).index(s.device)
     assert np.array_equal(np.asarray(s.data)[0], want[g]), (g, np.asarray(s.data), want[g])
   print(f"rank {rank} scatter ok", flush=True)
+elif mode == "gather":
+  n = jax.device_count()
+  gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "x", tiled=True), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P(), check_vma=False))
+  for m in (1024, 65536):
+    full = (np.arange(n * m) % 1009).astype(np.float32).reshape(n, m)
+    x = jax.make_array_from_callback(full.shape, row, lambda i: full[i])
+    for _ in range(2):
+      y = gather(x)
+      for s in y.addressable_shards:
+        assert np.array_equal(np.asarray(s.data), full), (m, rank)
+  print(f"rank {rank} gather ok", flush=True)
+elif mode == "gather_count":
+  x = rows(131072 if last else 65536)
+  entering()
+  jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "x", tiled=True), mesh=mesh,
+                        in_specs=P("x"), out_specs=P(), check_vma=False))(x).block_until_ready()
 elif mode == "ok":
   y = total(rows(1024))
   print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)

@@ -23,9 +23,14 @@ def test_round_robin_only_where_ranks_exceed_cores():
 
 
 _PROBE = "import json, os, mpijax; print(json.dumps(sorted(os.sched_getaffinity(0))))"
+# Whether the import found the node oversubscribed, and what the transport's settings got.
+_WAITS = ("import json, mpijax; from mpijax._src import cpu_bind; "
+          "from mpijax._src.ffi import settings; "
+          "print(json.dumps([cpu_bind.oversubscribed(), settings._oversubscribed]))")
 
 
-def _affinity_after_import(local_rank: int, local_size: int, **extra: str) -> list[int]:
+def _after_import(local_rank: int, local_size: int, probe: str = _PROBE,
+                           **extra: str):
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("OMPI_", "PMI_", "PMIX_", "PRTE", "SLURM_", "MPIJAX_"))}
   env.update({
@@ -33,7 +38,7 @@ def _affinity_after_import(local_rank: int, local_size: int, **extra: str) -> li
     "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
     "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size), "PRTE_LAUNCHED": "1", **extra,
   })
-  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+  out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                        timeout=120)
   assert out.returncode == 0, out.stderr
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -43,7 +48,16 @@ def _affinity_after_import(local_rank: int, local_size: int, **extra: str) -> li
 def test_import_binds_an_oversubscribed_rank_and_only_that():
   cpus = sorted(os.sched_getaffinity(0))
   n = len(cpus)
-  assert _affinity_after_import(n + 1, 2 * n + 1) == [cpus[(n + 1) % n]]
-  assert _affinity_after_import(n + 1, 2 * n + 1, MPIJAX_CPU_BIND="none") == cpus
-  assert _affinity_after_import(n + 1, 2 * n + 1, MPIJAX_XLA_COLLECTIVES="gloo") == cpus
-  assert _affinity_after_import(n - 1, n) == cpus  # a core per rank
+  assert _after_import(n + 1, 2 * n + 1) == [cpus[(n + 1) % n]]
+  assert _after_import(n + 1, 2 * n + 1, MPIJAX_CPU_BIND="none") == cpus
+  assert _after_import(n + 1, 2 * n + 1, MPIJAX_XLA_COLLECTIVES="gloo") == cpus
+  assert _after_import(n - 1, n) == cpus  # a core per rank
+
+
+def test_waits_yield_where_ranks_outnumber_the_cores_bound_or_not():
+  online = os.cpu_count()
+  assert _after_import(0, online + 1, _WAITS) == [True, True]
+  assert _after_import(0, online + 1, _WAITS, MPIJAX_CPU_BIND="none") == [True, True]
+  assert _after_import(0, online + 1, _WAITS,
+                                MPIJAX_XLA_COLLECTIVES="gloo") == [True, True]
+  assert _after_import(0, online, _WAITS) == [False, False]

@@ -15,12 +15,14 @@ def registrations() -> dict[str, Any]:
 def setup(*, max_chunk_bytes: int, timeout_s: float, stall_abort: bool,
           check_every: bool, blocking_min_bytes: int, ring_min_bytes: int,
           ring_in_place_min_bytes: int, shm_max_bytes: int,
-          cma_min_bytes: int, wait_spin_s: float) -> None:
+          cma_min_bytes: int, wait_spin_s: float,
+          oversubscribed: bool) -> None:
   """Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, stall
   action, whether every call's signature is compared across ranks, the sizes
   from which collectives block and all-reduces run the ring, up to which
-  all-reduces go through node-local shared memory, and from which they run
-  by cross-memory attach."""
+  all-reduces go through node-local shared memory, from which they run by
+  cross-memory attach, how long a wait spins, and whether the node has more
+  ranks than cores (waits then yield the core after every poll)."""
 
 def register_comms(handles: Sequence[int], check_handles: Sequence[int],
                    key: int, ordinals: Sequence[int]) -> int:

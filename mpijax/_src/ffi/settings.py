@@ -9,6 +9,15 @@ from mpijax._src import config
 from mpijax._src import ffi as _ffi
 
 _pushed: dict[str, int | float | bool] | None = None
+_oversubscribed = False
+
+
+def set_oversubscribed(value: bool) -> None:
+  """Notes whether this rank's node runs more ranks than it has cores (mpijax's
+  import finds out; see mpijax/_src/cpu_bind.py): waits then yield the core
+  after every poll."""
+  global _oversubscribed
+  _oversubscribed = bool(value)
 
 
 def push_settings() -> None:
@@ -28,7 +37,8 @@ def push_settings() -> None:
       ring_in_place_min_bytes=int(config.get("ring_in_place_min_bytes")),
       shm_max_bytes=int(config.get("shm_max_bytes")),
       cma_min_bytes=int(config.get("cma_min_bytes")),
-      wait_spin_s=float(config.get("wait_spin_us")) * 1e-6)
+      wait_spin_s=float(config.get("wait_spin_us")) * 1e-6,
+      oversubscribed=_oversubscribed)
   if settings != _pushed:
     _ffi.load().setup(**settings)
     _pushed = settings

@@ -301,7 +301,8 @@ int Compare(XlaComm& c, Op& op) {
 // size ends in MPI_ERR_TRUNCATE, which the caller words.
 int WaitRequests(Op& op, int n, MPI_Request* reqs, MPI_Status* st) {
   double timeout = g_settings.timeout_s.load(std::memory_order_relaxed);
-  idle::Backoff backoff(g_settings.wait_spin_s.load(std::memory_order_relaxed));
+  idle::Backoff backoff(g_settings.wait_spin_s.load(std::memory_order_relaxed),
+                        g_settings.oversubscribed.load(std::memory_order_relaxed));
   int64_t start = NowNs();
   int64_t period = static_cast<int64_t>(timeout * 1e9);
   int64_t deadline = start + period;
@@ -379,6 +380,33 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
                   MPI_Op mop) {
   std::lock_guard<std::mutex> lock(c.node_mu);
   return NodeAllreduceOn(c, op, c.dc->node, src, dst, n, mop);
+}
+
+bool UseNodeAllgather(const XlaComm& c, size_t bytes) {
+  int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
+  return cma_min > 0 && bytes >= static_cast<size_t>(cma_min) &&
+         NodeReady(c) && c.dc->node.cma_ok;
+}
+
+int NodeAllgather(XlaComm& c, Op& op, const char* src, char* dst,
+                  size_t block) {
+  std::lock_guard<std::mutex> lock(c.node_mu);
+  node_local::Comm& node = c.dc->node;
+  // An input inside the output but not at this rank's block is copied aside
+  // (another rank's block would overwrite it).
+  thread_local std::vector<char> aside;
+  const char* mine = dst + static_cast<size_t>(c.rank) * block;
+  auto at = [](const char* p) { return reinterpret_cast<uintptr_t>(p); };
+  if (src != mine && at(src) < at(dst) + block * c.size &&
+      at(dst) < at(src) + block) {
+    aside.assign(src, src + block);
+    src = aside.data();
+  }
+  op.info().path |= detail::kPathCma;
+  NodeCaller caller(c, op);
+  node_local::Status s = node_local::CmaAllgather(node, caller, src, dst, block);
+  if (!s.ok() && !caller.mismatched) node.cma_ok = false;
+  return NodeResult(c, op, caller, s);
 }
 
 int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,

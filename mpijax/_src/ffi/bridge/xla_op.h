@@ -276,6 +276,14 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
 int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
                       size_t count, MPI_Op mop);
 
+// Whether XLA's all-gather of `bytes` in all goes by NodeAllgather (the same
+// answer on every rank once the signatures agree).
+bool UseNodeAllgather(const XlaComm& c, size_t bytes);
+// The node-local all-gather by cross-memory attach on c's own segments:
+// `block` bytes at `src` from every rank into `dst`.
+int NodeAllgather(XlaComm& c, Op& op, const char* src, char* dst,
+                  size_t block);
+
 // --- the other files' paths ---------------------------------------------------------
 
 // Messages up to this size carry their header in front of the data

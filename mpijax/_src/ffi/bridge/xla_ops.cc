@@ -78,6 +78,13 @@ int Allgather(XlaComm& c, const void* send, int send_count, int send_type,
                            static_cast<size_t>(recv_count));
   }
   if (int rc = Compare(c, op); rc != 0) return rc;
+  // Ranks on one node read each other's blocks (4 ranks on 2 cores, 256 KiB
+  // per rank: MPI's ring took 270-900 us per jitted call).
+  if (UseNodeAllgather(c, bytes * c.size)) {
+    char* dst = static_cast<char*>(recv);
+    const char* src = send ? static_cast<const char*>(send) : dst + c.rank * bytes;
+    return NodeAllgather(c, op, src, dst, bytes);
+  }
   op.info().path |= detail::kPathMpi;
   MPI_Comm comm = c.comm;
   const void* in = send ? send : MPI_IN_PLACE;

@@ -52,6 +52,7 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 }
 
 void Backoff::Pause(uint64_t spin) {
+  if (!napping_ && yield_each_poll_) std::this_thread::yield();
   if (!napping_ && (spin & 15) != 0) return;  // the clock costs more than a poll
   double waited =
       std::chrono::duration<double>(Clock::now() - start_).count();

@@ -68,7 +68,8 @@ std::string LinkedLibraryVersion() {
 void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
            bool check_every, int64_t blocking_min_bytes,
            int64_t ring_min_bytes, int64_t ring_in_place_min_bytes,
-           int64_t shm_max_bytes, int64_t cma_min_bytes, double wait_spin_s) {
+           int64_t shm_max_bytes, int64_t cma_min_bytes, double wait_spin_s,
+           bool oversubscribed) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -91,6 +92,7 @@ void Setup(int64_t max_chunk_bytes, double timeout_s, bool stall_abort,
   s.shm_max_bytes = std::min<int64_t>(shm_max_bytes, int64_t{1} << 30);
   s.cma_min_bytes = cma_min_bytes;
   s.wait_spin_s = wait_spin_s;
+  s.oversubscribed = oversubscribed;
 }
 
 // The MPI datatype of a NumPy array's dtype, for node_allreduce.
@@ -175,12 +177,14 @@ NB_MODULE(_mpijax_ffi, m) {
         nb::arg("blocking_min_bytes"), nb::arg("ring_min_bytes"),
         nb::arg("ring_in_place_min_bytes"), nb::arg("shm_max_bytes"),
         nb::arg("cma_min_bytes"), nb::arg("wait_spin_s"),
+        nb::arg("oversubscribed"),
         "Creates the float16/bfloat16 MPI ops; sets chunk size, timeout, "
         "stall action, whether every call's signature is checked, the sizes "
         "from which collectives block and all-reduces run the ring, up to "
         "which all-reduces go through node-local shared memory, from "
-        "which they run by cross-memory attach, and how long a wait spins "
-        "before it sleeps (< 0: never sleeps).");
+        "which they run by cross-memory attach, how long a wait spins "
+        "before it sleeps (< 0: never sleeps), and whether the node has more "
+        "ranks than cores (waits then yield the core after every poll).");
 
   m.def("register_comms", [](const std::vector<uintptr_t>& handles,
                              const std::vector<uintptr_t>& check_handles,

@@ -39,6 +39,8 @@ struct Settings {
   std::atomic<int64_t> cma_min_bytes{int64_t{64} << 10};
   // Seconds a wait spins before it sleeps (idle.h); < 0: never sleeps.
   std::atomic<double> wait_spin_s{50e-6};
+  // More ranks on this node than cores: polled waits yield (idle.h).
+  std::atomic<bool> oversubscribed{false};
   std::atomic<bool> stall_abort{true};   // MPIJAX_STALL_ACTION=abort
   std::atomic<bool> check_every{false};  // MPIJAX_CHECK=1
 };

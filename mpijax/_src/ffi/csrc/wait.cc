@@ -64,7 +64,8 @@ ffi::Error WaitAll(int n, MPI_Request* reqs, const CallInfo& info,
     return ffi::Error::Success();
   }
   StallClock clock(info);
-  idle::Backoff backoff(spin_s);
+  idle::Backoff backoff(
+      spin_s, g_settings.oversubscribed.load(std::memory_order_relaxed));
   for (uint64_t spin = 0;; ++spin) {
     int done = 0;
     MPIJAX_CHECK_MPI(MPI_Testall(n, reqs, &done, statuses), info);

@@ -24,6 +24,14 @@ Status CmaReduceScatter(Comm& c, Caller& caller, const char* src, char* dst,
                         size_t count, size_t es, MPI_Datatype datatype,
                         MPI_Op op);
 
+// All-gather by cross-memory attach: every rank's `block` bytes at `src`
+// go to [rank * block, (rank + 1) * block) of every rank's `dst`. Each rank
+// reads the others' blocks straight into its output; `src` may be this
+// rank's own block of `dst` (in place), and must not overlap another block
+// of it.
+Status CmaAllgather(Comm& c, Caller& caller, const char* src, char* dst,
+                    size_t block);
+
 namespace internal {
 
 // Whether every rank of c's communicator can read and write every other
