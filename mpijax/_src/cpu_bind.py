@@ -64,7 +64,7 @@ def configure() -> int | None:
     return None
   try:
     cpus = list(os.sched_getaffinity(0))
-    cpu = choose(info.local_rank, info.local_size, cpus, os.cpu_count() or len(cpus))
+    cpu = choose(info.local_rank, info.local_size, cpus, online or len(cpus))
     if cpu is not None:
       os.sched_setaffinity(0, {cpu})
   except OSError:

@@ -29,8 +29,7 @@ _WAITS = ("import json, mpijax; from mpijax._src import cpu_bind; "
           "print(json.dumps([cpu_bind.oversubscribed(), settings._oversubscribed]))")
 
 
-def _after_import(local_rank: int, local_size: int, probe: str = _PROBE,
-                           **extra: str):
+def _after_import(local_rank: int, local_size: int, probe: str = _PROBE, **extra: str):
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("OMPI_", "PMI_", "PMIX_", "PRTE", "SLURM_", "MPIJAX_"))}
   env.update({
@@ -58,6 +57,5 @@ def test_waits_yield_where_ranks_outnumber_the_cores_bound_or_not():
   online = os.cpu_count()
   assert _after_import(0, online + 1, _WAITS) == [True, True]
   assert _after_import(0, online + 1, _WAITS, MPIJAX_CPU_BIND="none") == [True, True]
-  assert _after_import(0, online + 1, _WAITS,
-                                MPIJAX_XLA_COLLECTIVES="gloo") == [True, True]
+  assert _after_import(0, online + 1, _WAITS, MPIJAX_XLA_COLLECTIVES="gloo") == [True, True]
   assert _after_import(0, online, _WAITS) == [False, False]
