@@ -601,6 +601,29 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         assert all(b == mine for b in RT.comm.allgather(mine))
 
 
+def test_cross_memory_allreduce_sums_in_rank_order_in_place_or_not():
+  """Cross-memory attach sums each block in rank order, ((x0 + x1) + x2) + ...,
+  whether the outputs are fresh, in place (an intermediate, a donated
+  argument) or both in one call: the bits of NumPy's sequential sum, on every
+  rank. Values whose sum depends on the order; blocks over 2 chunks."""
+  from mpijax._src.ops.allreduce import allreduce_many
+  n = (1 << 19) + 7
+  k = np.arange(n, dtype=np.float64)
+  x_of = [(np.sin(k * (r + 1)) * 10.0 ** ((k + r) % 7 - 3)).astype(np.float32)
+          for r in range(N)]
+  want = x_of[0].copy()
+  for r in range(1, N):
+    want = want + x_of[r]
+  x = jnp.asarray(x_of[R])
+  with transport_settings(cma_min_bytes=1):
+    got = [jax.jit(lambda v: ops.allreduce(v))(x),
+           jax.jit(lambda v: ops.allreduce(v * 1))(x),
+           jax.jit(lambda v: ops.allreduce(v), donate_argnums=0)(jnp.asarray(x_of[R]))]
+    got += list(jax.jit(lambda v: allreduce_many([v, v * 1]))(x))
+  for g in got:
+    np.testing.assert_array_equal(np.asarray(g), want)
+
+
 @pytest.mark.parametrize("path", ["shm", "cma", "polled"])
 def test_waiting_rank_sleeps(path):
   """A rank that reaches an all-reduce long before the others spins only
@@ -663,10 +686,10 @@ def test_narrow_integer_sums_wrap_around(allreduce_path):
 @pytest.mark.parametrize("path", ["ring", "cma"])
 def test_large_all_reduce_runs_in_pieces(path):
   # In place, the ring receives into a 256 KiB scratch, and cross-memory
-  # attach reduces 256 KiB chunks (1 MiB out of place, straight into the
-  # outputs): a 40 MiB intermediate, and a 40 MiB argument into a fresh
-  # output, are reduced in many segments or chunks (the default thresholds,
-  # but cma_min_bytes for the ring).
+  # attach reduces 1 MiB chunks straight into the outputs: a 40 MiB
+  # intermediate, and a 40 MiB argument into a fresh output, are reduced in
+  # many segments or chunks (the default thresholds, but cma_min_bytes for
+  # the ring).
   n = 10 * (1 << 20) + 3
   x = jnp.arange(n, dtype=jnp.float32) % 1000 + R
   want = N * (np.arange(n, dtype=np.float32) % 1000) + N * (N - 1) / 2
