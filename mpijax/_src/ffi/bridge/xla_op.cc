@@ -382,6 +382,14 @@ int NodeAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
   return NodeAllreduceOn(c, op, c.dc->node, src, dst, n, mop);
 }
 
+namespace {
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool Overlap(const char* a, size_t a_bytes, const char* b, size_t b_bytes) {
+  auto at = [](const char* p) { return reinterpret_cast<uintptr_t>(p); };
+  return at(a) < at(b) + b_bytes && at(b) < at(a) + a_bytes;
+}
+}  // namespace
+
 bool UseNodeAllgather(const XlaComm& c, size_t bytes) {
   int64_t cma_min = g_settings.cma_min_bytes.load(std::memory_order_relaxed);
   return cma_min > 0 && bytes >= static_cast<size_t>(cma_min) &&
@@ -396,9 +404,7 @@ int NodeAllgather(XlaComm& c, Op& op, const char* src, char* dst,
   // (another rank's block would overwrite it).
   thread_local std::vector<char> aside;
   const char* mine = dst + static_cast<size_t>(c.rank) * block;
-  auto at = [](const char* p) { return reinterpret_cast<uintptr_t>(p); };
-  if (src != mine && at(src) < at(dst) + block * c.size &&
-      at(dst) < at(src) + block) {
+  if (src != mine && Overlap(src, block, dst, block * c.size)) {
     aside.assign(src, src + block);
     src = aside.data();
   }
@@ -422,8 +428,7 @@ int NodeReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
     // Every rank reads its block of the others' inputs: none writes into
     // another's memory, no scratch of the whole operand. An output inside
     // this rank's input gets its input copied aside first.
-    auto at = [](const char* p) { return reinterpret_cast<uintptr_t>(p); };
-    if (at(dst) < at(src) + bytes && at(src) < at(dst) + block) {
+    if (Overlap(src, bytes, dst, block)) {
       if (whole.size() < bytes) whole.resize(bytes);
       std::memcpy(whole.data(), src, bytes);
       src = whole.data();

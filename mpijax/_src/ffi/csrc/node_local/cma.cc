@@ -218,18 +218,22 @@ Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
       iovec one{into, cnt * es};
       return copy(Head(c, j), &one, 1, false);
     };
+    // inout op= in, over `count` elements; 0 or EINVAL.
+    auto reduce = [&](const char* in, char* inout, size_t count) {
+      failed_call = "MPI_Reduce_local";
+      return MPI_Reduce_local(in, inout, static_cast<int>(count), dt, mop) ==
+                     MPI_SUCCESS
+                 ? 0
+                 : EINVAL;
+    };
     // The accumulator (this rank's outputs) op= the contiguous `in`, or op=
     // this rank's inputs (in == nullptr).
     auto fold = [&](const char* in) {
-      failed_call = "MPI_Reduce_local";
       spans.Pieces(at, at + cnt, [&](size_t i, size_t first, size_t count,
                                      size_t index) {
         const char* from =
             in != nullptr ? in + (index - at) * es : spans.src(i) + first * es;
-        err = MPI_Reduce_local(from, spans.dst(i) + first * es,
-                               static_cast<int>(count), dt, mop) == MPI_SUCCESS
-                  ? 0
-                  : EINVAL;
+        err = reduce(from, spans.dst(i) + first * es, count);
         return err == 0;
       });
       return err;
@@ -254,13 +258,7 @@ Status CmaAllreduce(Comm& c, Caller& caller, const Spans& spans,
         // sum = ((x0 + x1) + ...) + x(r-1), then folded into x(r).
         if ((err = read(0, sum)) == 0) {
           for (int j = 1; j < r && err == 0; ++j) {
-            if ((err = read(j, tmp)) == 0) {
-              failed_call = "MPI_Reduce_local";
-              err = MPI_Reduce_local(tmp, sum, static_cast<int>(cnt), dt,
-                                     mop) == MPI_SUCCESS
-                        ? 0
-                        : EINVAL;
-            }
+            if ((err = read(j, tmp)) == 0) err = reduce(tmp, sum, cnt);
           }
         }
         if (err == 0) err = fold(sum);
