@@ -21,9 +21,10 @@ whose collectives XLA runs itself. Rows (µs per blocking call: p10 / median
 ``--devices L`` gives every rank L CPU devices
 (``--xla_force_host_platform_device_count``): the rows then span every
 device of every rank, each (rank, local device) a member of XLA's
-communicators, and two references join them: XLA's all-reduce between the L
-devices of one process (1 rank, JAX not distributed) and the all-reduce of
-the same rows at 1 device per rank over MPI (``P`` x 1).
+communicators, and references join them: XLA's all-reduce between the L
+devices of one process (1 rank, JAX not distributed), the same run by P such
+processes at once (the device threads of the P x L job on the same cores),
+and the all-reduce of the same rows at 1 device per rank over MPI (``P`` x 1).
 
 Every row's result is checked against NumPy before it is timed; the script
 exits 1 if any result is wrong.
@@ -77,6 +78,10 @@ LABELS = {
   "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
   "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
   "xla_local": "jit x.sum(0): XLA's all-reduce between one process's devices (1 rank)",
+  "xla_local_shared": (
+    "jit x.sum(0): XLA's all-reduce between one process's devices, every rank's process at once "
+    "(JAX not distributed)"
+  ),
   "xla_mpi_flat": "jit x.sum(0) over MPI at 1 device per rank",
   "xla_add1": "jit x + 1 over the same rows: reads and writes what any all-reduce must",
 }
@@ -97,6 +102,7 @@ PHASES = {
   "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
   # With --devices L: the references (1 rank x L devices; P ranks x 1).
   "local": (("xla_local",), {}),
+  "local_shared": (("xla_local_shared",), {"MPIJAX_JAX_DISTRIBUTED": "0"}),
   "flat": (("xla_mpi_flat",), {}),
 }
 
@@ -104,12 +110,17 @@ PHASES = {
 def phase_plan(nprocs: int, devices: int) -> dict[str, tuple[int, dict[str, str]]]:
   """phase -> (ranks, environment) of a run at ``nprocs`` x ``devices``."""
   if devices == 1:
-    return {p: (nprocs, env) for p, (_, env) in PHASES.items() if p not in ("local", "flat")}
+    return {
+      p: (nprocs, env)
+      for p, (_, env) in PHASES.items()
+      if p not in ("local", "local_shared", "flat")
+    }
   dev = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   return {
     "mpi": (nprocs, dev),
     "gloo": (nprocs, {**PHASES["gloo"][1], **dev}),
     "local": (1, dev),
+    "local_shared": (nprocs, {**PHASES["local_shared"][1], **dev}),
     "flat": (nprocs, {}),
   }
 
@@ -297,6 +308,7 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
     "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
     "mpijax_psum_checkjob": lambda: _mpijax_factory(hc),
     "xla_local": lambda: _xla_factory(hc, "local"),
+    "xla_local_shared": lambda: _xla_factory(hc, "local"),
     "xla_mpi_flat": lambda: _xla_factory(hc, "mpi"),
     "xla_add1": lambda: _xla_factory(hc, "mpi", "add1"),
   }
@@ -321,6 +333,7 @@ def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> li
     size = _common.fmt_size(s)
     mpi, gloo, own = get("xla_mpi", s), get("xla_gloo", s), get("mpijax_psum", s)
     local, flat = get("xla_local", s), get("xla_mpi_flat", s)
+    shared = get("xla_local_shared", s)
     if s in (4 << 10, 1 << 20):
       if mpi is None or gloo is None:
         line(None, f"{size} all-reduce over MPI >= 3x faster than gloo: missing")
@@ -347,6 +360,13 @@ def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> li
           f"info  {size} floor, jit x + 1 over the same rows: {floor:.1f} us = "
           f"{floor / ref:.2f}x (local + 1 device per rank); all-reduce / floor "
           f"= {mpi / floor:.2f}x"
+        )
+      if shared is not None:
+        # The same reference with its local part timed under the job's load:
+        # every rank's device threads on the same cores at once.
+        out.append(
+          f"info  {size} all-reduce / (local, every rank's process at once + 1 device per "
+          f"rank): {mpi:.1f} / ({shared:.1f} + {flat:.1f}) us = {mpi / (shared + flat):.2f}x"
         )
     if s >= 256 << 10:
       if mpi is None or own is None:
