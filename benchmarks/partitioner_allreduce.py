@@ -232,6 +232,8 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
 def _mpijax_factory(hc: HarnessComm, kind: str = "sum"):
   import jax
   import numpy as np
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import mpijax
@@ -256,13 +258,17 @@ def _mpijax_factory(hc: HarnessComm, kind: str = "sum"):
       mpijax.shard_map(_body(mlax, kind, n), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     )
 
+  # This rank's rows, row l on local device l: the layout mpijax.shard_map
+  # splits its input into, so that no call starts with a copy between devices.
+  local_rows = NamedSharding(Mesh(np.array(jax.local_devices()), ("l",)), P("l"))
+
   def build(nbytes: int):
     if kind == "sum":
-      x = jax.device_put(_rows(n, nbytes))
+      x = jax.device_put(_rows(n, nbytes), local_rows)
       _check(f(x), n * (n + 1) / 2, "mpijax.shard_map psum")
     else:
       full = _full(n, _elements(n, nbytes))
-      x = jax.device_put(full[r * L : (r + 1) * L])
+      x = jax.device_put(full[r * L : (r + 1) * L], local_rows)
       got = np.asarray(f(x))
       want = np.concatenate([_expected(kind, full, r * L + l, n) for l in range(L)])
       if got.shape != want.shape or not np.array_equal(got, want):
