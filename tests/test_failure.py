@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from mpijax._src.launch import session_dirs
 from tests._launch import REPO
 from tests._launch import assert_failed_without_hanging
 from tests._launch import run_mpi
@@ -101,8 +102,9 @@ def test_a_one_line_error_is_one_block_of_at_most_15_lines(script, first):
 
 
 def test_a_job_whose_launcher_was_killed_leaves_no_shared_memory_file():
-  # mpirun's launcher removes Open MPI's segment files at the job's end; killed,
-  # it cannot: mpijax-run removes them (each rank noted its files).
+  # mpirun's launcher removes Open MPI's segment files and its session directory
+  # at the job's end; killed, it cannot: mpijax-run removes them (each rank noted
+  # its files; the session directory is named after the launcher's process id).
   cmd = [
     sys.executable,
     "-m",
@@ -140,6 +142,8 @@ def test_a_job_whose_launcher_was_killed_leaves_no_shared_memory_file():
       proc.wait()
   assert proc.returncode != 0, out
   assert not [p for p in segments if os.path.exists(p)], (segments, out)
+  session = os.path.join(session_dirs.tmp_base(), f"ompi.{launchers[0]}")
+  assert not os.path.exists(session), (session, out)
 
 
 def _children(pid: int) -> list[int]:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -20,6 +21,7 @@ from mpijax._src.launch import common
 from mpijax._src.launch import hosts
 from mpijax._src.launch import mpi_probe
 from mpijax._src.launch import program
+from mpijax._src.launch import session_dirs
 from mpijax._src.launch import situation
 from mpijax._src.launch.mpi_probe import MPIInfo
 from mpijax._src.launch.situation import Situation
@@ -258,9 +260,18 @@ def test_no_ofi_btl_for_a_job_on_a_machine_without_a_fabric():
     (["-n", "4", "--", "python", "x.py"], sit(fabric=True)),
     (["-n", "4", "--hosts", "a:2,b:2", "--", "python", "x.py"], sit(fabric=False)),
     (["-n", "4", "--", "python", "x.py"], sit(fabric=False, env={**base, "SLURM_JOB_ID": "7"})),
-    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, env={**base, "OMPI_MCA_btl": "tcp,self"})),
-    (["-n", "4", "--launcher-args", "--mca btl self,sm", "--", "python", "x.py"], sit(fabric=False)),
-    (["-n", "4", "--", "python", "x.py"], sit(fabric=False, mpi=MPIInfo("openmpi", (4, 0), "", None))),
+    (
+      ["-n", "4", "--", "python", "x.py"],
+      sit(fabric=False, env={**base, "OMPI_MCA_btl": "tcp,self"}),
+    ),
+    (
+      ["-n", "4", "--launcher-args", "--mca btl self,sm", "--", "python", "x.py"],
+      sit(fabric=False),
+    ),
+    (
+      ["-n", "4", "--", "python", "x.py"],
+      sit(fabric=False, mpi=MPIInfo("openmpi", (4, 0), "", None)),
+    ),
     (["-n", "4", "--", "python", "x.py"], sit(fabric=False, mpi=MPICH, mpirun="/p/bin/mpiexec")),
   ]:
     got = cmd(argv, s)
@@ -426,6 +437,57 @@ def test_bad_arguments(argv, message, capsys):
     cli.parse_args(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def _dead_pid() -> int:
+  """The id of a process that has just ended (ids do not come round within a test)."""
+  proc = subprocess.Popen(["true"])
+  proc.wait()
+  return proc.pid
+
+
+def test_stale_session_dirs_are_those_of_gone_launchers(tmp_path):
+  """Open MPI's launcher session directories whose launcher is gone, or whose id another
+  program now has, are stale; a running launcher's, other names and files are not."""
+  dead, me = _dead_pid(), os.getpid()
+  launcher = subprocess.Popen(  # a live process called prterun
+    [
+      sys.executable,
+      "-c",
+      "import ctypes, time; ctypes.CDLL(None).prctl(15, b'prterun', 0, 0, 0); "
+      "print('ready', flush=True); time.sleep(60)",
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert launcher.stdout.readline().strip() == "ready"
+    stale = [f"ompi.{dead}", f"prted.{dead}", f"ompi.{me}"]
+    kept = [f"ompi.{launcher.pid}", "ompi.vm.0", "ompi.vm", "ompi.12x", "prte.vm.0"]
+    for name in stale + kept:
+      (tmp_path / name).mkdir()
+    a_file = f"ompi.{_dead_pid()}"
+    (tmp_path / a_file).write_text("a file, not a session directory")
+    if os.getuid() == 0:  # another user's: never ours to remove
+      other = tmp_path / f"ompi.{_dead_pid()}"
+      other.mkdir()
+      os.chown(other, 65534, 65534)
+      kept.append(other.name)
+    assert sorted(session_dirs.stale(str(tmp_path))) == sorted(str(tmp_path / n) for n in stale)
+    removed = session_dirs.remove_stale({"TMPDIR": str(tmp_path)})
+    assert sorted(removed) == sorted(str(tmp_path / n) for n in stale)
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted(kept + [a_file]), left
+  finally:
+    launcher.kill()
+    launcher.wait()
+
+
+def test_session_dirs_go_where_the_launcher_puts_them():
+  assert session_dirs.tmp_base({"TMPDIR": "/a", "TEMP": "/b", "TMP": "/c"}) == "/a"
+  assert session_dirs.tmp_base({"TEMP": "/b", "TMP": "/c"}) == "/b"
+  assert session_dirs.tmp_base({"TMP": "/c"}) == "/c"
+  assert session_dirs.tmp_base({"TMPDIR": ""}) == "/tmp"
 
 
 def run_cli(*args, timeout=120, **kw):
@@ -821,3 +883,71 @@ def test_sigusr1_reaches_every_rank_and_exit_75_is_not_restarted(tmp_path):
   assert "rank 0 ready" in out and "rank 1 ready" in out  # --tee: on the console too
   attempts = (tmp_path / "attempts.jsonl").read_text().splitlines()
   assert len(attempts) == 1 and json.loads(attempts[0])["verdict"] == "preempted", attempts
+
+
+@needs_mpirun
+def test_a_session_directory_a_killed_launcher_left_does_not_stop_the_next_job():
+  """Open MPI's launcher, killed, leaves its session directory; a launcher that gets the same
+  process id stops at once. mpijax-run removes such directories before it launches."""
+  info = mpi_probe.probe_mpi()
+  if info.flavor != "openmpi":
+    pytest.skip(f"Open MPI's launcher keeps these directories; this MPI is {info.flavor}")
+  mpirun = mpi_probe.find_mpirun(info, os.environ.get("PATH"))
+  base = tempfile.mkdtemp(prefix="mj", dir="/tmp")  # short: PMIx keeps sockets there
+  env = {
+    **os.environ,
+    "TMPDIR": base,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+  }
+
+  def sessions():
+    return sorted(n for n in os.listdir(base) if n.startswith("ompi."))
+
+  try:
+    # A launcher killed (SIGKILL) while its job runs: its directory stays.
+    proc = subprocess.Popen(
+      [mpirun, "-n", "1", "sleep", "60"],
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+      start_new_session=True,
+    )
+    try:
+      assert _wait_for(
+        lambda: any(
+          n.startswith("pmix.") for s in sessions() for n in os.listdir(os.path.join(base, s))
+        ),
+        30,
+      ), sessions()
+    finally:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+    [left] = sessions()
+    old = left.split(".", 1)[1]
+    # The same directory under the next process ids, as the launcher of a later job
+    # finds it once the ids have come round.
+    with open("/proc/sys/kernel/pid_max") as f:
+      pid_max = int(f.read())
+    pid = os.getpid()
+    for i in range(1, 400):
+      p = pid + i if pid + i < pid_max else 300 + pid + i - pid_max
+      target = os.path.join(base, f"ompi.{p}")
+      if os.path.exists(target):
+        continue
+      shutil.copytree(os.path.join(base, left), target, symlinks=True)
+      for name in os.listdir(target):
+        if old in name:
+          os.rename(os.path.join(target, name), os.path.join(target, name.replace(old, str(p))))
+    plain = subprocess.run(
+      [mpirun, "-n", "1", "true"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert plain.returncode != 0, "plain mpirun ran: the stale directory did not stop it"
+    assert "PMIx server's listener thread failed to start" in plain.stdout + plain.stderr, (
+      plain.stdout + plain.stderr
+    )
+    out = run_cli("-n", "1", "--timeout", "60", "--no-wrap", "--", "true", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sessions() == [], sessions()
+  finally:
+    shutil.rmtree(base, ignore_errors=True)

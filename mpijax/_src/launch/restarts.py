@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from mpijax._src.launch import joblog
+from mpijax._src.launch import session_dirs
 from mpijax._src.launch.commands import build_command
 from mpijax._src.launch.commands import output_kind
 from mpijax._src.launch.common import GRACE_SECONDS
@@ -172,9 +173,11 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
         cmd = build_command(opts, sit, plan)
         detail = f" on {host_list(plan.hosts)}" if plan.hosts is not None else ""
         relay.begin(plan.attempt, plan.np or int(sit.env.get("SLURM_NTASKS", "0") or 0), detail)
+        _removed_sessions(relay, session_dirs.remove_stale())
         started, t0 = time.time(), time.monotonic()
         outcome = run_launcher(cmd, signals, deadline, grace, relay, opts.timeout)
         _removed(relay, job_files.clean())
+        _removed_sessions(relay, session_dirs.remove_stale())
         kind, status = verdict(outcome, relay.reasons)
         reason = "completed" if kind == "ok" else relay.reasons.summary(outcome.status)
         attempt = Attempt(
@@ -247,6 +250,11 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
 def _removed(relay: joblog.Relay, paths: list[str]) -> None:
   if paths:
     relay.log(f"{PROG}: removed what the job left in /dev/shm: {' '.join(paths)}")
+
+
+def _removed_sessions(relay: joblog.Relay, paths: list[str]) -> None:
+  if paths:
+    relay.log(f"{PROG}: removed session directories of killed launchers: {' '.join(paths)}")
 
 
 def _next_plan(
