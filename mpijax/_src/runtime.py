@@ -33,6 +33,7 @@ from mpijax._src.timeline import record as timeline_record
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """Where this rank sits in the job."""
+
   rank: int
   size: int
   local_rank: int
@@ -48,15 +49,18 @@ class Topology:
     return self.hostnames[self.rank]
 
   def __str__(self) -> str:
-    return (f"Topology(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
-            f"local_size={self.local_size}, node={self.node_index}/{self.node_count}, "
-            f"host={self.hostname!r}, coordinator={self.coordinator_address!r}, "
-            f"launcher={self.launcher!r})")
+    return (
+      f"Topology(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+      f"local_size={self.local_size}, node={self.node_index}/{self.node_count}, "
+      f"host={self.hostname!r}, coordinator={self.coordinator_address!r}, "
+      f"launcher={self.launcher!r})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
   """One entry of the global device table."""
+
   process_index: int
   local_index: int
   global_index: int
@@ -68,6 +72,7 @@ class DeviceInfo:
 @dataclasses.dataclass
 class Runtime:
   """What ``mpijax.init()`` returns; one per process."""
+
   topology: Topology
   comm: Any  # mpi4py communicator: mpijax's private clone
   local_devices: list[Any]
@@ -97,13 +102,15 @@ class Runtime:
 
   def __str__(self) -> str:
     t = self.topology
-    return (f"mpijax.Runtime(rank {t.rank}/{t.size}, local {t.local_rank}/{t.local_size}, "
-            f"node {t.node_index}/{t.node_count} {t.hostname!r}, launcher={t.launcher!r}, "
-            f"coordinator={t.coordinator_address!r}, devices={self.local_device_count} x "
-            f"{self.platform} (global {len(self.device_table)}), "
-            f"jax_distributed={self.jax_distributed}"
-            + (f", xla_collectives={self.xla_collectives!r}" if self.xla_collectives else "")
-            + ")")
+    return (
+      f"mpijax.Runtime(rank {t.rank}/{t.size}, local {t.local_rank}/{t.local_size}, "
+      f"node {t.node_index}/{t.node_count} {t.hostname!r}, launcher={t.launcher!r}, "
+      f"coordinator={t.coordinator_address!r}, devices={self.local_device_count} x "
+      f"{self.platform} (global {len(self.device_table)}), "
+      f"jax_distributed={self.jax_distributed}"
+      + (f", xla_collectives={self.xla_collectives!r}" if self.xla_collectives else "")
+      + ")"
+    )
 
   __repr__ = __str__
 
@@ -122,8 +129,9 @@ def get(what: str = "this operation") -> Runtime:
   rt = _runtime
   if rt is None:
     raise RuntimeError(
-        f"{what} needs the mpijax runtime: call mpijax.init() first "
-        "(once per process, before any mpijax collective).")
+      f"{what} needs the mpijax runtime: call mpijax.init() first "
+      "(once per process, before any mpijax collective)."
+    )
   return rt
 
 
@@ -143,6 +151,7 @@ def _user_cpu_device_count() -> int | None:
   if m:
     return int(m.group(1))
   import jax
+
   n = jax.config.jax_num_cpu_devices
   return n if n and n > 0 else None
 
@@ -155,25 +164,34 @@ def _configure_devices(devices_per_process: int | None, local_rank: int, local_s
   import jax
 
   from mpijax._src import jax_compat
-  requested = devices_per_process if devices_per_process is not None else config.get("devices_per_process")
+
+  requested = (
+    devices_per_process if devices_per_process is not None else config.get("devices_per_process")
+  )
   if requested is not None and requested < 1:
     raise ValueError(f"devices_per_process must be >= 1, got {requested}")
   user = _user_cpu_device_count()
   if jax_compat.backends_started():
-    if requested is not None and jax.local_device_count() != requested and jax.default_backend() == "cpu":
+    if (
+      requested is not None
+      and jax.local_device_count() != requested
+      and jax.default_backend() == "cpu"
+    ):
       raise RuntimeError(
-          f"devices_per_process={requested} was requested but JAX already started with "
-          f"{jax.local_device_count()} CPU devices. Call mpijax.init() before the first use of "
-          "JAX devices (jax.devices(), creating arrays, jit calls).")
+        f"devices_per_process={requested} was requested but JAX already started with "
+        f"{jax.local_device_count()} CPU devices. Call mpijax.init() before the first use of "
+        "JAX devices (jax.devices(), creating arrays, jit calls)."
+      )
     if jax.default_backend() == "cpu":
       _warn_small_cpu_pool(jax.local_device_count())
     return jax.local_device_count()
   if requested is not None:
     if user is not None and user != requested:
       raise ValueError(
-          f"devices_per_process={requested} conflicts with the user's own setting of {user} CPU "
-          "devices (XLA_FLAGS=--xla_force_host_platform_device_count or jax_num_cpu_devices). "
-          "Drop one of the two.")
+        f"devices_per_process={requested} conflicts with the user's own setting of {user} CPU "
+        "devices (XLA_FLAGS=--xla_force_host_platform_device_count or jax_num_cpu_devices). "
+        "Drop one of the two."
+      )
     if user is None:
       jax.config.update("jax_num_cpu_devices", requested)
   _size_cpu_pool(requested or user or 1)
@@ -200,8 +218,10 @@ def _cpu_pool_threads(devices: int) -> int:
     value = os.environ.get(var)
     if value is not None and value.strip().isdigit():
       return max(int(value), devices)
-  return max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else (os.cpu_count() or 1), devices)
+  return max(
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+    devices,
+  )
 
 
 def _size_cpu_pool(devices: int) -> None:
@@ -216,10 +236,12 @@ def _size_cpu_pool(devices: int) -> None:
 def _warn_small_cpu_pool(devices: int) -> None:
   threads = _cpu_pool_threads(devices)
   if devices > 1 and threads < 2 * devices:
-    log.warning(f"JAX's CPU client has {threads} threads for {devices} local devices "
-                f"(fewer than 2 per device): independent multi-device calls dispatched back "
-                f"to back can stall. Call mpijax.init() before JAX starts (mpijax then sets "
-                f"PJRT_NPROC={2 * devices}), or set PJRT_NPROC={2 * devices} yourself.")
+    log.warning(
+      f"JAX's CPU client has {threads} threads for {devices} local devices "
+      f"(fewer than 2 per device): independent multi-device calls dispatched back "
+      f"to back can stall. Call mpijax.init() before JAX starts (mpijax then sets "
+      f"PJRT_NPROC={2 * devices}), or set PJRT_NPROC={2 * devices} yourself."
+    )
 
 
 def _configure_gpu(local_rank: int, local_size: int) -> None:
@@ -227,11 +249,13 @@ def _configure_gpu(local_rank: int, local_size: int) -> None:
   import importlib.util
 
   import jax
-  has_cuda = any(importlib.util.find_spec(m) is not None
-                 for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+  has_cuda = any(
+    importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+  )
   if not has_cuda or "JAX_CUDA_VISIBLE_DEVICES" in os.environ:
     return
-  platforms = (jax.config.jax_platforms or "")
+  platforms = jax.config.jax_platforms or ""
   if platforms and "cuda" not in platforms and "gpu" not in platforms:
     return
   visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -243,13 +267,16 @@ def _configure_gpu(local_rank: int, local_size: int) -> None:
     return
   index = local_rank if n is None else local_rank % n
   if n is not None and local_size > n:
-    log.warning(f"{local_size} ranks on this node share {n} visible GPUs "
-                f"(CUDA_VISIBLE_DEVICES={visible!r}); rank {local_rank} uses GPU {index}.")
+    log.warning(
+      f"{local_size} ranks on this node share {n} visible GPUs "
+      f"(CUDA_VISIBLE_DEVICES={visible!r}); rank {local_rank} uses GPU {index}."
+    )
   # Indexes JAX's view, which already honours CUDA_VISIBLE_DEVICES.
   jax.config.update("jax_cuda_visible_devices", str(index))
 
 
 # --- coordinator -------------------------------------------------------------
+
 
 def _free_port(host: str) -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -297,6 +324,7 @@ def _pick_coordinator(comm, hostnames: Sequence[str], explicit: str | None) -> s
 
 # --- init / shutdown ---------------------------------------------------------
 
+
 def _node_layout(hostnames: Sequence[str], rank: int) -> tuple[int, int]:
   nodes: list[str] = []
   for h in hostnames:
@@ -309,27 +337,36 @@ def _check(name: str, launcher: str, env_value: int | None, mpi_value: int) -> s
   """The problem when the launcher (or an explicit argument) and MPI disagree, else ''."""
   if env_value is None or env_value == mpi_value:
     return ""
-  return (f"mpijax.init(): the {launcher!r} launcher environment (or init's arguments) says "
-          f"{name}={env_value}, but MPI.COMM_WORLD says {name}={mpi_value}. The environment "
-          "belongs to a different launch (e.g. variables inherited from an outer job, or mpi4py "
-          "linked to another MPI than the launcher's), or the argument is wrong. Launch with the "
-          "mpirun/srun matching mpi4py's MPI, or pass launcher='mpi' to trust MPI alone.")
+  return (
+    f"mpijax.init(): the {launcher!r} launcher environment (or init's arguments) says "
+    f"{name}={env_value}, but MPI.COMM_WORLD says {name}={mpi_value}. The environment "
+    "belongs to a different launch (e.g. variables inherited from an outer job, or mpi4py "
+    "linked to another MPI than the launcher's), or the argument is wrong. Launch with the "
+    "mpirun/srun matching mpi4py's MPI, or pass launcher='mpi' to trust MPI alone."
+  )
 
 
 def _check_arguments(coordinator_address: Any, devices_per_process: Any, comm: Any) -> None:
   """Type and format errors in init's arguments, before anything starts."""
   if devices_per_process is not None and (
-      isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer))):
-    raise TypeError(f"mpijax.init got devices_per_process={devices_per_process!r}; "
-                    "expected an int >= 1 (CPU devices per rank).")
+    isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer))
+  ):
+    raise TypeError(
+      f"mpijax.init got devices_per_process={devices_per_process!r}; "
+      "expected an int >= 1 (CPU devices per rank)."
+    )
   if coordinator_address is not None:
     host, sep, port = str(coordinator_address).rpartition(":")
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-      raise ValueError(f"mpijax.init got coordinator_address={coordinator_address!r}; "
-                       "expected 'host:port' with a port in 1..65535, e.g. '10.0.0.1:12345'.")
+      raise ValueError(
+        f"mpijax.init got coordinator_address={coordinator_address!r}; "
+        "expected 'host:port' with a port in 1..65535, e.g. '10.0.0.1:12345'."
+      )
   if comm is not None and not hasattr(comm, "Get_rank"):
-    raise TypeError(f"mpijax.init got comm={comm!r}; expected an mpi4py communicator "
-                    "(e.g. MPI.COMM_WORLD or a communicator split from it).")
+    raise TypeError(
+      f"mpijax.init got comm={comm!r}; expected an mpi4py communicator "
+      "(e.g. MPI.COMM_WORLD or a communicator split from it)."
+    )
 
 
 def _raise_on_every_rank(comm, problems: list[str]) -> None:
@@ -341,17 +378,20 @@ def _raise_on_every_rank(comm, problems: list[str]) -> None:
     raise RuntimeError(f"{text.splitlines()[0]} (found on rank {rank}{more})")
 
 
-def init(*, launcher: str | None = None,
-         rank: int | None = None,
-         size: int | None = None,
-         local_rank: int | None = None,
-         local_size: int | None = None,
-         coordinator_address: str | None = None,
-         devices_per_process: int | None = None,
-         jax_distributed: bool | None = None,
-         comm: Any = None,
-         abort_on_exception: bool | None = None,
-         timeline: str | None = None) -> Runtime:
+def init(
+  *,
+  launcher: str | None = None,
+  rank: int | None = None,
+  size: int | None = None,
+  local_rank: int | None = None,
+  local_size: int | None = None,
+  coordinator_address: str | None = None,
+  devices_per_process: int | None = None,
+  jax_distributed: bool | None = None,
+  comm: Any = None,
+  abort_on_exception: bool | None = None,
+  timeline: str | None = None,
+) -> Runtime:
   """Starts the mpijax runtime on this rank (idempotent).
 
   Args:
@@ -395,17 +435,29 @@ def init(*, launcher: str | None = None,
     _check_arguments(coordinator_address, devices_per_process, comm)
     if coordinator_address is None:  # JAX's convention: JAX_COORDINATOR_ADDRESS
       coordinator_address = config.get("jax_coordinator_address") or None
-    info = cluster.detect(launcher or config.get("launcher") or None, rank=rank, size=size,
-                          local_rank=local_rank, local_size=local_size)
+    info = cluster.detect(
+      launcher or config.get("launcher") or None,
+      rank=rank,
+      size=size,
+      local_rank=local_rank,
+      local_size=local_size,
+    )
     MPI = mpi_util.import_mpi()
     base = comm if comm is not None else MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-      log.warning(f"MPI was initialized with thread level {MPI.Query_thread()} "
-                  "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
-                  "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE.")
+      log.warning(
+        f"MPI was initialized with thread level {MPI.Query_thread()} "
+        "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
+        "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE."
+      )
     if comm is None:
-      _raise_on_every_rank(base, [_check("rank", info.launcher, info.rank, base.Get_rank()),
-                                  _check("size", info.launcher, info.size, base.Get_size())])
+      _raise_on_every_rank(
+        base,
+        [
+          _check("rank", info.launcher, info.rank, base.Get_rank()),
+          _check("size", info.launcher, info.size, base.Get_size()),
+        ],
+      )
     my_rank, my_size = base.Get_rank(), base.Get_size()
     private = base.Clone()
     private.Set_name("mpijax")
@@ -421,9 +473,13 @@ def init(*, launcher: str | None = None,
     shared.Free()
     if comm is None:
       try:
-        _raise_on_every_rank(private, [
+        _raise_on_every_rank(
+          private,
+          [
             _check("local_rank", info.launcher, info.local_rank, mpi_local_rank),
-            _check("local_size", info.launcher, info.local_size, mpi_local_size)])
+            _check("local_size", info.launcher, info.local_size, mpi_local_size),
+          ],
+        )
       except RuntimeError:
         private.Free()
         raise
@@ -438,35 +494,55 @@ def init(*, launcher: str | None = None,
     import jax
 
     from mpijax._src import jax_compat
+
     started = None
     if use_dist or jax_compat.distributed.global_state.client is not None:
       try:
         # Before JAX's runtime spans the ranks: an uneven job stops here, clearly.
         _check_device_counts(private, n_local)
-        started = jax_runtime.start(private, address=address, rank=my_rank, size=my_size,
-                                    local_devices=n_local,
-                                    raise_on_every_rank=_raise_on_every_rank)
+        started = jax_runtime.start(
+          private,
+          address=address,
+          rank=my_rank,
+          size=my_size,
+          local_devices=n_local,
+          raise_on_every_rank=_raise_on_every_rank,
+        )
       except BaseException:
         private.Free()
         raise
     from mpijax._src import multihost
+
     multihost.install()
     local_devices = list(jax.local_devices())
     if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
       raise RuntimeError(
-          f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
-          f"but MPI says rank {my_rank} of {my_size}.")
+        f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
+        f"but MPI says rank {my_rank} of {my_size}."
+      )
     table = _device_table(private, local_devices, host)
 
-    topology = Topology(rank=my_rank, size=my_size, local_rank=mpi_local_rank,
-                        local_size=mpi_local_size, node_index=node_index,
-                        node_count=node_count, hostnames=hostnames,
-                        coordinator_address=address, launcher=info.launcher)
-    _runtime = Runtime(topology=topology, comm=private, local_devices=local_devices,
-                       device_table=table, jax_distributed=started is not None,
-                       xla_collectives=started.collectives if started else "",
-                       _world_comm=base,
-                       _owns_distributed=bool(started and started.owns_distributed))
+    topology = Topology(
+      rank=my_rank,
+      size=my_size,
+      local_rank=mpi_local_rank,
+      local_size=mpi_local_size,
+      node_index=node_index,
+      node_count=node_count,
+      hostnames=hostnames,
+      coordinator_address=address,
+      launcher=info.launcher,
+    )
+    _runtime = Runtime(
+      topology=topology,
+      comm=private,
+      local_devices=local_devices,
+      device_table=table,
+      jax_distributed=started is not None,
+      xla_collectives=started.collectives if started else "",
+      _world_comm=base,
+      _owns_distributed=bool(started and started.owns_distributed),
+    )
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
     if abort:
       failure.install()
@@ -489,8 +565,9 @@ def init(*, launcher: str | None = None,
       register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
     atexit.register(_drain_at_exit)
     if timeline_path:
-      timeline_record.start(str(timeline_path), private, hostnames=hostnames,
-                            devices=len(local_devices))
+      timeline_record.start(
+        str(timeline_path), private, hostnames=hostnames, devices=len(local_devices)
+      )
     return _runtime
 
 
@@ -501,10 +578,11 @@ def _check_device_counts(comm, count: int) -> list[int]:
     majority = max(set(counts), key=counts.count)
     odd = [r for r, c in enumerate(counts) if c != majority]
     raise RuntimeError(
-        "mpijax.init(): every rank must have the same number of local devices, but "
-        + ", ".join(f"rank {r} has {counts[r]}" for r in odd)
-        + f" while the others have {majority}. Set the same devices_per_process / "
-        "MPIJAX_DEVICES_PER_PROCESS / XLA_FLAGS on every rank (mpijax-run does this).")
+      "mpijax.init(): every rank must have the same number of local devices, but "
+      + ", ".join(f"rank {r} has {counts[r]}" for r in odd)
+      + f" while the others have {majority}. Set the same devices_per_process / "
+      "MPIJAX_DEVICES_PER_PROCESS / XLA_FLAGS on every rank (mpijax-run does this)."
+    )
   return counts
 
 
@@ -536,6 +614,7 @@ def _drain_at_exit() -> None:
     return
   try:
     import jax
+
     for a in jax.live_arrays():
       try:
         a.block_until_ready()
@@ -554,8 +633,13 @@ def start_timeline(path: str) -> None:
   on every rank.
   """
   rt = get("mpijax.timeline.start()")
-  timeline_record.start(path, rt.comm, hostnames=rt.topology.hostnames,
-                        devices=rt.local_device_count, drain=_drain_at_exit)
+  timeline_record.start(
+    path,
+    rt.comm,
+    hostnames=rt.topology.hostnames,
+    devices=rt.local_device_count,
+    drain=_drain_at_exit,
+  )
 
 
 def finish_timeline() -> str | None:
@@ -579,6 +663,7 @@ def shutdown() -> None:
     _shutdown_hooks.clear()
     if rt._owns_distributed:
       import jax
+
       jax.distributed.shutdown()
     MPI = mpi_util.import_mpi()
     if not MPI.Is_finalized():
@@ -588,6 +673,7 @@ def shutdown() -> None:
 
 
 # --- convenience accessors ---------------------------------------------------
+
 
 def process_index() -> int:
   return get("mpijax.process_index()").rank

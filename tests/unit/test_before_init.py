@@ -8,20 +8,23 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("call", [
+@pytest.mark.parametrize(
+  "call",
+  [
     "mpijax.ops.allreduce(jnp.ones(2))",
     "jax.jit(lambda x: mpijax.ops.allgather(x))(jnp.ones(2))",
-])
+  ],
+)
 def test_collective_before_init_says_call_init(call):
   code = f"import jax, jax.numpy as jnp, mpijax, mpijax.ops\n{call}\n"
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=120)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "needs the mpijax runtime: call mpijax.init() first" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_init_argument_errors_name_the_value_and_the_fix():
   from mpijax._src import runtime
+
   with pytest.raises(ValueError, match=r"coordinator_address='127.0.0.1:abc'.*'host:port'"):
     runtime._check_arguments("127.0.0.1:abc", None, None)
   with pytest.raises(TypeError, match=r"devices_per_process='2'.*int >= 1"):
@@ -34,6 +37,7 @@ def test_init_argument_errors_name_the_value_and_the_fix():
 def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
   """XLA's CPU client needs 2 threads per device for back-to-back multi-device calls."""
   from mpijax._src import runtime
+
   for var in ("PJRT_NPROC", "NPROC"):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -49,6 +53,7 @@ def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
 
 def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, caplog):
   from mpijax._src import runtime
+
   monkeypatch.delenv("NPROC", raising=False)
   monkeypatch.setenv("PJRT_NPROC", "3")
   runtime._size_cpu_pool(2)
