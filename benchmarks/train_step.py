@@ -223,7 +223,7 @@ def _with_settings(build, **values):
   the transport around each call, so the rows it is interleaved with keep
   the defaults)."""
   from mpijax._src import config
-  from mpijax._src.ops.settings import push_settings
+  from mpijax._src.ffi.settings import push_settings
 
   def wrapped():
     run = build()

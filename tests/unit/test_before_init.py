@@ -51,6 +51,29 @@ def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
   assert "PJRT_NPROC" not in runtime.os.environ
 
 
+def test_ranks_sharing_a_node_unbound_each_get_their_share_of_its_cores(monkeypatch):
+  """XLA's CPU pool (and how far its compiler splits a loop) is the rank's share of the
+  node's cores where the node's ranks all run on all of them."""
+  from mpijax._src import runtime
+
+  def pool(devices, local_size, cpus, online):
+    for var in ("PJRT_NPROC", "NPROC"):
+      monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(cpus))
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: online)
+    runtime._size_cpu_pool(devices, local_size)
+    return runtime.os.environ.get("PJRT_NPROC")
+
+  assert pool(1, 2, range(2), 2) == "1"  # 2 ranks on 2 cores
+  assert pool(1, 2, range(8), 8) == "4"
+  assert pool(1, 3, range(8), 8) == "2"
+  assert pool(2, 2, range(8), 8) == "4"  # the share is 4: 2 per device already
+  assert pool(2, 2, range(2), 2) == "4"  # at least 2 per device, share or not
+  assert pool(1, 1, range(8), 8) is None  # the node alone
+  assert pool(1, 2, [3], 8) is None  # its launcher gave it its own cores
+  assert pool(1, 4, [1], 2) is None  # bound to one core (more ranks than cores): XLA sees 1
+
+
 def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, caplog):
   from mpijax._src import runtime
 
