@@ -36,33 +36,33 @@ def test_init_argument_errors_name_the_value_and_the_fix():
 
 def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
   """XLA's CPU client needs 2 threads per device for back-to-back multi-device calls."""
-  from mpijax._src import runtime
+  from mpijax._src import device_setup
 
   for var in ("PJRT_NPROC", "NPROC"):
     monkeypatch.delenv(var, raising=False)
-  monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1})
-  runtime._size_cpu_pool(1)
-  assert "PJRT_NPROC" not in runtime.os.environ  # one device: XLA's own size is enough
-  runtime._size_cpu_pool(2)
-  assert runtime.os.environ["PJRT_NPROC"] == "4"
-  monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
+  monkeypatch.setattr(device_setup.os, "sched_getaffinity", lambda pid: {0, 1})
+  device_setup._size_cpu_pool(1)
+  assert "PJRT_NPROC" not in device_setup.os.environ  # one device: XLA's own size is enough
+  device_setup._size_cpu_pool(2)
+  assert device_setup.os.environ["PJRT_NPROC"] == "4"
+  monkeypatch.setattr(device_setup.os, "sched_getaffinity", lambda pid: set(range(8)))
   monkeypatch.delenv("PJRT_NPROC")
-  runtime._size_cpu_pool(4)  # 8 cores: enough already
-  assert "PJRT_NPROC" not in runtime.os.environ
+  device_setup._size_cpu_pool(4)  # 8 cores: enough already
+  assert "PJRT_NPROC" not in device_setup.os.environ
 
 
 def test_ranks_sharing_a_node_unbound_each_get_their_share_of_its_cores(monkeypatch):
   """XLA's CPU pool (and how far its compiler splits a loop) is the rank's share of the
   node's cores where the node's ranks all run on all of them."""
-  from mpijax._src import runtime
+  from mpijax._src import device_setup
 
   def pool(devices, local_size, cpus, online):
     for var in ("PJRT_NPROC", "NPROC"):
       monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(cpus))
-    monkeypatch.setattr(runtime.os, "cpu_count", lambda: online)
-    runtime._size_cpu_pool(devices, local_size)
-    return runtime.os.environ.get("PJRT_NPROC")
+    monkeypatch.setattr(device_setup.os, "sched_getaffinity", lambda pid: set(cpus))
+    monkeypatch.setattr(device_setup.os, "cpu_count", lambda: online)
+    device_setup._size_cpu_pool(devices, local_size)
+    return device_setup.os.environ.get("PJRT_NPROC")
 
   assert pool(1, 2, range(2), 2) == "1"  # 2 ranks on 2 cores
   assert pool(1, 2, range(8), 8) == "4"
@@ -75,17 +75,17 @@ def test_ranks_sharing_a_node_unbound_each_get_their_share_of_its_cores(monkeypa
 
 
 def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, caplog):
-  from mpijax._src import runtime
+  from mpijax._src import device_setup
 
   monkeypatch.delenv("NPROC", raising=False)
   monkeypatch.setenv("PJRT_NPROC", "3")
-  runtime._size_cpu_pool(2)
-  assert runtime.os.environ["PJRT_NPROC"] == "3"
+  device_setup._size_cpu_pool(2)
+  assert device_setup.os.environ["PJRT_NPROC"] == "3"
   [record] = [r for r in caplog.records if r.name == "mpijax"]
   text = record.getMessage()
   assert record.levelname == "WARNING" and ": warning: JAX's CPU client has 3 threads" in text, text
   assert "3 threads for 2 local devices" in text and "PJRT_NPROC=4" in text, text
   caplog.clear()
   monkeypatch.setenv("PJRT_NPROC", "4")
-  runtime._size_cpu_pool(2)
+  device_setup._size_cpu_pool(2)
   assert not [r for r in caplog.records if r.name == "mpijax"]

@@ -33,6 +33,7 @@ LAYERS: dict[str, list[str]] = {
   "extension": ["_src/ffi/"],
   "runtime": [
     "_src/runtime.py",
+    "_src/device_setup.py",
     "_src/jax_runtime.py",
     "_src/bridge_env.py",
     "_src/xla_labels.py",
