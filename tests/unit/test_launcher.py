@@ -929,7 +929,7 @@ def test_a_session_directory_a_killed_launcher_left_does_not_stop_the_next_job()
     # finds it once the ids have come round.
     with open("/proc/sys/kernel/pid_max") as f:
       pid_max = int(f.read())
-    pid = os.getpid()
+    pid = _dead_pid()  # where the kernel's process ids are now
     for i in range(1, 400):
       p = pid + i if pid + i < pid_max else 300 + pid + i - pid_max
       target = os.path.join(base, f"ompi.{p}")
