@@ -526,6 +526,55 @@ def test_dry_run_prints_the_exact_command():
   assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0 and "mpirun" in argv[0])
 
 
+@pytest.mark.parametrize(
+  "orig_argv,launcher",
+  [
+    (["python", "-m", "mpijax.launch", "-n", "2"], True),
+    (["python", "-X", "importtime", "-u", "-mmpijax.launch"], True),
+    (
+      ["/v/bin/python", "/v/bin/mpijax-run", "-n", "2", "--", "python", "-m", "mpijax.launch"],
+      True,
+    ),
+    # A rank (the wrapper around the program) and user programs load all of mpijax.
+    (["python", "-m", "mpijax", "-m", "mpijax.launch"], False),
+    (["python", "-W", "ignore", "-m", "pytest"], False),
+    (["python", "train.py"], False),
+    (["python", "-c", "import mpijax"], False),
+    (["python"], False),
+  ],
+)
+def test_which_interpreters_run_the_launcher(orig_argv, launcher):
+  assert common.started_as_launcher(orig_argv) == launcher
+
+
+def test_the_launcher_does_not_load_jax():
+  # It only starts the job; every rank loads JAX itself.
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-X",
+      "importtime",
+      "-m",
+      "mpijax.launch",
+      "-n",
+      "2",
+      "--dry-run",
+      "--",
+      "python",
+      "-c",
+      "pass",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=REPO,
+  )
+  assert out.returncode == 0, out.stderr
+  loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+  assert "mpijax._src.launch.cli" in loaded, out.stderr[-2000:]
+  assert not {"jax", "jaxlib", "mpijax._src.runtime"} & loaded, sorted(loaded)
+
+
 def test_missing_n_is_an_error():
   out = run_cli(
     "--dry-run",

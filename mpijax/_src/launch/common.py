@@ -4,6 +4,7 @@ the parsed command line and the plan of one attempt."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 PROG = "mpijax-run"
 
@@ -27,6 +28,22 @@ MAX_BACKOFF_SECONDS = 60.0
 
 # Seconds a host gets to start one process before a restart drops it (--min-ranks).
 PREFLIGHT_SECONDS = 30.0
+
+
+def started_as_launcher(orig_argv: list[str]) -> bool:
+  """Whether the interpreter with command line ``orig_argv`` (``sys.orig_argv``) was
+  started to run ``mpijax-run`` or ``python -m mpijax.launch`` itself, not a rank."""
+  args = iter(orig_argv[1:])
+  for arg in args:
+    if arg in ("-X", "-W"):
+      next(args, None)  # the option's value
+    elif arg.startswith("-m"):
+      return (arg[2:] or next(args, "")) == "mpijax.launch"
+    elif arg == "-c":
+      return False
+    elif not arg.startswith("-"):
+      return os.path.basename(arg) == PROG  # the console script
+  return False
 
 
 class LaunchError(Exception):
