@@ -31,7 +31,6 @@ from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import log
 from mpijax._src import mpi_util
-from mpijax._src import xla_cliques
 from mpijax._src import xla_labels
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather
@@ -175,7 +174,10 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
       _attach(library, comm)
       if local_devices > 1:
         # XLA's requests for communicators do not say which local device asks:
-        # each compiled program's are prepared before it runs (xla_cliques.py).
+        # each compiled program's are prepared before it runs (xla_cliques.py;
+        # imported here: it loads numpy, which mpijax-run's own process never needs).
+        from mpijax._src import xla_cliques
+
         xla_cliques.install(local_devices)
       failure.add_hint(F16_ERROR, F16_HINT)
       if users is None:

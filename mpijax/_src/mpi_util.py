@@ -15,11 +15,12 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from mpijax._src import config
+
+if TYPE_CHECKING:  # numpy loads with the first call that needs it, not with mpijax-run
+  import numpy as np
 
 
 def import_mpi():
@@ -152,6 +153,8 @@ def remove_singleton_segments() -> None:
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
   """Broadcasts a byte string from ``root`` (length first, then the bytes)."""
+  import numpy as np
+
   MPI = import_mpi()
   n = np.array([len(data) if comm.rank == root else 0], dtype=np.int64)
   comm.Bcast([n, MPI.INT64_T], root=root)
@@ -170,6 +173,8 @@ def bcast_str(comm, text: str | None, root: int = 0) -> str:
 
 def allgather_bytes(comm, data: bytes) -> list[bytes]:
   """Gathers one byte string from every rank onto every rank."""
+  import numpy as np
+
   MPI = import_mpi()
   counts = np.zeros(comm.size, dtype=np.int64)
   comm.Allgather([np.array([len(data)], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
@@ -186,6 +191,8 @@ def allgather_str(comm, text: str) -> list[str]:
 
 
 def allgather_int(comm, value: int) -> list[int]:
+  import numpy as np
+
   MPI = import_mpi()
   out = np.zeros(comm.size, dtype=np.int64)
   comm.Allgather([np.array([value], np.int64), MPI.INT64_T], [out, MPI.INT64_T])
@@ -235,6 +242,8 @@ def first_difference(comm, text: str) -> tuple[str, int, str] | None:
   The common case costs one MIN all-reduce of two integers (a hash of ``text``
   and its negation); the texts are gathered only when they differ.
   """
+  import numpy as np
+
   MPI = import_mpi()
   h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
   both = np.empty(2, np.int64)
@@ -261,18 +270,24 @@ _SAMPLE_ELEMENTS = 64
 
 def sample_positions(size: int) -> np.ndarray:
   """The flat (C order) positions compared without MPIJAX_CHECK: evenly spaced, both ends."""
+  import numpy as np
+
   if size <= _SAMPLE_ELEMENTS:
     return np.arange(size, dtype=np.int64)
   return np.unique(np.linspace(0, size - 1, _SAMPLE_ELEMENTS).round().astype(np.int64))
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
+  import numpy as np
+
   # Bytes, not values: NaN payloads and -0.0 compare as stored, as the copies would be read.
   return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def value_digest(array: Any) -> str | None:
   """blake2b of every byte of ``array`` in C order (hex); None for object arrays."""
+  import numpy as np
+
   array = np.asarray(array)
   if array.dtype.hasobject:
     return None
@@ -281,6 +296,8 @@ def value_digest(array: Any) -> str | None:
 
 def sample_digest(array: np.ndarray) -> str | None:
   """blake2b of the elements at :func:`sample_positions` only (hex); None for object arrays."""
+  import numpy as np
+
   if array.dtype.hasobject:
     return None
   pos = sample_positions(array.size)

@@ -547,8 +547,8 @@ def test_which_interpreters_run_the_launcher(orig_argv, launcher):
   assert common.started_as_launcher(orig_argv) == launcher
 
 
-def test_the_launcher_does_not_load_jax():
-  # It only starts the job; every rank loads JAX itself.
+def test_the_launcher_loads_neither_jax_nor_numpy():
+  # It only starts the job; every rank loads them itself.
   out = subprocess.run(
     [
       sys.executable,
@@ -572,7 +572,7 @@ def test_the_launcher_does_not_load_jax():
   assert out.returncode == 0, out.stderr
   loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
   assert "mpijax._src.launch.cli" in loaded, out.stderr[-2000:]
-  assert not {"jax", "jaxlib", "mpijax._src.runtime"} & loaded, sorted(loaded)
+  assert not {"jax", "jaxlib", "numpy", "mpijax._src.runtime"} & loaded, sorted(loaded)
 
 
 def test_missing_n_is_an_error():

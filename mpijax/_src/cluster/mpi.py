@@ -18,8 +18,6 @@ import functools
 import importlib.util
 import sys
 
-import numpy as np
-
 from mpijax._src import mpi_util
 from mpijax._src.cluster import base
 
@@ -32,6 +30,8 @@ def mpi4py_available() -> bool:
 @functools.cache
 def _world() -> tuple[int, int, int, int, int, int]:
   """(rank, size, local_rank, local_size, node_index, node_count)."""
+  import numpy as np  # here, not at import: mpijax-run's own process never needs it
+
   MPI = mpi_util.import_mpi()
   world = MPI.COMM_WORLD
   node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
