@@ -197,3 +197,32 @@ def test_xla_reduce_scatter_equals_the_sum_on_every_path(dtype):
     g = rng.integers(-100, 100, size=(n, count * n)).astype(dtype)
     x = jax.make_array_from_callback(g.shape, rows, lambda i, g=g: g[i])
     _check_global(scatter(x), g.sum(0, dtype=dtype).reshape(n, -1))
+
+
+def test_xla_small_and_large_all_reduces_back_to_back():
+  """Independent small and large all-reduces, call after call.
+
+  A small one is reduced whole by every rank (one flag wait), so a rank may
+  leave it while another still compares its headers; the next call (by
+  cross-memory attach, or shared memory) must not overwrite them before every
+  rank is done. Values change every round, so a stale or torn result shows.
+  """
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("x",))
+  rows = NamedSharding(mesh, P("x"))
+  both = jax.jit(
+    jax.shard_map(
+      lambda s, b: (jax.lax.psum(s, "x"), jax.lax.psum(b, "x")),
+      mesh=mesh,
+      in_specs=(P("x"), P("x")),
+      out_specs=(P(), P()),
+    )
+  )
+  for step in range(60):
+    small = (np.arange(n * 36, dtype=np.int32).reshape(n, 36) + step) % 1000
+    big = (np.arange(n * 32768, dtype=np.int32).reshape(n, 32768) * (step + 1)) % 977
+    s = jax.make_array_from_callback(small.shape, rows, lambda i, g=small: g[i])
+    b = jax.make_array_from_callback(big.shape, rows, lambda i, g=big: g[i])
+    got_s, got_b = both(s, b)
+    _check_global(got_s, small.sum(0, keepdims=True))
+    _check_global(got_b, big.sum(0, keepdims=True))

@@ -549,27 +549,37 @@ def test_both_wait_paths(wait_path):
     assert_close(b, stack[N - 1], dtype)
 
 
+_PATH_COMMS: dict = {}
+
+
 @pytest.fixture(params=["cma", "ring", "shm", "mpi"])
 def allreduce_path(request):
   """On one node with one device per rank, all-reduces of >= cma_min_bytes run
   by cross-memory attach; else those of >= ring_min_bytes per rank run
   mpijax's ring, smaller ones of <= shm_max_bytes go through node-local shared
-  memory, the others MPI_Allreduce. Force each, down to one byte per rank."""
+  memory, the others MPI_Allreduce. Force each, down to one byte per rank.
+  Yields a communicator of the path's own: its first node-local all-reduce
+  sets up its segments under these settings (an earlier test's, on the
+  default communicator, may have sized them for no shared memory)."""
   limit = 1 if request.param == "ring" else 0
   shm = 1 << 20 if request.param == "shm" else 0
   cma = 1 if request.param == "cma" else 0
+  if request.param not in _PATH_COMMS:
+    _PATH_COMMS[request.param] = RT.comm.Dup()
+  comm = _PATH_COMMS[request.param]
   with transport_settings(ring_min_bytes=limit, ring_in_place_min_bytes=limit, shm_max_bytes=shm,
                           cma_min_bytes=cma):
-    yield request.param
-  if request.param == "cma" and N > 1 and len(jax.local_devices()) == 1:
-    # The path really ran (all ranks of these jobs share one node).
-    assert _node_paths() == [2]
+    yield comm
+  if request.param in ("cma", "shm") and N > 1 and len(jax.local_devices()) == 1:
+    # The path was set up (all ranks of these jobs share one node): 1 shared
+    # memory, 2 also cross-memory attach.
+    assert _node_paths(comm)[0] >= (2 if request.param == "cma" else 1)
 
 
-def _node_paths() -> list[int]:
+def _node_paths(comm=None) -> list[int]:
   from mpijax._src import ffi
   from mpijax._src.ops import communicators
-  return ffi.load().node_paths(communicators.resolve_comm(None, "allreduce").id)
+  return ffi.load().node_paths(communicators.resolve_comm(comm, "allreduce").id)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -580,18 +590,22 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
     # Sizes that do not split evenly into N blocks, and fewer elements than ranks.
     for n, dtype, op in [(1001, "float32", "sum"), (7, "bfloat16", "sum"),
                          (3, "int32", "max"), (999, "float32", "mean"),
-                         (30, "complex64", "sum"), (1, "float32", "sum")]:
+                         (30, "complex64", "sum"), (1, "float32", "sum"),
+                         # Over 32 KiB read per rank: shared memory reduces in blocks.
+                         (9001, "float32", "sum"), (9001, "int32", "max"),
+                         (9003, "float32", "mean")]:
       stack = all_inputs((n,), dtype)
       want = (np_reduce(stack, "sum", dtype) / N).astype(stack.dtype) if op == "mean" \
           else np_reduce(stack, op, dtype)
       x = rank_input(R, (n,), dtype)
-      got = [ops.allreduce(x, op),  # out of place
-             jax.jit(lambda v: ops.allreduce(v * 1, op))(x),  # in place, an intermediate
-             jax.jit(lambda v: ops.allreduce(v, op), donate_argnums=0)(jnp.asarray(x))]
+      comm = allreduce_path
+      got = [ops.allreduce(x, op, comm=comm),  # out of place
+             jax.jit(lambda v: ops.allreduce(v * 1, op, comm=comm))(x),  # in place, an intermediate
+             jax.jit(lambda v: ops.allreduce(v, op, comm=comm), donate_argnums=0)(jnp.asarray(x))]
       if op != "mean":
-        got.append(allreduce_many([x, x], op)[1])
+        got.append(allreduce_many([x, x], op, comm=comm)[1])
         # One ring over an out-of-place parameter and an in-place intermediate.
-        both = jax.jit(lambda v: allreduce_many([v, v * 1], op))(x)
+        both = jax.jit(lambda v: allreduce_many([v, v * 1], op, comm=comm))(x)
         got += list(both)
       for g in got:
         assert_close(g, want, dtype)
@@ -622,6 +636,33 @@ def test_cross_memory_allreduce_sums_in_rank_order_in_place_or_not():
     got += list(jax.jit(lambda v: allreduce_many([v, v * 1]))(x))
   for g in got:
     np.testing.assert_array_equal(np.asarray(g), want)
+
+
+@pytest.mark.parametrize("n", [1, 1001, 9001])
+def test_shared_memory_allreduce_sums_in_rank_order(n):
+  """Shared memory sums in rank order, ((x0 + x1) + x2) + ..., whether every
+  rank reduces the whole message (up to 32 KiB read per rank) or one block
+  each, out of place, in place or donated: the bits of NumPy's sequential sum
+  on every rank, and a mean divides that sum."""
+  k = np.arange(n, dtype=np.float64)
+  x_of = [(np.sin(k * (r + 1)) * 10.0 ** ((k + r) % 7 - 3)).astype(np.float32)
+          for r in range(N)]
+  want = x_of[0].copy()
+  for r in range(1, N):
+    want = want + x_of[r]
+  x = jnp.asarray(x_of[R])
+  comm = RT.comm.Dup()  # its segments set up under these settings
+  with transport_settings(cma_min_bytes=0, ring_min_bytes=0, ring_in_place_min_bytes=0,
+                          shm_max_bytes=1 << 20):
+    got = [jax.jit(lambda v: ops.allreduce(v, comm=comm))(x),
+           jax.jit(lambda v: ops.allreduce(v * 1, comm=comm))(x),
+           jax.jit(lambda v: ops.allreduce(v, comm=comm), donate_argnums=0)(jnp.asarray(x_of[R]))]
+    mean = jax.jit(lambda v: ops.allreduce(v, "mean", comm=comm))(x)
+  for g in got:
+    np.testing.assert_array_equal(np.asarray(g), want)
+  np.testing.assert_array_equal(np.asarray(mean), want / np.float32(N))
+  if N > 1 and len(jax.local_devices()) == 1:
+    assert _node_paths(comm)[0] > 0  # the node-local paths are set up
 
 
 @pytest.mark.parametrize("path", ["shm", "cma", "polled"])
@@ -676,7 +717,7 @@ def test_narrow_integer_sums_wrap_around(allreduce_path):
     info = np.iinfo(dtype)
     x = np.full(N * 40, info.max - R, dtype)
     want = np.sum([np.full(N * 40, info.max - r, np.int64) for r in range(N)], axis=0).astype(dtype)
-    assert_close(jax.jit(lambda v: ops.allreduce(v, "sum"))(x), want, dtype)
+    assert_close(jax.jit(lambda v: ops.allreduce(v, "sum", comm=allreduce_path))(x), want, dtype)
     assert_close(ops.reduce_scatter(x.reshape(N, 40), "sum"), want.reshape(N, 40)[R], dtype)
     got = ops.reduce(x, "sum", root=0)
     if R == 0:

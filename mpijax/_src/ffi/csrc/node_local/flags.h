@@ -88,13 +88,18 @@ inline auto AllAtLeast(const Comm& c, std::atomic<uint64_t> Header::*flag,
   };
 }
 
-// Call k's arrival: publishes what this rank reduces (`bytes` by `path`),
-// marks it arrived (after whatever the caller published first), waits for
-// every rank, then checks that all of them reduce the same thing the same
-// way (the same comparison on every rank, so all of them fail together,
-// after marking the call finished so none waits).
+// Call k's arrival: once every rank is done with call k - 1, publishes what
+// this rank reduces (`bytes` by `path`), marks it arrived (after whatever the
+// caller published first), waits for every rank, then checks that all of
+// them reduce the same thing the same way (the same comparison on every
+// rank, so all of them fail together, after marking the call finished so
+// none waits).
 inline Status Arrive(Comm& c, Caller& caller, uint64_t k, size_t bytes,
                      int64_t path) {
+  // Not before every rank is done with call k - 1: a rank that reduced a
+  // small message whole leaves it early, while another may still be
+  // comparing the headers this overwrites.
+  Wait(c, caller, AllAtLeast(c, &Header::done, k - 1));
   Header* me = Head(c, c.rank);
   me->sig = caller.sig;
   me->bytes = static_cast<int64_t>(bytes);

@@ -8,7 +8,9 @@
 // shared memory): 64 KiB 24.6 -> 17.1 us; in place 256 KiB 49.9 -> 43.4 us,
 // 1 MiB 81.1 -> 69.0 us, 4 MiB 241 -> 290 us (hence MPIJAX_SHM_MAX_BYTES);
 // 4 ranks on 2 cores, 64 KiB 127 -> 64 us. Out of place the ring is as fast
-// from 256 KiB at 2 ranks and goes first.
+// from 256 KiB at 2 ranks and goes first. A small message skips the blocks:
+// every rank copies all of it in and reduces the whole from every segment,
+// one flag wait in all (ShmAllreduceWhole).
 #include "node_local/shm.h"
 
 #include <algorithm>
@@ -65,7 +67,50 @@ void ShmSumBlock(const Comm& c, size_t lo, size_t cnt, const T* mine, T* out,
       std::memcpy(out + at, acc, m * sizeof(T));
     }
   }
-  std::memcpy(pub, out, cnt * sizeof(T));
+  if (pub != nullptr) std::memcpy(pub, out, cnt * sizeof(T));
+}
+
+// While every rank reads at most this much (the message times the ranks),
+// each reduces the whole message itself: one flag wait per call instead of
+// two, the second of which costs a wake-up where ranks share cores. Jitted
+// all-reduce, two-phase -> whole: 4 B at 4 ranks on 2 cores 40-42 -> 37-39
+// us, 2 ranks x 2 devices 129-131 -> 126-128 us; 64 KiB at 2 ranks 19 -> 23
+// us (hence the bound).
+constexpr size_t kWholeReadBytes = size_t{32} << 10;
+
+// The whole message reduced by every rank, in rank order as ShmSumBlock (so
+// every rank gets the bits of the block-wise reduction).
+Status ShmAllreduceWhole(Comm& c, Caller& caller, const char* src, char* dst,
+                         size_t n, size_t es, MPI_Datatype dt, MPI_Op mop,
+                         uint64_t k) {
+  int p = c.size, r = c.rank;
+  size_t bytes = n * es;
+  // Once everyone has read this rank's segment from the previous call.
+  Wait(c, caller, AllAtLeast(c, &Header::done, k - 1));
+  std::memcpy(Data(c, r), src, bytes);
+  if (Status s = Arrive(c, caller, k, bytes, kPathShm); !s.ok()) return s;
+  bool fused = mop == MPI_SUM && (dt == MPI_FLOAT || dt == MPI_DOUBLE);
+  if (n > 0 && fused && dt == MPI_FLOAT) {
+    ShmSumBlock<float>(c, 0, n, reinterpret_cast<const float*>(src),
+                       reinterpret_cast<float*>(dst), nullptr);
+  } else if (n > 0 && fused) {
+    ShmSumBlock<double>(c, 0, n, reinterpret_cast<const double*>(src),
+                        reinterpret_cast<double*>(dst), nullptr);
+  } else if (n > 0) {
+    // In place, `dst` is this rank's input: its term is read from its
+    // segment instead.
+    std::memcpy(dst, Data(c, 0), bytes);
+    for (int i = 1; i < p; ++i) {
+      NODE_CHECK_MPI(caller, MPI_Reduce_local(Data(c, i), dst,
+                                              static_cast<int>(n), dt, mop));
+    }
+  }
+  if (n > 0 && caller.finishes) {
+    if (Status s = caller.Finish(dst, n); !s.ok()) return s;
+  }
+  Publish(c, &Header::reduced, k);
+  Publish(c, &Header::done, k);
+  return {};
 }
 
 }  // namespace
@@ -76,6 +121,8 @@ Status ShmAllreduce(Comm& c, Caller& caller, const char* src, char* dst,
   size_t bytes = n * es;
   auto first = [&](int b) { return n * b / p; };  // block b: [first(b), first(b + 1))
   uint64_t k = ++c.seq;
+  if (bytes * static_cast<size_t>(p) <= kWholeReadBytes)
+    return ShmAllreduceWhole(c, caller, src, dst, n, es, dt, mop, k);
   Header* me = Head(c, r);
   char* mine = Data(c, r);
   // 1. Once everyone has read this rank's segment from the previous call:
