@@ -615,19 +615,25 @@ def test_ring_and_mpi_allreduce(allreduce_path, chunked):
         assert all(b == mine for b in RT.comm.allgather(mine))
 
 
-def test_cross_memory_allreduce_sums_in_rank_order_in_place_or_not():
-  """Cross-memory attach sums each block in rank order, ((x0 + x1) + x2) + ...,
-  whether the outputs are fresh, in place (an intermediate, a donated
-  argument) or both in one call: the bits of NumPy's sequential sum, on every
-  rank. Values whose sum depends on the order; blocks over 2 chunks."""
-  from mpijax._src.ops.allreduce import allreduce_many
-  n = (1 << 19) + 7
+def _order_sensitive_inputs(n: int):
+  """Every rank's float32 input of ``n`` values whose sum depends on the order,
+  and their sum in rank order, ((x0 + x1) + x2) + ..."""
   k = np.arange(n, dtype=np.float64)
   x_of = [(np.sin(k * (r + 1)) * 10.0 ** ((k + r) % 7 - 3)).astype(np.float32)
           for r in range(N)]
   want = x_of[0].copy()
   for r in range(1, N):
     want = want + x_of[r]
+  return x_of, want
+
+
+def test_cross_memory_allreduce_sums_in_rank_order_in_place_or_not():
+  """Cross-memory attach sums each block in rank order, ((x0 + x1) + x2) + ...,
+  whether the outputs are fresh, in place (an intermediate, a donated
+  argument) or both in one call: the bits of NumPy's sequential sum, on every
+  rank. Values whose sum depends on the order; blocks over 2 chunks."""
+  from mpijax._src.ops.allreduce import allreduce_many
+  x_of, want = _order_sensitive_inputs((1 << 19) + 7)
   x = jnp.asarray(x_of[R])
   with transport_settings(cma_min_bytes=1):
     got = [jax.jit(lambda v: ops.allreduce(v))(x),
@@ -644,12 +650,7 @@ def test_shared_memory_allreduce_sums_in_rank_order(n):
   rank reduces the whole message (up to 32 KiB read per rank) or one block
   each, out of place, in place or donated: the bits of NumPy's sequential sum
   on every rank, and a mean divides that sum."""
-  k = np.arange(n, dtype=np.float64)
-  x_of = [(np.sin(k * (r + 1)) * 10.0 ** ((k + r) % 7 - 3)).astype(np.float32)
-          for r in range(N)]
-  want = x_of[0].copy()
-  for r in range(1, N):
-    want = want + x_of[r]
+  x_of, want = _order_sensitive_inputs(n)
   x = jnp.asarray(x_of[R])
   comm = RT.comm.Dup()  # its segments set up under these settings
   with transport_settings(cma_min_bytes=0, ring_min_bytes=0, ring_in_place_min_bytes=0,
