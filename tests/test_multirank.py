@@ -14,16 +14,17 @@ from tests._launch import run_mpi
 from tests._launch import tail
 
 # (ranks, CPU devices per rank, environment, test files). 4 ranks on 2 cores
-# is slow: the whole suite runs at 4 x 1 but for the overlapped training
-# steps (bit-for-bit against one call, 30 s there), which run at 2 x 2; the
-# other configs run the files their shape exercises. Every multi-rank config runs with JAX's
-# distributed runtime (the default: XLA's own collectives over MPI, each
-# (rank, local device) a member of XLA's communicators) except one, mpijax
-# alone.
+# is slow: 4 x 1 runs the rank-level files (transport, ops, maps, checks,
+# JAX's own arrays); the files about several devices per rank, the guides,
+# the docs' recipes and training run at 2 x 2 (the training files' 4-rank
+# jobs are tests/test_train_jobs.py, tests/test_restart.py and the docs'
+# examples); 3 x 1 runs the ring's uneven case. Every multi-rank config runs
+# with JAX's distributed runtime (the default: XLA's own collectives over
+# MPI, each (rank, local device) a member of XLA's communicators) except
+# one, mpijax alone.
 ALL = ["tests/mpi"]
 # At 2 x 2: what several devices per rank change (mapping, device paths,
-# global arrays and JAX's own arrays, the guides, checks); rank-level ops run
-# at 4 x 1.
+# global arrays and JAX's own arrays, the guides, checks, training).
 DEVICES = [
   "tests/mpi/test_collectives.py",
   "tests/mpi/test_ops_multidevice.py",
@@ -36,13 +37,25 @@ DEVICES = [
   "tests/mpi/test_readme.py",
   "tests/mpi/test_runtime.py",
   "tests/mpi/test_checks.py",
+  "tests/mpi/test_train.py",
+  "tests/mpi/test_train_state.py",
   "tests/mpi/test_train_overlap.py",
   "tests/mpi/test_timeline.py",
 ]
+# At 4 x 1, all but these (their 2 x 2 run covers them).
+NOT_AT_4 = [
+  "tests/mpi/test_ops_multidevice.py",
+  "tests/mpi/test_device_allreduce.py",
+  "tests/mpi/test_guide_sharded.py",
+  "tests/mpi/test_guide_multiprocess.py",
+  "tests/mpi/test_docs_global_arrays.py",
+  "tests/mpi/test_readme.py",
+  "tests/mpi/test_train.py",
+  "tests/mpi/test_train_state.py",
+  "tests/mpi/test_train_overlap.py",
+]
 CONFIGS = [
-  pytest.param(
-    4, 1, {}, ALL + ["--ignore=tests/mpi/test_train_overlap.py"], id="4ranks-x-1dev"
-  ),
+  pytest.param(4, 1, {}, ALL + [f"--ignore={f}" for f in NOT_AT_4], id="4ranks-x-1dev"),
   pytest.param(2, 2, {}, DEVICES, id="2ranks-x-2dev"),
   # Not a power of two: uneven ring segments, no exact division in the mean.
   pytest.param(
