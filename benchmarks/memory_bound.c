@@ -2,16 +2,29 @@
 // around it: no XLA, no MPI, no Python. P processes with T threads each
 // (members), every member with its own input and output of NBYTES, 2 MiB
 // aligned and on transparent huge pages, as mpijax-run's heap gives XLA.
-// Member m reduces block m (1/(P*T) of the message) in 1 MiB chunks: the first
-// other member's chunk read straight into its output (its own input copied
-// there when in place), the others added in (same process: straight from
-// memory; other process: process_vm_readv into a scratch chunk), then the
-// block written into every other member's output (memcpy or
-// process_vm_writev). The barriers spin and yield, as mpijax's waits do where
-// ranks share cores.
 //
-// Prints one JSON line: the 10th, 50th and 90th percentiles (us) of the
-// all-reduce, over ITERS steps. Built and run by benchmarks/memory_bound.py.
+// flat (mpijax's algorithm): member m reduces block m (1/(P*T) of the
+// message) in 1 MiB chunks: the first other member's chunk read straight
+// into its output (its own input copied there when in place), the others
+// added in (same process: straight from memory; other process:
+// process_vm_readv into a scratch chunk), then the block written into every
+// other member's output (memcpy or process_vm_writev).
+//
+// two-level (out of place, P and T >= 2): member t of each process first sums
+// slice t (1/T) of its process's inputs into its own output, in one pass;
+// after a barrier, member (p, t) reads part p of slice t of the other
+// processes' sums (process_vm_readv), adds them, and writes the finished part
+// into every other member's output. Less memory traffic than flat from 2 x 2
+// on, one more barrier.
+//
+// The barriers spin and yield, as mpijax's waits do where ranks share cores.
+// Prints one JSON line: the 10th, 50th and 90th percentiles (us), over ITERS
+// steps, of member 0's step as a blocking call sees it (from its arrival to
+// its departure; in a loop, the time per all-reduce), and of the part
+// between the barriers (from the moment member 0 sees every member arrived:
+// with more members than cores it may see that late, so this part alone
+// leaves out work that others did meanwhile). Built and run by
+// benchmarks/memory_bound.py.
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -37,13 +50,15 @@ typedef struct {
   char pad2[120];
   _Atomic long depart;
   char pad3[120];
+  _Atomic long middle;
+  char pad4[120];
   pid_t pid[MAX_MEMBERS];
   float *in[MAX_MEMBERS], *out[MAX_MEMBERS];
-  double reduce_s[MAX_ITERS];
+  double call_s[MAX_ITERS], reduce_s[MAX_ITERS];
 } Shared;
 
 static Shared* S;
-static int P, T, M, IN_PLACE, ITERS;
+static int P, T, M, IN_PLACE, ITERS, TWO_LEVEL;
 static size_t NBYTES;
 
 static double Now(void) {
@@ -89,6 +104,7 @@ static void* Member(void* arg) {
   memset(tmp, 0, CHUNK_BYTES);
   size_t lo = n * m / M, hi = n * (m + 1) / M;
   for (int it = 0; it < ITERS; it++) {
+    double t0 = Now();
     Barrier(&S->arrive, (long)M * (it + 1));
     double t1 = Now();
     for (size_t at = lo; at < hi; at += chunk) {
@@ -120,7 +136,49 @@ static void* Member(void* arg) {
       }
     }
     Barrier(&S->depart, (long)M * (it + 1));
-    if (m == 0) S->reduce_s[it] = Now() - t1;
+    if (m == 0) S->call_s[it] = Now() - t0, S->reduce_s[it] = Now() - t1;
+  }
+  free(tmp);
+  return NULL;
+}
+
+static void* MemberTwoLevel(void* arg) {
+  int m = (int)(intptr_t)arg, me = ProcOf(m), t = m % T, first = me * T;
+  size_t n = NBYTES / 4, chunk = CHUNK_BYTES / 4;
+  float* tmp = aligned_alloc(4096, CHUNK_BYTES);
+  memset(tmp, 0, CHUNK_BYTES);
+  // Slice t of the message; part `me` of it.
+  size_t lo = n * t / T, hi = n * (t + 1) / T;
+  size_t plo = lo + (hi - lo) * me / P, phi = lo + (hi - lo) * (me + 1) / P;
+  float* acc = S->out[m];
+  for (int it = 0; it < ITERS; it++) {
+    double t0 = Now();
+    Barrier(&S->arrive, (long)M * (it + 1));
+    double t1 = Now();
+    for (size_t at = lo; at < hi; at += chunk) {
+      size_t cnt = hi - at < chunk ? hi - at : chunk;
+      const float *a = S->in[first] + at, *b = S->in[first + 1] + at;
+      for (size_t i = 0; i < cnt; i++) acc[at + i] = a[i] + b[i];
+      for (int j = 2; j < T; j++) Add(acc + at, S->in[first + j] + at, cnt);
+    }
+    Barrier(&S->middle, (long)M * (it + 1));
+    for (size_t at = plo; at < phi; at += chunk) {
+      size_t cnt = phi - at < chunk ? phi - at : chunk, bytes = cnt * 4;
+      for (int q = 0; q < P; q++) {
+        if (q == me) continue;
+        Read(q * T + t, tmp, S->out[q * T + t] + at, bytes);
+        Add(acc + at, tmp, cnt);
+      }
+      for (int j = 0; j < M; j++) {
+        if (j == m) continue;
+        if (ProcOf(j) == me)
+          memcpy(S->out[j] + at, acc + at, bytes);
+        else
+          Write(j, S->out[j] + at, acc + at, bytes);
+      }
+    }
+    Barrier(&S->depart, (long)M * (it + 1));
+    if (m == 0) S->call_s[it] = Now() - t0, S->reduce_s[it] = Now() - t1;
   }
   free(tmp);
   return NULL;
@@ -144,14 +202,26 @@ static void Quantiles(double* v, int n, double q[3]) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    fprintf(stderr, "usage: %s PROCS THREADS NBYTES IN_PLACE(0|1) ITERS\n",
+  if (argc != 6 && argc != 7) {
+    fprintf(stderr,
+            "usage: %s PROCS THREADS NBYTES IN_PLACE(0|1) ITERS "
+            "[flat|two-level]\n",
             argv[0]);
     return 2;
   }
   P = atoi(argv[1]), T = atoi(argv[2]), NBYTES = strtoull(argv[3], 0, 10);
   IN_PLACE = atoi(argv[4]), ITERS = atoi(argv[5]);
+  TWO_LEVEL = argc == 7 && strcmp(argv[6], "two-level") == 0;
   M = P * T;
+  if (argc == 7 && !TWO_LEVEL && strcmp(argv[6], "flat") != 0) {
+    fprintf(stderr, "memory_bound: the algorithm is flat or two-level\n");
+    return 2;
+  }
+  if (TWO_LEVEL && (IN_PLACE || P < 2 || T < 2)) {
+    fprintf(stderr, "memory_bound: two-level is out of place, with at least "
+            "2 processes and 2 threads\n");
+    return 2;
+  }
   if (P < 1 || T < 1 || M < 2 || M > MAX_MEMBERS || NBYTES % 4 != 0 ||
       NBYTES < 4 * (size_t)M || ITERS < 10 || ITERS > MAX_ITERS) {
     fprintf(stderr, "memory_bound: 2 to %d members, NBYTES a multiple of 4 "
@@ -177,7 +247,8 @@ int main(int argc, char** argv) {
     Barrier(&S->ready, P);  // every process's buffers published
     pthread_t threads[MAX_MEMBERS];
     for (int t = 0; t < T; t++)
-      pthread_create(&threads[t], NULL, Member, (void*)(intptr_t)(p * T + t));
+      pthread_create(&threads[t], NULL, TWO_LEVEL ? MemberTwoLevel : Member,
+                     (void*)(intptr_t)(p * T + t));
     for (int t = 0; t < T; t++) pthread_join(threads[t], NULL);
     // Out of place the inputs stay m + 1, so the sums are exact: 1 + ... + M.
     int bad = 0;
@@ -200,10 +271,13 @@ int main(int argc, char** argv) {
     fprintf(stderr, "memory_bound: a process failed or summed wrong\n");
     return 1;
   }
-  double r[3];
+  double c[3], r[3];
+  Quantiles(S->call_s, ITERS, c);
   Quantiles(S->reduce_s, ITERS, r);
   printf("{\"procs\": %d, \"threads\": %d, \"bytes\": %zu, \"in_place\": %d, "
-         "\"iters\": %d, \"reduce_us\": [%.1f, %.1f, %.1f]}\n",
-         P, T, NBYTES, IN_PLACE, ITERS, r[0], r[1], r[2]);
+         "\"algorithm\": \"%s\", \"iters\": %d, \"call_us\": [%.1f, %.1f, %.1f], "
+         "\"between_barriers_us\": [%.1f, %.1f, %.1f]}\n",
+         P, T, NBYTES, IN_PLACE, TWO_LEVEL ? "two-level" : "flat", ITERS, c[0],
+         c[1], c[2], r[0], r[1], r[2]);
   return 0;
 }

@@ -7,11 +7,15 @@ in the layouts the all-reduce targets compare, in round robin:
 - 2 processes x 1 thread, out of place and in place: the all-reduce without
   and with donation;
 - 1 process x 2 threads: the local part of the 2 x 2 target's reference;
-- 2 processes x 2 threads: the 2 x 2 all-reduce.
+- 2 processes x 2 threads: the 2 x 2 all-reduce, as mpijax runs it (flat)
+  and in two levels (each process's sum first, then across the processes).
 
-With ``--reference`` (the JSON of ``partitioner_allreduce.py --devices 2``)
-it sets the 2 x 2 model against that job's target, 1.3 x (local + 1-device
-all-reduce), and that job's all-reduce.
+A run's figure is member 0's median step as a blocking call sees it, from
+its arrival to its departure (in a loop, the time per all-reduce); the part
+between the barriers alone is shown beside it. With ``--reference`` (the
+JSON of ``partitioner_allreduce.py --devices 2``) it sets the 2 x 2 model
+against that job's target, 1.3 x (local + 1-device all-reduce), and that
+job's all-reduce.
 
   python benchmarks/memory_bound.py [--bytes 4MiB] [--repeats 5] [--iters 300]
                                     [--reference results/partitioner_allreduce_np2x2.json]
@@ -33,12 +37,13 @@ import _common
 
 HERE = Path(__file__).resolve().parent
 
-# (name, processes, threads, in place)
+# (name, processes, threads, in place, algorithm)
 LAYOUTS = [
-  ("2 x 1, out of place", 2, 1, 0),
-  ("2 x 1, in place", 2, 1, 1),
-  ("1 x 2 (local)", 1, 2, 0),
-  ("2 x 2", 2, 2, 0),
+  ("2 x 1, out of place", 2, 1, 0, "flat"),
+  ("2 x 1, in place", 2, 1, 1, "flat"),
+  ("1 x 2 (local)", 1, 2, 0, "flat"),
+  ("2 x 2", 2, 2, 0, "flat"),
+  ("2 x 2, two-level", 2, 2, 0, "two-level"),
 ]
 
 
@@ -55,8 +60,8 @@ def build(out_dir: Path) -> Path:
 
 
 def run_layout(exe: Path, layout, nbytes: int, iters: int) -> dict:
-  _, procs, threads, in_place = layout
-  args = [str(exe), str(procs), str(threads), str(nbytes), str(in_place), str(iters)]
+  _, procs, threads, in_place, algorithm = layout
+  args = [str(exe), str(procs), str(threads), str(nbytes), str(in_place), str(iters), algorithm]
   r = subprocess.run(args, capture_output=True, text=True, timeout=600)
   if r.returncode != 0:
     sys.exit(f"memory_bound: {' '.join(args)} failed (exit {r.returncode}):\n{r.stderr}")
@@ -96,32 +101,35 @@ def main(argv=None) -> int:
       for layout in LAYOUTS:
         runs[layout[0]].append(run_layout(exe, layout, nbytes, args.iters))
 
-  def med(name: str) -> float:
-    return statistics.median(r["reduce_us"][1] for r in runs[name])
+  def med(name: str, what: str = "call_us") -> float:
+    return statistics.median(r[what][1] for r in runs[name])
 
   size = _common.fmt_size(nbytes)
   lines = [
     f"# Memory model of the node-local all-reduce, {size} per member",
     "",
     f"Medians over {args.repeats} runs of {args.iters} steps each (us; a run's figure is member"
-    " 0's median step between barriers).",
+    " 0's median step: per call, from its arrival to its departure; between the barriers, from"
+    " the moment it sees every member arrived).",
     "",
-    "| layout | all-reduce |",
-    "|---|---:|",
+    "| layout | per call | between barriers |",
+    "|---|---:|---:|",
   ]
   for name, *_ in LAYOUTS:
-    lines.append(f"| {name} | {med(name):,.0f} |")
+    lines.append(f"| {name} | {med(name):,.0f} | {med(name, 'between_barriers_us'):,.0f} |")
   lines.append("")
   oop, inp = med("2 x 1, out of place"), med("2 x 1, in place")
-  local, both = med("1 x 2 (local)"), med("2 x 2")
+  local, parts = med("1 x 2 (local)"), med("1 x 2 (local)") + oop
   lines.append(f"2 x 1: out of place / in place = {oop:.0f} / {inp:.0f} us = {oop / inp:.2f}x")
-  lines.append(
-    f"2 x 2 / (1 x 2 + 2 x 1 out of place) = {both:.0f} / ({local:.0f} + {oop:.0f}) us = "
-    f"{both / (local + oop):.2f}x"
-  )
+  for name in ("2 x 2", "2 x 2, two-level"):
+    lines.append(
+      f"{name} / (1 x 2 + 2 x 1 out of place) = {med(name):.0f} / ({local:.0f} + {oop:.0f}) us"
+      f" = {med(name) / parts:.2f}x"
+    )
   if args.reference is not None:
     xla, xla_local, xla_flat = reference_target(args.reference, nbytes)
     target = 1.3 * (xla_local + xla_flat)
+    both = med("2 x 2")
     lines.append(
       f"{args.reference.name}: target 1.3 x ({xla_local:.0f} + {xla_flat:.0f}) = {target:.0f} us;"
       f" the model's 2 x 2 all-reduce {both:.0f} us = {both / target:.2f}x the target; the job's"
