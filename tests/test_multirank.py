@@ -14,14 +14,14 @@ from tests._launch import run_mpi
 from tests._launch import tail
 
 # (ranks, CPU devices per rank, environment, test files). 4 ranks on 2 cores
-# is slow: 4 x 1 runs the rank-level files (transport, ops, maps, checks,
-# JAX's own arrays); the files about several devices per rank, the guides,
-# the docs' recipes and training run at 2 x 2 (the training files' 4-rank
-# jobs are tests/test_train_jobs.py, tests/test_restart.py and the docs'
-# examples); 3 x 1 runs the ring's uneven case. Every multi-rank config runs
-# with JAX's distributed runtime (the default: XLA's own collectives over
-# MPI, each (rank, local device) a member of XLA's communicators) except
-# one, mpijax alone.
+# is slow: 4 x 1 runs the rank-level files (maps, point-to-point and rooted
+# ops, checks, JAX's own arrays); the files about several devices per rank,
+# the guides, the docs' recipes and training run at 2 x 2 (the training
+# files' 4-rank jobs are tests/test_train_jobs.py, tests/test_restart.py and
+# the docs' examples); 3 x 1 runs mpijax's ops, the ring's uneven case, and
+# the timeline. Every multi-rank config runs with JAX's distributed runtime
+# (the default: XLA's own collectives over MPI, each (rank, local device) a
+# member of XLA's communicators) except one, mpijax alone.
 ALL = ["tests/mpi"]
 # At 2 x 2: what several devices per rank change (mapping, device paths,
 # global arrays and JAX's own arrays, the guides, checks, training).
@@ -42,8 +42,11 @@ DEVICES = [
   "tests/mpi/test_train_overlap.py",
   "tests/mpi/test_timeline.py",
 ]
-# At 4 x 1, all but these (their 2 x 2 run covers them).
+# At 4 x 1, all but these: their 2 x 2 run covers them, and mpijax's own
+# rank-level ops (test_ops.py) run at 3 x 1, the uneven case, on more ranks
+# than cores as at 4 x 1.
 NOT_AT_4 = [
+  "tests/mpi/test_ops.py",
   "tests/mpi/test_ops_multidevice.py",
   "tests/mpi/test_device_allreduce.py",
   "tests/mpi/test_guide_sharded.py",
