@@ -136,7 +136,8 @@ static void* Member(void* arg) {
       }
     }
     Barrier(&S->depart, (long)M * (it + 1));
-    if (m == 0) S->call_s[it] = Now() - t0, S->reduce_s[it] = Now() - t1;
+    double t2 = Now();
+    if (m == 0) S->call_s[it] = t2 - t0, S->reduce_s[it] = t2 - t1;
   }
   free(tmp);
   return NULL;
@@ -178,7 +179,8 @@ static void* MemberTwoLevel(void* arg) {
       }
     }
     Barrier(&S->depart, (long)M * (it + 1));
-    if (m == 0) S->call_s[it] = Now() - t0, S->reduce_s[it] = Now() - t1;
+    double t2 = Now();
+    if (m == 0) S->call_s[it] = t2 - t0, S->reduce_s[it] = t2 - t1;
   }
   free(tmp);
   return NULL;

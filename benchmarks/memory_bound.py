@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     lines.append(f"| {name} | {med(name):,.0f} | {med(name, 'between_barriers_us'):,.0f} |")
   lines.append("")
   oop, inp = med("2 x 1, out of place"), med("2 x 1, in place")
-  local, parts = med("1 x 2 (local)"), med("1 x 2 (local)") + oop
+  local = med("1 x 2 (local)")
+  parts = local + oop
   lines.append(f"2 x 1: out of place / in place = {oop:.0f} / {inp:.0f} us = {oop / inp:.2f}x")
   for name in ("2 x 2", "2 x 2, two-level"):
     lines.append(
