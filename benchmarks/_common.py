@@ -140,6 +140,7 @@ class Timing:
   cpu_us: float | None = None   # max over ranks of the median process CPU time (every thread) per op
   p10_us: float | None = None   # per-call timing only: max over ranks of each rank's 10th percentile
   p90_us: float | None = None   # per-call timing only: max over ranks of each rank's 90th percentile
+  job_medians_us: list[float] | None = None  # combined over jobs (combine_jobs): each job's median
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -383,6 +384,48 @@ def run_phase(script: str, nprocs: int, phase: str, args: Sequence[str], *,
   return [Row.from_json(r) for r in data["rows"]], data.get("meta", {})
 
 
+def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
+  """One row per key from the same rows measured in several jobs.
+
+  A cell's figures are the medians over the jobs of each job's figures (the
+  fastest trial: the fastest of all), and ``job_medians_us`` keeps each job's
+  median in job order, so a target can show its spread. A cell that any job
+  could not time keeps that job's reason: a failure is never averaged away.
+  """
+  if len(jobs) == 1:
+    return list(jobs[0])
+  out: list[Row] = []
+  for first in jobs[0]:
+    same = [next((r for r in rows if r.key == first.key), None) for rows in jobs]
+    row = Row(first.key, first.label, first.phase, {}, first.note)
+    for size in first.cells:
+      cells = [r.cells.get(size, "not measured in every job") if r else "not measured in every job"
+               for r in same]
+      bad = next((c for c in cells if not isinstance(c, Timing)), None)
+      if bad is not None:
+        row.cells[size] = bad
+        continue
+
+      def mid(vals):
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+      row.cells[size] = Timing(
+        median_us=statistics.median(c.median_us for c in cells),
+        rank_medians_us=[statistics.median(v) for v in zip(*(c.rank_medians_us for c in cells))],
+        iters=cells[0].iters,
+        trials=sum(c.trials for c in cells),
+        per_op_divisor=cells[0].per_op_divisor,
+        best_us=min((c.best_us for c in cells if c.best_us is not None), default=None),
+        cpu_us=mid(c.cpu_us for c in cells),
+        p10_us=mid(c.p10_us for c in cells),
+        p90_us=mid(c.p90_us for c in cells),
+        job_medians_us=[c.median_us for c in cells],
+      )
+    out.append(row)
+  return out
+
+
 class Targets:
   """A script's targets over its rows, as PASS / FAIL / N/A lines."""
 
@@ -393,6 +436,12 @@ class Targets:
   def get(self, key: str, size: int) -> float | None:
     r = self.by.get(key)
     return r.us(size) if r else None
+
+  def jobs(self, key: str, size: int) -> list[float] | None:
+    """Each job's median, where the rows were combined over jobs."""
+    r = self.by.get(key)
+    c = r.cells.get(size) if r else None
+    return c.job_medians_us if isinstance(c, Timing) else None
 
   def line(self, ok: bool | None, text: str) -> None:
     self.lines.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")

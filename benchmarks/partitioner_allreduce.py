@@ -35,6 +35,7 @@ rank count)::
   python benchmarks/partitioner_allreduce.py            # 2 and 4 ranks
   python benchmarks/partitioner_allreduce.py --np 2 --quick
   python benchmarks/partitioner_allreduce.py --np 2 --devices 2   # 2 x 2
+  python benchmarks/partitioner_allreduce.py --np 2 --devices 2 --repeats 3   # 3 jobs each
 
 or as an MPI job (that job measures the MPI phase; rank 0 starts the gloo one)::
 
@@ -331,6 +332,15 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
   )
 
 
+def _per_job(t: _common.Targets, s: int, key: str, parts: tuple[str, ...]) -> str:
+  """The ratio key / sum(parts) in each job, where the rows were combined over jobs."""
+  num, dens = t.jobs(key, s), [t.jobs(p, s) for p in parts]
+  if not num or any(not d or len(d) != len(num) for d in dens):
+    return ""
+  ratios = [n / sum(d[j] for d in dens) for j, n in enumerate(num)]
+  return " (each job: " + ", ".join(f"{r:.2f}x" for r in ratios) + ")"
+
+
 def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> list[str]:
   """The targets at several devices per rank, as PASS / FAIL / N/A lines."""
   t = _common.Targets(rows)
@@ -356,7 +366,8 @@ def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> li
       line(
         mpi <= 1.3 * ref,
         f"{size} all-reduce <= 1.3x (local + 1 device per rank): "
-        f"{mpi:.1f} / ({local:.1f} + {flat:.1f}) us = {mpi / ref:.2f}x",
+        f"{mpi:.1f} / ({local:.1f} + {flat:.1f}) us = {mpi / ref:.2f}x"
+        + _per_job(t, s, "xla_mpi", ("xla_local", "xla_mpi_flat")),
       )
       floor = get("xla_add1", s)
       if floor is not None:
@@ -471,7 +482,15 @@ def report(rows: list[Row], sizes: list[int], nprocs: int, args, meta: dict[str,
   devices = getattr(args, "devices", 1)
   layout = f"{nprocs} ranks" + (f" x {devices} devices" if devices > 1 else "")
   title = f"XLA's cross-process collectives, {layout}: median µs per blocking call (max over ranks)"
-  parts = [f"### {title}", "", _common.markdown_table(rows, sizes)]
+  parts = [f"### {title}", ""]
+  repeats = getattr(args, "repeats", 1)
+  if repeats > 1:
+    parts += [
+      f"Every phase ran {repeats} times, the phases in round robin; each figure is the "
+      "median over those jobs of each job's figure.",
+      "",
+    ]
+  parts += [_common.markdown_table(rows, sizes)]
   if by.get("xla_mpi"):
     parts += [
       "",
@@ -568,6 +587,13 @@ def parse_args(argv=None):
     action="store_true",
     help=f"smoke test: 4 B, 4 KiB, 256 KiB; {QUICK_CALLS} calls per cell",
   )
+  p.add_argument(
+    "--repeats",
+    type=int,
+    default=1,
+    help="run every phase this many times, in round robin, and report the medians over "
+    "the jobs (default 1): the targets of --devices compare rows of separate jobs",
+  )
   p.add_argument("--out", default=_common.default_out_dir(), help="output directory")
   p.add_argument("--phase-timeout", type=float, default=900, help="seconds per sub-job")
   p.add_argument("--verbose", action="store_true")
@@ -582,6 +608,8 @@ def parse_args(argv=None):
     p.error("--np: a cross-process all-reduce needs at least 2 ranks")
   if args.devices < 1:
     p.error(f"--devices wants a device count of at least 1, got {args.devices}")
+  if args.repeats < 1:
+    p.error(f"--repeats wants a count of at least 1, got {args.repeats}")
   return args
 
 
@@ -602,6 +630,8 @@ def main(argv=None) -> int:
   if _common.under_mpi_launcher():
     if args.devices > 1:
       raise SystemExit("--devices runs from a plain shell (its phases have other rank counts)")
+    if args.repeats > 1:
+      raise SystemExit("--repeats runs from a plain shell (it starts each phase's job itself)")
     # This job measures the MPI phase; rank 0 then runs the gloo phase as a
     # fresh mpirun job of the same size while the others wait.
     rows = phase_rows("mpi", args, sizes)
@@ -616,12 +646,15 @@ def main(argv=None) -> int:
 
   status = 0
   for nprocs in args.np:
-    rows, meta = [], {}
-    for phase in phase_plan(nprocs, args.devices):
-      phase_rows_, phase_meta = _run_phase(args, sizes, nprocs, phase)
-      rows += phase_rows_
-      meta = meta or phase_meta
-    status = report(rows, sizes, nprocs, args, meta) or status
+    jobs, meta = [], {}
+    for _ in range(args.repeats):
+      rows = []
+      for phase in phase_plan(nprocs, args.devices):
+        phase_rows_, phase_meta = _run_phase(args, sizes, nprocs, phase)
+        rows += phase_rows_
+        meta = meta or phase_meta
+      jobs.append(rows)
+    status = report(_common.combine_jobs(jobs), sizes, nprocs, args, meta) or status
   return status
 
 
