@@ -572,6 +572,10 @@ def load_note() -> str:
   one, five, _ = os.getloadavg()
   cpus = os.cpu_count() or 1
   warn = " (busy machine: figures are inflated and noisy)" if one > cpus else ""
-  glibc = " ".join(f"{k}={v}" for k, v in glibc_env().items())
+  from mpijax._src import heap
+  # What the phases ran with: the caller's own glibc variables, else mpijax-run's.
+  names = ("GLIBC_TUNABLES",) + heap.MALLOC_ENV_NAMES
+  env = {**{k: os.environ[k] for k in names if k in os.environ}, **glibc_env()}
+  glibc = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
   return (f"Load average {one:.1f} / {five:.1f} (1 / 5 min) on {cpus} CPUs at the end of the run{warn}."
-          + (f" Every phase ran with mpijax-run's glibc settings: `{glibc}`." if glibc else ""))
+          + (f" Every phase ran with these glibc settings: `{glibc}`." if glibc else ""))
