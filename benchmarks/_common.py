@@ -390,7 +390,8 @@ def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
   A cell's figures are the medians over the jobs of each job's figures (the
   fastest trial: the fastest of all), and ``job_medians_us`` keeps each job's
   median in job order, so a target can show its spread. A cell that any job
-  could not time keeps that job's reason: a failure is never averaged away.
+  could not time keeps that job's reason (a wrong result first): a failure
+  is never averaged away.
   """
   if len(jobs) == 1:
     return list(jobs[0])
@@ -401,7 +402,8 @@ def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
     for size in first.cells:
       cells = [r.cells.get(size, "not measured in every job") if r else "not measured in every job"
                for r in same]
-      bad = next((c for c in cells if not isinstance(c, Timing)), None)
+      bad = [c for c in cells if not isinstance(c, Timing)]
+      bad = next((c for c in bad if c.startswith(WRONG)), bad[0] if bad else None)
       if bad is not None:
         row.cells[size] = bad
         continue

@@ -50,6 +50,13 @@ def test_a_job_that_failed_keeps_its_reason():
   jobs = [[_row("a", {4: _t(10, 9)})], [_row("a", {4: "phase 'mpi' failed (exit code 1): boom"})]]
   (row,) = _common.combine_jobs(jobs)
   assert row.cells[4] == "phase 'mpi' failed (exit code 1): boom"
+  jobs = [
+    [_row("a", {4: "phase 'mpi' failed (timed out after 900s): "})],
+    [_row("a", {4: _common.WRONG + "got 3.0, expected 4.0"})],
+  ]
+  (row,) = _common.combine_jobs(jobs)
+  assert row.cells[4].startswith(_common.WRONG)
+  assert _common.exit_status([row]) == 1
   jobs = [[_row("a", {4: _t(10, 9)})], []]
   assert _common.combine_jobs(jobs)[0].cells[4] == "not measured in every job"
 
