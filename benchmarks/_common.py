@@ -384,6 +384,11 @@ def run_phase(script: str, nprocs: int, phase: str, args: Sequence[str], *,
   return [Row.from_json(r) for r in data["rows"]], data.get("meta", {})
 
 
+def _median_or_none(values) -> float | None:
+  known = [v for v in values if v is not None]
+  return statistics.median(known) if known else None
+
+
 def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
   """One row per key from the same rows measured in several jobs.
 
@@ -402,16 +407,11 @@ def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
     for size in first.cells:
       cells = [r.cells.get(size, "not measured in every job") if r else "not measured in every job"
                for r in same]
-      bad = [c for c in cells if not isinstance(c, Timing)]
-      bad = next((c for c in bad if c.startswith(WRONG)), bad[0] if bad else None)
-      if bad is not None:
-        row.cells[size] = bad
+      failed = sorted((c for c in cells if not isinstance(c, Timing)),
+                      key=lambda c: not c.startswith(WRONG))  # a wrong result first
+      if failed:
+        row.cells[size] = failed[0]
         continue
-
-      def mid(vals):
-        vals = [v for v in vals if v is not None]
-        return statistics.median(vals) if vals else None
-
       row.cells[size] = Timing(
         median_us=statistics.median(c.median_us for c in cells),
         rank_medians_us=[statistics.median(v) for v in zip(*(c.rank_medians_us for c in cells))],
@@ -419,9 +419,9 @@ def combine_jobs(jobs: Sequence[Sequence[Row]]) -> list[Row]:
         trials=sum(c.trials for c in cells),
         per_op_divisor=cells[0].per_op_divisor,
         best_us=min((c.best_us for c in cells if c.best_us is not None), default=None),
-        cpu_us=mid(c.cpu_us for c in cells),
-        p10_us=mid(c.p10_us for c in cells),
-        p90_us=mid(c.p90_us for c in cells),
+        cpu_us=_median_or_none(c.cpu_us for c in cells),
+        p10_us=_median_or_none(c.p10_us for c in cells),
+        p90_us=_median_or_none(c.p90_us for c in cells),
         job_medians_us=[c.median_us for c in cells],
       )
     out.append(row)
@@ -576,8 +576,8 @@ def load_note() -> str:
   warn = " (busy machine: figures are inflated and noisy)" if one > cpus else ""
   from mpijax._src import heap
   # What the phases ran with: the caller's own glibc variables, else mpijax-run's.
-  names = ("GLIBC_TUNABLES",) + heap.MALLOC_ENV_NAMES
-  env = {**{k: os.environ[k] for k in names if k in os.environ}, **glibc_env()}
-  glibc = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+  env = launcher_free_env()
+  names = sorted(k for k in ("GLIBC_TUNABLES",) + heap.MALLOC_ENV_NAMES if k in env)
+  glibc = " ".join(f"{k}={env[k]}" for k in names)
   return (f"Load average {one:.1f} / {five:.1f} (1 / 5 min) on {cpus} CPUs at the end of the run{warn}."
           + (f" Every phase ran with these glibc settings: `{glibc}`." if glibc else ""))
