@@ -25,6 +25,7 @@ from mpijax._src import inspector
 from mpijax._src import jax_runtime
 from mpijax._src import log
 from mpijax._src import mpi_util
+from mpijax._src import xla_pools
 from mpijax._src.ffi import settings as ffi_settings
 from mpijax._src.timeline import record as timeline_record
 
@@ -379,6 +380,7 @@ def init(
 
     multihost.install()
     local_devices = list(jax.local_devices())
+    _settle_xla_spin(mpi_local_size, local_devices)
     if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
       raise RuntimeError(
         f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
@@ -433,6 +435,22 @@ def init(
         str(timeline_path), private, hostnames=hostnames, devices=len(local_devices)
       )
     return _runtime
+
+
+def _settle_xla_spin(local_ranks: int, local_devices: list) -> None:
+  """Setting xla_spin: XLA's idle pool workers stop spinning where the node's
+  device threads outnumber its cores (xla_pools)."""
+  mode = config.get("xla_spin")
+  report = xla_pools.settle(
+    mode, local_ranks=local_ranks, local_devices=len(local_devices),
+    platform=local_devices[0].platform,
+  )
+  if report is not None and report.reason:
+    text = f"XLA's CPU thread pools keep spinning: {report.reason}."
+    if mode == "off":
+      log.warning(text)
+    else:
+      log.LOGGER.debug("%s: %s", log.rank_label(), text)
 
 
 def _check_device_counts(comm, count: int) -> list[int]:

@@ -108,3 +108,23 @@ def test_partitioner_collectives_cross_ranks(rt):
   np.testing.assert_array_equal(np.asarray(gathered.addressable_shards[0].data), a * 2)
   if rt.xla_collectives == "mpi":
     assert jax_runtime.bridge_stats()["allreduce"] > before
+
+
+def test_xla_pools_spin_as_the_setting_says(rt):
+  """MPIJAX_XLA_SPIN: auto keeps XLA's idle pool workers from spinning where
+  this node's device threads outnumber the cores (xla_pools)."""
+  from mpijax._src import config
+  from mpijax._src import xla_pools
+
+  pools = xla_pools.pools()
+  assert pools, "XLA's CPU client pools not found"
+  mode = config.get("xla_spin")
+  threads = rt.topology.local_size * mpijax.local_device_count()
+  if mode == "on" or (mode == "auto" and threads <= len(os.sched_getaffinity(0))):
+    assert xla_pools.last is None
+    assert any(allow == 1 for _, allow, _ in pools)
+  else:
+    report = xla_pools.last
+    assert report is not None and report.reason == "" and report.quieted >= 2, report
+    # Pools made after init() (a compile pool, say) may spin; those init() found may not.
+    assert sum(1 for _, allow, spin in pools if allow == 0 and spin == 0) >= report.quieted

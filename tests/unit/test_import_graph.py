@@ -38,6 +38,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/bridge_env.py",
     "_src/xla_labels.py",
     "_src/xla_cliques.py",
+    "_src/xla_pools.py",
     "_src/multihost.py",
     "_src/inspector.py",
     "_src/failure.py",
