@@ -23,6 +23,7 @@ jaxlib's layout) leaves everything as it was.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,10 +92,6 @@ class _Memory:
     except OSError:
       return b""
 
-  def word(self, addr: int) -> int | None:
-    b = self.read(addr, 8)
-    return int.from_bytes(b, "little") if len(b) == 8 else None
-
   def chunks(self, mappings: list[_Mapping], overlap: int = 0):
     """(address, bytes there) over ``mappings``, a buffer at a time; chunks
     overlap by ``overlap`` bytes."""
@@ -118,15 +115,13 @@ class _Memory:
     return [h for h in hits if not lo <= h < hi]
 
   def find_bytes(self, mappings: list[_Mapping], needle: bytes) -> list[int]:
-    """Addresses of ``needle`` in ``mappings`` (library data: the copies made
-    to search it hold no heap object)."""
-    hits = set()
-    for at, data in self.chunks(mappings, overlap=len(needle)):
-      b = data.tobytes()
-      i = b.find(needle)
-      while i >= 0:
-        hits.add(at + i)
-        i = b.find(needle, i + 1)
+    """Addresses of ``needle`` in ``mappings``."""
+    pattern = re.compile(re.escape(needle))
+    hits = {
+      at + m.start()
+      for at, data in self.chunks(mappings, overlap=len(needle))
+      for m in pattern.finditer(memoryview(data))
+    }
     return sorted(hits)
 
 
