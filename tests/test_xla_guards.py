@@ -396,6 +396,25 @@ def test_several_devices_per_rank_the_timeline_shows_each_device(tmp_path):
     assert len([w for w in late if w >= 0.25e9]) == 3, (tid, late)
 
 
+def test_several_devices_per_rank_a_call_is_named_by_its_own_program(tmp_path):
+  # init()'s warm-up of XLA's communicators all-reduces one float32 per device
+  # on the same communicator before the user's program of that very shape runs.
+  import json
+
+  path = tmp_path / "trace.json"
+  rc, out, entered, lines, end = _job(2, "label", env={"MPIJAX_TIMELINE": str(path)}, devices=2)
+  assert rc == 0, tail(out)
+  events = json.loads(path.read_text())["traceEvents"]
+  sites = [
+    e["args"]["call_site"]
+    for e in events
+    if e.get("cat") == "mpijax" and e["name"] == "XLA all-reduce" and e["args"]["bytes"] == 4
+  ]
+  mine = [s for s in sites if s == "XLA all-reduce float32[1] (sum) in jit(<lambda>)/reduce_sum"]
+  assert len(mine) == 2 * 4, sites  # 2 calls on each (rank, device)
+  assert not any("prepare_communicators" in s for s in sites), sites
+
+
 # (Not "mpi" as an id: pytest-mpi takes a test of that keyword for its own.)
 @pytest.mark.parametrize("transport", ["mpi", "gloo"], ids=["bridge", "gloo"])
 def test_several_devices_per_rank_reduce_scatter(transport):

@@ -77,6 +77,8 @@ _COMPUTATION = re.compile(r"^\s*%([\w.\-]+) \(.*\) -> .* \{\s*$")
 _ROOT = re.compile(r"^\s*ROOT %[\w.\-]+ = \S+ (\w+)\(")
 
 _installed = False
+# The program init() runs to have XLA create the communicators (xla_cliques).
+WARM_UP = "mpijax_prepare_communicators"
 
 
 def _arrays(shape: str) -> list[tuple[str, int]]:
@@ -130,6 +132,8 @@ def label_executable(executable: Any) -> None:
   """Hands the extension the collectives of a compiled program (best effort)."""
   ext = _ffi.load()
   for module in executable.hlo_modules():
+    if WARM_UP in module.name:  # mpijax's own, not a program of the user's
+      continue
     for kind, dtype, n, op, label in collectives(module.to_string(), module.name):
       ext.xla_label(kind, dtype, n, op, label)
 

@@ -26,6 +26,9 @@ then the fault:
                  device, checked; every rank prints "gather ok"
   gather_count   the last rank all-gathers 131,072 floats per device, the
                  others 65,536
+  label          no fault: 2 all-reduces of one float32 per device (run with
+                 MPIJAX_TIMELINE), the shape of the all-reduce init()'s
+                 warm-up of XLA's communicators runs
 
 Each rank prints "entering" (with time.time()) right before the faulty call.
 """
@@ -161,6 +164,9 @@ elif mode == "gather_count":
   entering()
   jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "x", tiled=True), mesh=mesh,
                         in_specs=P("x"), out_specs=P(), check_vma=False))(x).block_until_ready()
+elif mode == "label":
+  for _ in range(2):
+    total(rows(1)).block_until_ready()
 elif mode == "ok":
   y = total(rows(1024))
   print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)

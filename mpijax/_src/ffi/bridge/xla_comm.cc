@@ -152,24 +152,33 @@ int Free(XlaComm* c) {
 int64_t SiteFor(XlaComm& c, uint64_t sig,
                 const std::function<std::string()>& describe) {
   // A program repeats its operations: usually the same as last time. The
-  // pair is read racily (two threads of one process share a communicator
-  // only with several local devices): a torn read only misses the cache.
+  // fields are read racily (two threads of one process share a communicator
+  // only with several local devices): a torn read misses the cache, or at
+  // worst names one call as the site did before the last program compiled.
+  uint64_t generation = LabelGeneration();
   if (c.last_sig.load(std::memory_order_acquire) == sig) {
     int64_t site = c.last_site.load(std::memory_order_acquire);
-    if (c.last_sig.load(std::memory_order_acquire) == sig && site >= 0)
+    if (c.last_generation.load(std::memory_order_acquire) == generation &&
+        c.last_sig.load(std::memory_order_acquire) == sig && site >= 0)
       return site;
   }
   std::lock_guard<std::mutex> lock(c.sites_mu);
-  auto it = c.sites.find(sig);
-  int64_t site = it != c.sites.end() ? it->second : -1;
-  if (site < 0) {
-    site = detail::RegisterSite(describe(), -1);
-    c.sites.emplace(sig, site);
+  XlaComm::Site& site = c.sites[sig];
+  if (site.id < 0 || site.generation != generation) {
+    // A program compiled since may hold this operation too (init()'s
+    // warm-up of the communicators runs before the user's programs).
+    std::string text = describe();
+    if (site.id < 0 || text != site.text) {
+      site.id = detail::RegisterSite(text, -1);
+      site.text = std::move(text);
+    }
+    site.generation = generation;
   }
   c.last_sig.store(0, std::memory_order_release);
-  c.last_site.store(site, std::memory_order_release);
+  c.last_site.store(site.id, std::memory_order_release);
+  c.last_generation.store(generation, std::memory_order_release);
   c.last_sig.store(sig, std::memory_order_release);
-  return site;
+  return site.id;
 }
 
 }  // namespace mpijax::bridge

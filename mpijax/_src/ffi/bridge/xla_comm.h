@@ -38,12 +38,18 @@ struct XlaComm {
   int rank = 0, size = 0;
   std::string ranks;  // its members' ranks in the job, "0-3" or "0,2"
 
-  // Each distinct operation (kind, dtype, count, op) gets one call site,
-  // named once (see SiteFor).
+  // Each distinct operation (kind, dtype, count, op) gets a call site, named
+  // again only when the programs that hold it changed (see SiteFor).
+  struct Site {
+    int64_t id = -1;
+    uint64_t generation = 0;  // LabelGeneration() when named
+    std::string text;
+  };
   std::mutex sites_mu;
-  std::unordered_map<uint64_t, int64_t> sites;
+  std::unordered_map<uint64_t, Site> sites;
   std::atomic<uint64_t> last_sig{0};  // the last lookup, without the lock
   std::atomic<int64_t> last_site{-1};
+  std::atomic<uint64_t> last_generation{0};
   // The node-local paths' state (dc->node) is used by one thread at a time.
   std::mutex node_mu;
 
@@ -77,8 +83,12 @@ int Split(MPI_Comm base, int world_rank, int world_size, double timeout_s,
 // Frees `c` (after MPI is finalized: only forgets it).
 int Free(XlaComm* c);
 
-// The call site of signature `sig` on `c`, registered once with the text
-// `describe()` makes.
+// Grows with every label added (xla_labels.py names each compiled
+// program's collectives; xla_op.cc).
+uint64_t LabelGeneration();
+
+// The call site of signature `sig` on `c`, named with the text `describe()`
+// makes, and named again once a program compiled since may hold it too.
 int64_t SiteFor(XlaComm& c, uint64_t sig,
                 const std::function<std::string()>& describe);
 

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -104,6 +105,9 @@ namespace {
 
 std::mutex g_labels_mu;
 std::unordered_map<std::string, std::vector<std::string>> g_labels;
+// Counts the labels added: a call site named before a program of the same
+// shape was compiled is named again (SiteFor).
+std::atomic<uint64_t> g_label_generation{1};
 
 std::string LabelKey(const std::string& kind, const std::string& dtype,
                      int64_t elements, const std::string& op) {
@@ -132,7 +136,14 @@ void AddLabel(const std::string& kind, const std::string& dtype,
               const std::string& label) {
   std::lock_guard<std::mutex> lock(g_labels_mu);
   auto& v = g_labels[LabelKey(kind, dtype, elements, op)];
-  if (std::find(v.begin(), v.end(), label) == v.end()) v.push_back(label);
+  if (std::find(v.begin(), v.end(), label) == v.end()) {
+    v.push_back(label);
+    g_label_generation.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+uint64_t LabelGeneration() {
+  return g_label_generation.load(std::memory_order_acquire);
 }
 
 // --- errors ----------------------------------------------------------------------
