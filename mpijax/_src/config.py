@@ -142,7 +142,8 @@ _define("xla_spin", _parse_spin, "auto",
         "sleep, as jaxlib has them do for a process that owns the machine. "
         "auto: not where this node's ranks times local CPU devices exceed the "
         "cores this rank may use (2 ranks x 2 devices on 2 cores: a jitted "
-        "4-byte all-reduce 267 -> 53 us); off: never; on: as jaxlib does. "
+        "4-byte all-reduce 267 -> 53 us); off: no spinning on any node; on: "
+        "jaxlib's spinning everywhere. "
         "init() finds the pools and clears their spinning switch "
         "(docs/jax-integration.md).")
 _define("coordinator_port", _parse_optional_int, None,
