@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
-ROWS = {"XLA all-reduce": "XLA's all-reduce (jit x.sum(0))", "device_allreduce": "mpijax psum"}
+# Timeline event names: XLA's all-reduce, mpijax's psum over every device.
+ROWS = ("XLA all-reduce", "device_allreduce")
 ROUNDS, CALLS = 6, 200
 
 
@@ -90,9 +91,11 @@ def split(timeline: str) -> dict[int, dict[str, tuple[float, float, int]]]:
   events = data["traceEvents"] if isinstance(data, dict) else data
   calls = collections.defaultdict(list)
   for e in events:
-    # Not the communicators' warm-up program init() runs.
+    # XLA's calls named by a program: not init()'s unnamed warm-up of the communicators.
     site = e.get("args", {}).get("call_site", "")
-    if e.get("ph") == "X" and e.get("name") in ROWS and "prepare_communicators" not in site:
+    if (
+      e.get("ph") == "X" and e.get("name") in ROWS and (e["name"] != ROWS[0] or " in jit(" in site)
+    ):
       calls[(e["args"]["bytes"], e["name"])].append(e)
   out: dict[int, dict[str, tuple[float, float, int]]] = collections.defaultdict(dict)
   for (nbytes, name), evs in calls.items():

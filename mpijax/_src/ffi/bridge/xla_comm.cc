@@ -168,10 +168,8 @@ int64_t SiteFor(XlaComm& c, uint64_t sig,
     // A program compiled since may hold this operation too (init()'s
     // warm-up of the communicators runs before the user's programs).
     std::string text = describe();
-    if (site.id < 0 || text != site.text) {
+    if (site.id < 0 || text != detail::SiteText(site.id))
       site.id = detail::RegisterSite(text, -1);
-      site.text = std::move(text);
-    }
     site.generation = generation;
   }
   c.last_sig.store(0, std::memory_order_release);

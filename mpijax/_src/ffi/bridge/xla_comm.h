@@ -43,7 +43,6 @@ struct XlaComm {
   struct Site {
     int64_t id = -1;
     uint64_t generation = 0;  // LabelGeneration() when named
-    std::string text;
   };
   std::mutex sites_mu;
   std::unordered_map<uint64_t, Site> sites;
