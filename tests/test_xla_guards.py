@@ -271,6 +271,28 @@ def test_no_fault_no_message():
   assert out.count("total 3.0") == 2 and "mpijax: stall" not in out and "mismatch" not in out, tail(
     out
   )
+  assert "compiled different programs" not in out, tail(out)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_that_compiled_other_shapes_are_warned_when_the_job_ends(n):
+  # The last rank's rows have another shape: every collective has one size on
+  # every rank, so nothing fails, and the ranks' means differ.
+  rc, out, entered, lines, end = _job(n, "shapes")
+  assert rc == 0, tail(out)
+  means = dict(re.findall(r"rank (\d+) shape \(\d+, 4\) mean ([\d.]+)", out))
+  assert len(means) == n and len(set(means.values())) == 2, tail(out)
+  assert "mpijax: stall" not in out and "mismatch" not in out, tail(out)
+  # Every rank names both programs and who compiled each.
+  others = "rank 0" if n == 2 else "ranks " + ",".join(map(str, range(n - 1)))
+  for r in range(n):
+    assert re.search(
+      rf"mpijax\[rank {r}/{n}\]: warning: the ranks compiled different programs for the "
+      rf"devices of several processes, .*jit__lambda \(f32\[2,4\]\)->f32\[4\]: compiled by "
+      rf"{others}, not by rank {n - 1}; jit__lambda \(f32\[3,4\]\)->f32\[4\]: compiled by "
+      rf"rank {n - 1}, not by {others}\. .*pass global_shape",
+      out,
+    ), tail(out)
 
 
 def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):

@@ -25,6 +25,7 @@ from mpijax._src import inspector
 from mpijax._src import jax_runtime
 from mpijax._src import log
 from mpijax._src import mpi_util
+from mpijax._src import program_check
 from mpijax._src import xla_pools
 from mpijax._src.ffi import settings as ffi_settings
 from mpijax._src.timeline import record as timeline_record
@@ -546,6 +547,7 @@ def shutdown() -> None:
     if rt._owns_distributed:
       import jax
 
+      program_check.compare()  # through JAX's key-value store, while it is up
       jax.distributed.shutdown()
     MPI = mpi_util.import_mpi()
     if not MPI.Is_finalized():

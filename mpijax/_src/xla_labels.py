@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from mpijax._src import ffi as _ffi
+from mpijax._src import program_check
 
 # HLO's element types, as the bridge names them (MPI moves PRED as uint8).
 _DTYPES = {
@@ -134,7 +135,11 @@ def label_executable(executable: Any) -> None:
   for module in executable.hlo_modules():
     if WARM_UP in module.name:  # mpijax's own, not a program of the user's
       continue
-    for kind, dtype, n, op, label in collectives(module.to_string(), module.name):
+    text = module.to_string()
+    found = collectives(text, module.name)
+    if found:
+      program_check.note(module.name, text)
+    for kind, dtype, n, op, label in found:
       ext.xla_label(kind, dtype, n, op, label)
 
 

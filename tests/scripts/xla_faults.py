@@ -29,6 +29,10 @@ then the fault:
   label          no fault: 2 all-reduces of one float32 per device (run with
                  MPIJAX_TIMELINE), the shape of the all-reduce init()'s
                  warm-up of XLA's communicators runs
+  shapes         the last rank's rows have another shape, and each rank's
+                 global array gets its shape from its own rows (no
+                 global_shape): a jitted mean over the rows, whose all-reduce
+                 has one size on every rank; every rank prints its mean
 
 Each rank prints "entering" (with time.time()) right before the faulty call.
 """
@@ -167,6 +171,12 @@ elif mode == "gather_count":
 elif mode == "label":
   for _ in range(2):
     total(rows(1)).block_until_ready()
+elif mode == "shapes":
+  local = np.ones((jax.local_device_count() * (3 if last else 2), 4), np.float32)
+  x = jax.make_array_from_process_local_data(row, local)
+  y = jax.jit(lambda a: a.mean(0), out_shardings=NamedSharding(mesh, P()))(x)
+  print(f"rank {rank} shape {x.shape} mean {float(np.asarray(y.addressable_data(0))[0])}",
+        flush=True)
 elif mode == "ok":
   y = total(rows(1024))
   print(f"rank {rank} total {float(np.asarray(y.addressable_data(0))[0])}", flush=True)

@@ -37,6 +37,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/jax_runtime.py",
     "_src/bridge_env.py",
     "_src/xla_labels.py",
+    "_src/program_check.py",
     "_src/xla_cliques.py",
     "_src/xla_pools.py",
     "_src/multihost.py",
