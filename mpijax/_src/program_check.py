@@ -47,15 +47,21 @@ def layout(hlo_header: str) -> str:
   return re.sub(r"\{[\d,]*\}", "", hlo_header[i : j - 1])
 
 
-def note(module_name: str, hlo_text: str) -> None:
-  """Notes a program with collectives across processes, compiled by this rank."""
+def arm() -> None:
+  """Compares the ranks' programs at exit (every rank, so that a rank that
+  compiled none still answers the others)."""
   global _at_exit
-  program = f"{module_name} {layout(hlo_text.split(chr(10), 1)[0])}"
   with _lock:
-    _programs.add(program)
     if not _at_exit:
       atexit.register(compare)
       _at_exit = True
+
+
+def note(module_name: str, hlo_text: str) -> None:
+  """Notes a program with collectives across processes, compiled by this rank."""
+  program = f"{module_name} {layout(hlo_text.split(chr(10), 1)[0])}"
+  with _lock:
+    _programs.add(program)
 
 
 def differences(sets: dict[int, set[str]]) -> list[str]:
@@ -94,7 +100,7 @@ def compare() -> None:
   through JAX's key-value store, each wait bounded); warns of differences."""
   global _compared
   with _lock:
-    if _compared or not _programs:
+    if _compared:
       return
     _compared = True
     mine = sorted(_programs)

@@ -166,6 +166,7 @@ def install() -> None:
     return executable
 
   compiler.compile_or_get_cached = wrapped
+  program_check.arm()
   _installed = True
 
 
