@@ -33,8 +33,8 @@ _compared = False
 
 
 def layout(hlo_header: str) -> str:
-  """The entry layout of an HLO module's first line, without its tiling:
-  ``(f32[4,3])->f32[3]``."""
+  """The entry layout of an HLO module's first line, without the dimension
+  orders: ``(f32[4,3])->f32[3]``."""
   key = "entry_computation_layout={"
   i = hlo_header.find(key)
   if i < 0:

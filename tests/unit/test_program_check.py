@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpijax._src import program_check
 
 
-def test_layout_is_read_from_the_module_header_without_tiling():
+def test_layout_is_read_from_the_module_header_without_dimension_orders():
   header = (
     "HloModule jit_step, is_scheduled=true, entry_computation_layout="
     "{(f32[4,3]{1,0}, s32[]{:T(128)})->(f32[3]{0}, f32[])}, "
