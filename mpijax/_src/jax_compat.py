@@ -86,7 +86,8 @@ from jax._src import core as core
 # custom_jvp_call_p, custom_vjp_call_p: as remat_p.
 from jax._src import custom_derivatives as custom_derivatives
 
-# global_state: whether jax.distributed is up, and whether mpijax started it.
+# global_state: whether jax.distributed is up, and whether mpijax started it;
+# its client's key-value store compares the ranks' compiled programs at exit.
 from jax._src import distributed as distributed
 
 # jit_p, _pjit_lowering: nested jax.jit bodies that make MPI calls are lowered inline.
