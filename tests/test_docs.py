@@ -4,9 +4,10 @@ The blocks are read from the docs at test time (tests/docs.py; its markers say
 which blocks are not run, and why). Python blocks and the twins of blocks with
 placeholders run in two MPI jobs, 2 ranks x 1 device and 2 x 2, each block
 twice in one directory shared by all of them (tests/scripts/docs_python.py);
-shell blocks run command by command, each block twice, all in one directory,
-as a reader who follows the docs would (a command whose first run added or
-removed no file there runs once: a second run would meet the same directory).
+shell blocks run command by command, the docs twice over, all in one directory,
+as a reader who follows the docs would (a command runs once when its first run
+added or removed no file there, or when a later command ran the same program
+with what it left in place: a second run would meet nothing new).
 """
 
 from __future__ import annotations
@@ -191,6 +192,13 @@ def _paths(root: Path) -> set[Path]:
   return {p.relative_to(root) for p in root.rglob("*")}
 
 
+def _program(command: str) -> str:
+  """What a command runs, with its arguments but without the launcher and its options:
+  `python train.py --epochs 3` for `mpijax-run -n 4 --log-dir logs -- python train.py --epochs 3`."""
+  words = command.split()
+  return " ".join(words[words.index("python") :]) if "python" in words else command
+
+
 def test_shell_blocks_run_twice_in_one_directory(tmp_path, digits_4_ranks):
   work = tmp_path / "project"
   work.mkdir()
@@ -202,38 +210,64 @@ def test_shell_blocks_run_twice_in_one_directory(tmp_path, digits_4_ranks):
   assert first.returncode == 0, tail(first.stdout)
   shutil.copytree(out.parent, work / "runs")
   done = {MAIN_JOB: 1}
-  # A command runs again when its first run added or removed files or
-  # directories here: the rerun meets what it left. One that only rewrote
-  # files that were here before (the checkpoint of every `train.py` variant)
-  # met that directory already; it runs once.
-  once = set()
+  # The docs run twice, in order, in this one directory. The second pass runs
+  # a command again when its first run added or removed files or directories
+  # here, so that the rerun meets what it left; unless a later command of the
+  # first pass ran the same program, arguments and all, with those paths in
+  # place (the checkpoint that `mpijax-run ... -- python train.py` with other
+  # launcher options meets). One that changed no path (it rewrote files that
+  # were here before) met that directory already.
+  first_runs = []  # (command, program, paths before, paths added, paths removed)
   problems = []
-  for block in BLOCKS:
-    if block.lang != "bash" or block.kind not in ("run", "partial"):
-      continue
-    for attempt in (1, 2):
-      for command, run in docs.commands(block):
-        if not run or done.get(command, 0) >= 2 or command in once:
-          continue  # not run (the marker says why), or done here already
-        before = _paths(work)
-        result, seconds = run_shell(command, work, timeout=600)
-        done[command] = done.get(command, 0) + 1
-        if done[command] == 1 and _paths(work) == before:
-          once.add(command)
-        print(f"{block.id} run {attempt}: {command} -> {result.returncode} ({seconds:.0f} s)")
-        text = result.stdout
-        if result.returncode != 0:
-          problems.append(
-            f"{block.id} run {attempt}: `{command}` exited {result.returncode}:\n{tail(text, 40)}"
-          )
-        elif _DIGITS.search(command) and (
-          float((_ACCURACY.findall(text) or ["0"])[-1]) < 0.97 or " nan " in text
-        ):
-          # The README: "about 98 % test accuracy".
-          problems.append(
-            f"{block.id} run {attempt}: `{command}` printed no final accuracy of at least "
-            f"0.97, or a nan:\n{tail(text, 20)}"
-          )
+
+  def run(block, attempt, command):
+    result, seconds = run_shell(command, work, timeout=600)
+    done[command] = done.get(command, 0) + 1
+    print(f"{block.id} run {attempt}: {command} -> {result.returncode} ({seconds:.0f} s)")
+    text = result.stdout
+    if result.returncode != 0:
+      problems.append(
+        f"{block.id} run {attempt}: `{command}` exited {result.returncode}:\n{tail(text, 40)}"
+      )
+    elif _DIGITS.search(command) and (
+      float((_ACCURACY.findall(text) or ["0"])[-1]) < 0.97 or " nan " in text
+    ):
+      # The README: "about 98 % test accuracy".
+      problems.append(
+        f"{block.id} run {attempt}: `{command}` printed no final accuracy of at least "
+        f"0.97, or a nan:\n{tail(text, 20)}"
+      )
+
+  shell = [
+    (block, command)
+    for block in BLOCKS
+    if block.lang == "bash" and block.kind in ("run", "partial")
+    for command, runs in docs.commands(block)
+    if runs  # else the block's marker says why not
+  ]
+  for block, command in shell:
+    if command in done and command != MAIN_JOB or done.get(command, 0) >= 2:
+      continue  # the same command in an earlier block
+    before = _paths(work)
+    run(block, 1, command)
+    after = _paths(work)
+    first_runs.append((command, _program(command), before, after - before, before - after))
+
+  met_later, unchanged = set(), set()
+  for i, (command, program, _, added, removed) in enumerate(first_runs):
+    if not added and not removed:
+      unchanged.add(command)
+    elif any(
+      p == program and added <= seen and not removed & seen
+      for _, p, seen, _, _ in first_runs[i + 1 :]
+    ):
+      met_later.add(command)
+  for block, command in shell:
+    if done[command] < 2 and command not in unchanged | met_later:
+      run(block, 2, command)
   assert not problems, "\n\n".join(problems)
-  assert all(n == 2 or command in once for command, n in done.items()), done
-  print(f"{sum(done.values())} runs of {len(done)} commands, {len(once)} of them once")
+  assert all(n == 2 or c in unchanged | met_later for c, n in done.items()), done
+  print(
+    f"{sum(done.values())} runs of {len(done)} commands; once: {len(unchanged)} that changed "
+    f"no path, {len(met_later)} whose paths a later run of their program met"
+  )
