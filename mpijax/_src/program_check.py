@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import re
 import threading
+
+from mpijax._src import log
 
 _PREFIX = "mpijax/compiled_programs"
 # How long a rank that ends waits for the others' sets: a rank that ends much
@@ -104,9 +105,8 @@ def compare() -> None:
       return
     _compared = True
     mine = sorted(_programs)
-  log = logging.getLogger("mpijax")
   try:
-    from mpijax._src import jax_compat
+    from mpijax._src import jax_compat  # imports jax: not before it is needed
 
     state = jax_compat.distributed.global_state
     client, me, n = state.client, state.process_id, state.num_processes
@@ -118,10 +118,8 @@ def compare() -> None:
       if r != me:
         sets[r] = set(json.loads(client.blocking_key_value_get(f"{_PREFIX}/{r}", _WAIT_MS)))
   except Exception as e:  # a rank that ended long before or after: not compared
-    log.debug("comparing the ranks' compiled programs failed: %r", e)
+    log.LOGGER.debug("comparing the ranks' compiled programs failed: %r", e)
     return
   lines = differences(sets)
   if lines:
-    from mpijax._src import log as mpijax_log
-
-    mpijax_log.warning(message(lines))
+    log.warning(message(lines))
