@@ -3,7 +3,8 @@
 Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
 rank, the exception and its message in one line, then the traceback (each
-line prefixed with the rank), and calls
+line prefixed with the rank), and, half a second later (other ranks that
+raised at the same time report theirs too), calls
 ``MPI.COMM_WORLD.Abort`` so that the launcher stops every rank, non-zero,
 within seconds. The traceback is written to stderr directly, not through
 the ``"mpijax"`` logger: the abort follows at once, and a handler of the
@@ -16,10 +17,16 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 
 from mpijax._src import log
+
+# How long a rank that reported waits before aborting: ranks that raise the
+# same error together (every rank of a mismatched collective) report it too,
+# instead of being killed by the first abort mid-report.
+ABORT_GRACE_S = 0.5
 
 _installed = False
 _agreed_exit_codes: set[int] = set()
@@ -66,6 +73,9 @@ def report_and_abort(
     sys.stderr.flush()
   except Exception:  # a broken stderr must not stop the abort
     pass
+  mpi = sys.modules.get("mpi4py.MPI")
+  if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
+    time.sleep(ABORT_GRACE_S)
   abort(exit_code)
 
 

@@ -660,6 +660,23 @@ def test_uncaught_exception_aborts_every_rank():
 
 
 @needs_mpirun
+def test_ranks_that_raise_together_all_report_before_the_abort():
+  # Rank 0 raises at once, the others 0.2 s later (as every rank of a
+  # mismatched collective does, a few ms apart): rank 0 waits before its
+  # abort, so every rank's report reaches the console and the summary.
+  code = (
+    "import time; from mpi4py import MPI; c = MPI.COMM_WORLD; c.Barrier()\n"
+    "if c.rank: time.sleep(0.2)\n"
+    "raise ValueError('the same on every rank')"
+  )
+  out = run_cli("-n", "4", "--timeout", "60", "--", "python", "-c", code)
+  assert out.returncode not in (0, 124), out.stdout + out.stderr
+  assert "rank 0: uncaught ValueError: the same on every rank (ranks 0-3 alike)" in out.stderr, (
+    out.stdout + out.stderr
+  )
+
+
+@needs_mpirun
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_every_rank_and_leaves_no_orphan(sig):
   marker = f"mpijax_sig_{uuid.uuid4().hex[:10]}"
