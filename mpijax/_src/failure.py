@@ -3,9 +3,9 @@
 Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
 rank, the exception and its message in one line, then the traceback (each
-line prefixed with the rank), and, half a second later (other ranks that
-raised at the same time report theirs too), calls
-``MPI.COMM_WORLD.Abort`` so that the launcher stops every rank, non-zero,
+line prefixed with the rank), and calls ``MPI.COMM_WORLD.Abort`` (half a
+second later for a mismatched collective, which every rank raises: so each
+reports it) so that the launcher stops every rank, non-zero,
 within seconds. The traceback is written to stderr directly, not through
 the ``"mpijax"`` logger: the abort follows at once, and a handler of the
 program's (or a logging lock held by the thread that raised) must not stand
@@ -23,9 +23,11 @@ from types import TracebackType
 
 from mpijax._src import log
 
-# How long a rank that reported waits before aborting: ranks that raise the
-# same error together (every rank of a mismatched collective) report it too,
-# instead of being killed by the first abort mid-report.
+# Errors that every rank raises at about the same time (a mismatched
+# collective: the exchange shows every rank every signature). A rank that
+# reports one waits ABORT_GRACE_S before its abort, so the others report it
+# too instead of being killed mid-report.
+RAISED_TOGETHER = ("mpijax: collective mismatch on", "mpijax: mismatch in XLA's collectives")
 ABORT_GRACE_S = 0.5
 
 _installed = False
@@ -74,7 +76,7 @@ def report_and_abort(
   except Exception:  # a broken stderr must not stop the abort
     pass
   mpi = sys.modules.get("mpi4py.MPI")
-  if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
+  if any(m in str(exc) for m in RAISED_TOGETHER) and mpi is not None and mpi.Is_initialized():
     time.sleep(ABORT_GRACE_S)
   abort(exit_code)
 
