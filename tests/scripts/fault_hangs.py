@@ -7,7 +7,7 @@ usage: fault_hangs.py MODE [CKPT_DIR]
                     others' stall report names rank 3
   last_batch_fixed  the same data through mpijax.train.shard_batches -> equal
                     step counts, the run completes
-  late              rank 3 arrives 5 s late (run with MPIJAX_STALL_ACTION=warn
+  late              rank 3 arrives 3.5 s late (run with MPIJAX_STALL_ACTION=warn
                     and MPIJAX_TIMEOUT=2: the others warn, then finish)
   late_mixed        the same in a jitted program over global jax.Arrays whose
                     mpijax all-reduce (in a shard_map) feeds a collective XLA's
@@ -99,7 +99,7 @@ elif mode in ("late", "late_large"):
   shape = (2, 3) if mode == "late" else (2, 65536)  # the large one: 512 KiB
   grad_sum(jnp.ones(shape)).block_until_ready()
   if rt.rank == 3:
-    time.sleep(5)
+    time.sleep(3.5)  # MPIJAX_TIMEOUT=2 s: the report, then rank 3
   print(f"rank {rt.rank}: {np.asarray(grad_sum(jnp.ones(shape)))[:3]}", flush=True)
 
 elif mode == "late_mixed":
@@ -116,7 +116,7 @@ elif mode == "late_mixed":
   x = jax.make_array_from_callback((n, 3), rows, lambda i: np.ones((n, 3), np.float32)[i])
   step(x).block_until_ready()
   if rt.rank == 3:
-    time.sleep(5)
+    time.sleep(3.5)  # MPIJAX_TIMEOUT=2 s: the report, then rank 3
   print(f"rank {rt.rank} ({rt.xla_collectives}): "
         f"{np.asarray(step(x).addressable_shards[0].data)[:3]}", flush=True)
 
