@@ -3,10 +3,10 @@
 Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
 rank, the exception and its message in one line, then the traceback (each
-line prefixed with the rank), and calls ``MPI.COMM_WORLD.Abort`` (half a
-second later for a mismatched collective, which every rank raises: so each
-reports it) so that the launcher stops every rank, non-zero,
-within seconds. The traceback is written to stderr directly, not through
+line prefixed with the rank), and calls ``MPI.COMM_WORLD.Abort`` so that
+the launcher stops every rank, non-zero, within seconds (for a mismatched
+collective, which every rank raises, half a second after the report, so that
+every rank's report is out first). The traceback is written to stderr directly, not through
 the ``"mpijax"`` logger: the abort follows at once, and a handler of the
 program's (or a logging lock held by the thread that raised) must not stand
 between the report and the abort.
