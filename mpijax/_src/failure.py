@@ -6,10 +6,10 @@ rank, the exception and its message in one line, then the traceback (each
 line prefixed with the rank), and calls ``MPI.COMM_WORLD.Abort`` so that
 the launcher stops every rank, non-zero, within seconds (for a mismatched
 collective, which every rank raises, half a second after the report, so that
-every rank's report is out first). The traceback is written to stderr directly, not through
-the ``"mpijax"`` logger: the abort follows at once, and a handler of the
-program's (or a logging lock held by the thread that raised) must not stand
-between the report and the abort.
+every rank's report is out first). The traceback is written to stderr
+directly, not through the ``"mpijax"`` logger: the abort follows at once,
+and a handler of the program's (or a logging lock held by the thread that
+raised) must not stand between the report and the abort.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from mpijax._src import log
 # Errors that every rank raises at about the same time (a mismatched
 # collective: the exchange shows every rank every signature). A rank that
 # reports one waits ABORT_GRACE_S before its abort, so the others report it
-# too instead of being killed mid-report.
+# too instead of being killed mid-report. The texts are the messages' starts
+# in ffi/csrc/signature.cc and ffi/bridge/xla_op.cc, xla_member_ops.cc.
 RAISED_TOGETHER = ("mpijax: collective mismatch on", "mpijax: mismatch in XLA's collectives")
 ABORT_GRACE_S = 0.5
 
