@@ -12,7 +12,8 @@ Rows (median µs per operation, max over ranks):
 
 * ``mpi4py Allreduce`` on NumPy buffers, out of place and in place: the floor.
 * ``jax.jit(x + 1)``: the cost of one jitted dispatch, the floor of any
-  collective called from jit.
+  collective called from jit; and the same op donated (>= 256 KiB), so the
+  job shows what a fresh output buffer costs XLA's own op.
 * ``mpijax.ops.allreduce`` in jit: one per jitted call; ten chained in one
   call (time per all-reduce); the input donated (in place, >= 256 KiB).
 * ``mpi4jax.allreduce`` in jit, one per call and ten chained, if importable.
@@ -52,6 +53,7 @@ LABELS = {
     "raw_oop": "mpi4py Allreduce, NumPy, out of place",
     "raw_inplace": "mpi4py Allreduce, NumPy, in place",
     "jit_floor": "jax.jit(x + 1) (dispatch floor)",
+    "jit_floor_donated": "jax.jit(x + 1), donated (written over its input)",
     "mpijax_1": "mpijax allreduce in jit, 1 per call",
     "mpijax_10": f"mpijax allreduce in jit, {CHAIN} chained (per op)",
     "mpijax_donated": "mpijax allreduce in jit, donated (in place)",
@@ -111,15 +113,29 @@ def _raw(hc: HarnessComm, in_place: bool) -> Callable[[int], tuple[Callable[[], 
   return build
 
 
-def _jit_floor(hc: HarnessComm):
+def _jit_floor(hc: HarnessComm, donate: bool = False):
   import jax
   import jax.numpy as jnp
 
   def build(nbytes: int):
-    f = jax.jit(lambda x: x + 1)
+    if not donate:
+      f = jax.jit(lambda x: x + 1)
+      x = jnp.zeros(nbytes // 4, jnp.float32)
+      _expect(f(x), 1.0, "jit(x + 1)")
+      return (lambda: f(x).block_until_ready()), 1
+    if nbytes < DONATED_MIN_BYTES:
+      raise Skip(f"donated variant is measured from {_common.fmt_size(DONATED_MIN_BYTES)} on")
+    f = jax.jit(lambda x: x + 1, donate_argnums=0)
     x = jnp.zeros(nbytes // 4, jnp.float32)
-    _expect(f(x), 1.0, "jit(x + 1)")
-    return (lambda: f(x).block_until_ready()), 1
+    state = [f(x)]
+    _expect(state[0], 1.0, "jit(x + 1), donated")
+    if not x.is_deleted():
+      raise Skip("XLA did not donate the input buffer on this platform")
+
+    def step():
+      state[0] = f(state[0])
+      state[0].block_until_ready()
+    return step, 1
   return build
 
 
@@ -295,6 +311,7 @@ def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str
     add("raw_oop", lambda: _raw(hc, in_place=False))
     add("raw_inplace", lambda: _raw(hc, in_place=True))
     add("jit_floor", lambda: _jit_floor(hc))
+    add("jit_floor_donated", lambda: _jit_floor(hc, donate=True))
 
   def mpijax_factory(**kw):
     def factory():
@@ -494,6 +511,15 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     if floor is not None:
       out.append(f"info  {_common.fmt_size(s)} jax.jit(x + 1) / raw in place, same job: "
                  f"{floor:.1f} / {b:.1f} us = {floor / b:.2f}x")
+    # What the fresh output alone costs, against the 10 % margin: XLA's own
+    # x + 1 against the same op written over its input, and the all-reduce
+    # against its donated call.
+    fd, d = get("jit_floor_donated", s), get("mpijax_donated", s)
+    if floor is not None and fd is not None and d is not None:
+      out.append(f"info  {_common.fmt_size(s)} a fresh output's cost, same job: jax.jit(x + 1) "
+                 f"{floor:.1f} against {fd:.1f} us donated (+{floor - fd:.1f} us = "
+                 f"{(floor - fd) / b:.2f}x raw in place); the all-reduce {v:.1f} against "
+                 f"{d:.1f} us donated (+{v - d:.1f} us = {(v - d) / b:.2f}x)")
   for s in sizes:
     if s > 4 << 20:
       continue
