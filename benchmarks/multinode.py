@@ -190,11 +190,25 @@ class _Interrupted(BaseException):
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# The signal that stopped the run, and the job running then. The handler's
+# exception is lost where it fires inside a garbage-collection callback (JAX
+# registers one), so it also records the signal and ends the job itself.
+_STOPPED_BY: list[int] = []
+_JOBS: list[subprocess.Popen] = []
+
+
 def _on_signal(signum, _frame):
   # Once: a second Ctrl-C must not cut the cleanup short.
   for s in _SIGNALS:
     signal.signal(s, signal.SIG_IGN)
-  raise _Interrupted(f"stopped by {signal.Signals(signum).name}")
+  _STOPPED_BY.append(signum)
+  for proc in _JOBS:
+    _kill(proc, wait=False)
+  raise _Interrupted(_stopped_text())
+
+
+def _stopped_text() -> str:
+  return f"stopped by {signal.Signals(_STOPPED_BY[0]).name}"
 
 
 def _stream(proc: subprocess.Popen, log: list[str]) -> None:
@@ -276,6 +290,9 @@ def run_job(
       start_new_session=True,
       env=_common.launcher_free_env(),
     )
+    _JOBS.append(proc)
+    if _STOPPED_BY:  # the signal came while the job was starting
+      _kill(proc)
     # mpijax-run ends the job at --timeout; this is the guard should that fail.
     guard = threading.Timer(args.timeout + 30, lambda: _kill(proc))
     guard.start()
@@ -286,6 +303,7 @@ def run_job(
     finally:
       guard.cancel()
       _kill(proc)
+      _JOBS.remove(proc)
     if proc.returncode != 0 or not os.path.exists(out):
       tail = [line for line in log if re.search(r"\w", line)][-1:] or [""]
       return f"the job failed (exit code {proc.returncode}): {tail[0][:200]}"
@@ -302,13 +320,14 @@ def run_job(
   return [Row.from_json(r) for r in data["rows"]], data["meta"]
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, wait: bool = True) -> None:
   if proc.poll() is None:
     try:
       os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
-    proc.wait()
+    if wait:
+      proc.wait()
 
 
 def leftovers(tag: str) -> list[str]:
@@ -575,12 +594,10 @@ def main(argv=None) -> int:
   )
   old = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
   tmp = tempfile.mkdtemp(prefix="mpijax-multinode-")
-  status = None
   try:
     result = run_job(args, sizes, tmp, hosts)
-  except _Interrupted as e:
-    print(f"multinode.py: {e}", file=sys.stderr)
-    status = 130
+  except _Interrupted:
+    pass
   finally:
     # Again, with signals ignored: a signal may have cut the first cleanup short.
     for s in old:
@@ -595,8 +612,9 @@ def main(argv=None) -> int:
   if left:
     return 1
   print(f"# removed the namespaces, veth pair, qdiscs, /etc/netns files and {tmp}", flush=True)
-  if status is not None:
-    return status
+  if _STOPPED_BY:
+    print(f"multinode.py: {_stopped_text()}", file=sys.stderr)
+    return 130
   if isinstance(result, str):
     print(f"multinode.py: {result}", file=sys.stderr)
     return 1
