@@ -127,16 +127,26 @@ def _jit_floor(hc: HarnessComm, donate: bool = False):
       raise Skip(f"donated variant is measured from {_common.fmt_size(DONATED_MIN_BYTES)} on")
     f = jax.jit(lambda x: x + 1, donate_argnums=0)
     x = jnp.zeros(nbytes // 4, jnp.float32)
-    state = [f(x)]
-    _expect(state[0], 1.0, "jit(x + 1), donated")
-    if not x.is_deleted():
-      raise Skip("XLA did not donate the input buffer on this platform")
-
-    def step():
-      state[0] = f(state[0])
-      state[0].block_until_ready()
-    return step, 1
+    y = f(x)
+    _expect(y, 1.0, "jit(x + 1), donated")
+    _require_donated(x)
+    return _fed_back(f, y), 1
   return build
+
+
+def _require_donated(x) -> None:
+  if not x.is_deleted():
+    raise Skip("XLA did not donate the input buffer on this platform")
+
+
+def _fed_back(f, x):
+  """A step that calls the donating ``f`` on its own last output, from ``x`` on."""
+  state = [x]
+
+  def step():
+    state[0] = f(state[0])
+    state[0].block_until_ready()
+  return step
 
 
 def _chain(reduce_fn, k: int):
@@ -162,15 +172,9 @@ def _jitted_allreduce(hc: HarnessComm, reduce_fn, what: str, *, chained: int = 1
       x = jnp.asarray(pattern(n, hc.rank))
       y = f(x)
       _expect(y, pattern_sum(n, hc.size), what)
-      if not x.is_deleted():
-        raise Skip("XLA did not donate the input buffer on this platform")
+      _require_donated(x)
       # Zeros stay zeros, so the output can be fed back in forever.
-      state = [f(jnp.zeros(n, jnp.float32))]
-
-      def step():
-        state[0] = f(state[0])
-        state[0].block_until_ready()
-      return step, chained
+      return _fed_back(f, f(jnp.zeros(n, jnp.float32))), chained
     f = jax.jit(body)
     if chained > 1:  # the same x everywhere: each all-reduce multiplies it by the ranks
       x = jnp.asarray(pattern(n, 0))
