@@ -89,6 +89,15 @@ def _parse_cpu_bind(text: str) -> str:
   return value
 
 
+def _parse_compile_cache(text: str) -> str:
+  value = text.strip()
+  if value.lower() in ("auto", "off", ""):
+    return value.lower() or "auto"
+  if not os.path.isabs(os.path.expanduser(value)):
+    raise ValueError("expected auto, off or an absolute directory path")
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   name: str  # without the MPIJAX_ prefix, lower case
@@ -173,6 +182,15 @@ _define("cpu_bind", _parse_cpu_bind, "auto",
         "launcher (or a cpuset) already bound to fewer than all cores, or with "
         "MPIJAX_XLA_COLLECTIVES=gloo (whose threads need the cores), nothing "
         "is bound. none: never.")
+_define("compile_cache", _parse_compile_cache, "auto",
+        "The compile cache (docs/long-jobs.md). auto: mpijax-run gives the job "
+        "JAX's persistent compilation cache in $XDG_CACHE_HOME/mpijax/jax (else "
+        "~/.cache/mpijax/jax) unless JAX_COMPILATION_CACHE_DIR is set; a path: that "
+        "directory instead (init() applies it too, under any launcher); off: none "
+        "from mpijax, and JAX's own cache, if set, works as JAX has it (process 0 "
+        "writes). With a cache directory every rank reads and writes it, a program "
+        "each rank jits on its own devices has one key on every rank, and one rank "
+        "compiles a program while the others that need it wait and load it.")
 _define("abort_on_exception", _parse_bool, True,
         "init() installs a hook that aborts the whole job when any rank "
         "has an uncaught exception.")
@@ -303,6 +321,20 @@ _define("restart_attempt", _parse_count, 0,
         "Which run of a restarted job this is: 0 on the first run, 1 on the first "
         "restart, ... Set on every rank by mpijax-run --max-restarts; read with "
         "mpijax.train.restart_attempt().")
+
+
+# Settings read while a program is traced or lowered: they shape the compiled
+# program, so the compile cache's key holds them (compile_hook.program_key).
+BAKED = (
+  "device_allreduce",
+  "hierarchical_min_bytes",
+  "shm_max_bytes",
+  "cma_min_bytes",
+  "bucket_bytes",
+  "overlap",
+  "overlap_bucket_bytes",
+  "fuse_leaf_bytes",
+)
 
 
 def settings() -> list[Setting]:

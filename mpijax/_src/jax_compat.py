@@ -76,8 +76,12 @@ check_jax()
 # remat_p: a checkpointed body that makes MPI calls is kept whole and lowered inline.
 from jax._src import ad_checkpoint as ad_checkpoint
 
-# compile_or_get_cached: wrapped to name the collectives of each compiled program in
-# the bridge's reports (xla_labels.py).
+# JAX's persistent-cache key's parts, which the compile cache's key is made of
+# (hash_program, compile_hook.py).
+from jax._src import cache_key as cache_key
+
+# compile_or_get_cached: wrapped once (compile_hook.py) for the compile cache and what
+# mpijax reads from each program; backend_compile_and_load: a compile the cache missed.
 from jax._src import compiler as compiler
 
 # call_p, closed_call_p, Jaxpr, ClosedJaxpr, Var, new_jaxpr_eqn: nested calls, token threading.
@@ -117,8 +121,30 @@ from jax._src.lax.control_flow import conditionals as conditionals
 # while_p, scan_p: loop bodies that make MPI calls are kept whole and lowered inline.
 from jax._src.lax.control_flow import loops as loops
 
+# DeviceAssignment: a per-rank program's devices numbered by their place on the rank.
+from jax._src.lib import xla_client as xla_client
+
 # MLIR's Python API: blocks, insertion points and types of the custom calls.
 from jax._src.lib.mlir import ir as ir
+
+
+def hash_program(hash_obj: Any, module: Any, compile_options: Any, backend: Any) -> None:
+  """Feeds ``hash_obj`` what JAX's persistent-cache key (``cache_key.get``) holds of a
+  program -- its canonical IR, jaxlib, platform, XLA flags, compile options --
+  but the accelerator topology, whose fingerprint differs from process to process
+  on CPU (so no other rank would ever share the key)."""
+  cache_key._hash_computation(hash_obj, module, cache_key.IgnoreCallbacks.NO)
+  hash_obj.update(jaxlib_version().encode())
+  cache_key._hash_platform(hash_obj, backend)
+  cache_key._hash_xla_flags(hash_obj, cache_key.get_flag_prefixes())
+  cache_key._hash_serialized_compile_options(hash_obj, compile_options)
+
+
+def jaxlib_version() -> str:
+  """The running jaxlib's version (the compile cache's entries name theirs)."""
+  import jaxlib
+
+  return jaxlib.__version__
 
 
 def backends_started() -> bool:

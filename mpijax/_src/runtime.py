@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mpijax._src import cluster
+from mpijax._src import compile_hook
 from mpijax._src import config
 from mpijax._src import device_setup
 from mpijax._src import failure
@@ -380,6 +382,7 @@ def init(
     from mpijax._src import multihost
 
     multihost.install()
+    _start_compile_cache(jax, my_rank, address)
     local_devices = list(jax.local_devices())
     _settle_xla_spin(mpi_local_size, local_devices)
     if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
@@ -436,6 +439,15 @@ def init(
         str(timeline_path), private, hostnames=hostnames, devices=len(local_devices)
       )
     return _runtime
+
+
+def _start_compile_cache(jax, rank: int, job: str) -> None:
+  """Every program compiled from now on passes mpijax's compile hook, and a
+  directory named by MPIJAX_COMPILE_CACHE is JAX's cache unless JAX has one."""
+  setting = config.get("compile_cache")
+  if setting not in ("auto", "off") and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(setting))
+  compile_hook.install(rank, job)
 
 
 def _settle_xla_spin(local_ranks: int, local_devices: list) -> None:

@@ -21,13 +21,14 @@ the program in logical order (its source-target pairs name ranks in it).
 
 from __future__ import annotations
 
-import functools
 import re
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from mpijax._src import compile_hook
 
 # The HLO opcodes that reach XLA's CPU collectives (and their async starts).
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -297,23 +298,23 @@ def _warm_up(
     )
 
 
-def prepare(executable: Any, devices: Any, compile_options: Any) -> None:
+def prepare(program: compile_hook.Program) -> None:
   """Prepares, then has XLA create, every communicator a compiled program's
   collectives will ask for (collective over the ranks of each; every rank
-  compiles the same programs in the same order)."""
+  compiles the same programs in the same order). A compile hook reader."""
   from mpijax._src import ffi
 
   if getattr(_state, "warming", False):
     return
-  flat = list(np.asarray(devices, dtype=object).flat)
-  build = compile_options.executable_build_options
+  flat = list(np.asarray(program.devices, dtype=object).flat)
+  build = program.compile_options.executable_build_options
   replicas, partitions = build.num_replicas, build.num_partitions
   if replicas * partitions != len(flat):
     replicas, partitions = 1, len(flat)
   ids = [d.id for d in flat]
   programs = []
-  for module in executable.hlo_modules():
-    programs += program_cliques(module.to_string(), ids, replicas, partitions)
+  for _, text in program.modules:
+    programs += program_cliques(text, ids, replicas, partitions)
   if not programs:
     return
   ext = ffi.load()
@@ -338,21 +339,9 @@ def install(local_devices: int) -> None:
   prepared before it runs (several devices per process)."""
   global _installed
   from mpijax._src import ffi
-  from mpijax._src import jax_compat
 
   if _installed:
     return
   ffi.load().xla_enable_members(int(local_devices))
-  compiler = jax_compat.compiler
-  compile_or_get_cached = compiler.compile_or_get_cached
-
-  @functools.wraps(compile_or_get_cached)
-  def wrapped(backend, computation, devices, compile_options, *args, **kwargs):
-    executable = compile_or_get_cached(
-      backend, computation, devices, compile_options, *args, **kwargs
-    )
-    prepare(executable, devices, compile_options)
-    return executable
-
-  compiler.compile_or_get_cached = wrapped
+  compile_hook.add_reader(prepare)
   _installed = True

@@ -2,8 +2,9 @@
 
 The bridge sees XLA's collectives as MPI calls (an MPI_Allreduce of 1,024
 floats), not as HLO instructions. When XLA's collectives run over MPI,
-:func:`install` wraps JAX's compilation: each program compiled for devices of
-several processes is scanned, once, for its collective instructions, and
+:func:`install` makes :func:`label` a reader of the compile hook: each program
+compiled (or loaded) for devices of several processes is scanned, once, for
+its collective instructions, and
 each is handed to the extension with its kind, dtype, size and reduction
 and a label from its metadata, e.g. ``jit(train_step)/psum``. Stall reports,
 mismatch errors and the timeline then say "XLA all-reduce float32[1024]
@@ -13,11 +14,10 @@ an operation of that shape).
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
-from typing import Any
 
+from mpijax._src import compile_hook
 from mpijax._src import ffi as _ffi
 from mpijax._src import program_check
 
@@ -77,7 +77,6 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMPUTATION = re.compile(r"^\s*%([\w.\-]+) \(.*\) -> .* \{\s*$")
 _ROOT = re.compile(r"^\s*ROOT %[\w.\-]+ = \S+ (\w+)\(")
 
-_installed = False
 # The program init() runs to have XLA create the communicators (xla_cliques).
 WARM_UP = "mpijax_prepare_communicators"
 
@@ -129,48 +128,31 @@ def collectives(hlo_text: str, module: str) -> list[tuple[str, str, int, str, st
   return found
 
 
-def label_executable(executable: Any) -> None:
-  """Hands the extension the collectives of a compiled program (best effort)."""
-  ext = _ffi.load()
-  for module in executable.hlo_modules():
-    if WARM_UP in module.name:  # mpijax's own, not a program of the user's
-      continue
-    text = module.to_string()
-    found = collectives(text, module.name)
-    if found:
-      program_check.note(module.name, text)
-    for kind, dtype, n, op, label in found:
-      ext.xla_label(kind, dtype, n, op, label)
+def label(program: compile_hook.Program) -> None:
+  """Hands the extension the collectives of a program over the devices of
+  several processes (a compile hook reader; best effort)."""
+  if not program.spans_processes:
+    return
+  try:
+    ext = _ffi.load()
+    for name, text in program.modules:
+      if WARM_UP in name:  # mpijax's own, not a program of the user's
+        continue
+      found = collectives(text, name)
+      if found:
+        program_check.note(name, text)
+      for kind, dtype, n, op, label in found:
+        ext.xla_label(kind, dtype, n, op, label)
+  except Exception as e:  # labels are names in messages, never a reason to fail
+    logging.getLogger("mpijax").debug("naming XLA's collectives failed: %r", e)
 
 
 def install() -> None:
   """Labels every program JAX compiles for the devices of several processes."""
-  global _installed
-  if _installed:
-    return
-  # Imported here: jax_compat imports jax, and mpijax is imported before jax
-  # (jax_runtime.prepare_environment names the bridge first).
-  from mpijax._src import jax_compat
-
-  compiler = jax_compat.compiler
-  compile_or_get_cached = compiler.compile_or_get_cached
-
-  @functools.wraps(compile_or_get_cached)
-  def wrapped(backend, computation, devices, *args, **kwargs):
-    executable = compile_or_get_cached(backend, computation, devices, *args, **kwargs)
-    try:
-      if len({d.process_index for d in devices.flat}) > 1:
-        label_executable(executable)
-    except Exception as e:  # labels are names in messages, never a reason to fail
-      logging.getLogger("mpijax").debug("naming XLA's collectives failed: %r", e)
-    return executable
-
-  compiler.compile_or_get_cached = wrapped
+  compile_hook.add_reader(label)
   program_check.arm()
-  _installed = True
 
 
-_gloo_guarded = False
 GLOO_REDUCE_SCATTER = (
   "{program} has a reduce-scatter, and XLA's collectives run over gloo with "
   "{devices} devices per rank: jaxlib 0.10's gloo reduce-scatter between the "
@@ -180,36 +162,37 @@ GLOO_REDUCE_SCATTER = (
 )
 
 
+class _GlooGuard:
+  """Warns, once (rank 0), at the first program with a reduce-scatter when
+  XLA's collectives run over gloo with several devices per rank, where
+  jaxlib's can be wrong; the warning never stops the job."""
+
+  def __init__(self, local_devices: int) -> None:
+    self.local_devices = local_devices
+    self.warned = False
+
+  def __call__(self, program: compile_hook.Program) -> None:
+    if self.warned:
+      return
+    from mpijax._src import log
+
+    try:
+      for name, text in program.modules:
+        if any(c[0] == "reduce-scatter" for c in collectives(text, name)):
+          self.warned = True
+          if log.rank_and_size()[0] == 0:  # every rank compiles the same programs
+            log.warning(GLOO_REDUCE_SCATTER.format(program=name, devices=self.local_devices))
+          return
+    except Exception as e:  # a warning's source, never a reason to fail
+      logging.getLogger("mpijax").debug("reading a program's collectives failed: %r", e)
+
+
+_gloo_guard: _GlooGuard | None = None
+
+
 def guard_gloo_reduce_scatter(local_devices: int) -> None:
-  """Warns, once (rank 0), at the first compiled program with a
-  reduce-scatter when XLA's collectives run over gloo with several devices
-  per rank, where jaxlib's can be wrong; the warning never stops the job."""
-  global _gloo_guarded
-  if _gloo_guarded:
-    return
-  from mpijax._src import jax_compat
-  from mpijax._src import log
-
-  compiler = jax_compat.compiler
-  compile_or_get_cached = compiler.compile_or_get_cached
-  warned = []
-
-  @functools.wraps(compile_or_get_cached)
-  def wrapped(backend, computation, devices, *args, **kwargs):
-    executable = compile_or_get_cached(backend, computation, devices, *args, **kwargs)
-    if not warned:
-      try:
-        for module in executable.hlo_modules():
-          kinds = {c[0] for c in collectives(module.to_string(), module.name)}
-          if "reduce-scatter" in kinds:
-            warned.append(module.name)
-            if log.rank_and_size()[0] != 0:
-              break  # every rank compiles the same programs: rank 0 says it
-            log.warning(GLOO_REDUCE_SCATTER.format(program=module.name, devices=local_devices))
-            break
-      except Exception as e:  # a warning's source, never a reason to fail
-        logging.getLogger("mpijax").debug("reading a program's collectives failed: %r", e)
-    return executable
-
-  compiler.compile_or_get_cached = wrapped
-  _gloo_guarded = True
+  """Installs the gloo reduce-scatter warning (once)."""
+  global _gloo_guard
+  if _gloo_guard is None:
+    _gloo_guard = _GlooGuard(local_devices)
+    compile_hook.add_reader(_gloo_guard)

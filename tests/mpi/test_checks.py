@@ -96,9 +96,22 @@ def test_shared_memory_catches_a_divergence_without_the_check(rt):
 def test_status_table_records_calls(rt):
   mpijax.ops.allreduce(jnp.ones(2)).block_until_ready()
   ext = _ffi.load()
-  calls, phase, text = ext.status(0, 0).split(" ", 2)  # communicator key 0: the runtime's
-  assert int(calls) >= 1 and phase == "0", text
+  calls, phase, activity, text = ext.status(0, 0).split(" ", 3)  # key 0: the runtime's
+  assert int(calls) >= 1 and phase == "0" and activity == "0", text
   assert text.startswith("idle since") and "call #" in text, text
+
+
+def test_status_says_what_the_compile_hook_does(rt):
+  mpijax.ops.allreduce(jnp.ones(2)).block_until_ready()
+  ext = _ffi.load()
+  ext.set_activity(1, "compiling jit_step")
+  try:
+    _, _, activity, text = ext.status(0, 0).split(" ", 3)
+    assert activity == "1" and "; compiling jit_step for " in text, text
+  finally:
+    ext.set_activity(0, "")
+  _, _, activity, text = ext.status(0, 0).split(" ", 3)
+  assert activity == "0" and "compiling" not in text, text
 
 
 def test_invalid_stall_action_is_refused(rt, monkeypatch):

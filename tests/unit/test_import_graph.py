@@ -35,6 +35,8 @@ LAYERS: dict[str, list[str]] = {
     "_src/runtime.py",
     "_src/device_setup.py",
     "_src/jax_runtime.py",
+    "_src/compile_hook.py",
+    "_src/compile_cache.py",
     "_src/bridge_env.py",
     "_src/xla_labels.py",
     "_src/program_check.py",

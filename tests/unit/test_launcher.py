@@ -43,13 +43,18 @@ HEAP = [
 ]
 X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
 # What every launch exports about the job (the port comes from MASTER_PORT in sit()'s environment).
-JOB = [("MPIJAX_RESTART_ATTEMPT", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]
+JOB = [
+  ("MPIJAX_RESTART_ATTEMPT", "0"),
+  ("MASTER_ADDR", "127.0.0.1"),
+  ("MASTER_PORT", "29500"),
+  ("JAX_COMPILATION_CACHE_DIR", "/home/u/.cache/mpijax/jax"),
+]
 X_JOB = [a for name, value in JOB for a in ("-x", f"{name}={value}")]
 
 
 def sit(mpi=OMPI5, euid=1000, slots=8, env=None, mpirun="/p/bin/mpirun", fabric=True):
   return Situation(
-    env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500"},
+    env=env or {"PATH": "/usr/bin", "MASTER_PORT": "29500", "HOME": "/home/u"},
     euid=euid,
     local_slots=slots,
     mpi=mpi,
@@ -345,6 +350,9 @@ def test_hydra_command():
     "-genv",
     "MASTER_PORT",
     "29500",
+    "-genv",
+    "JAX_COMPILATION_CACHE_DIR",
+    "/home/u/.cache/mpijax/jax",
     *[a for name, value in HEAP for a in ("-genv", name, value)],
     "python",
     "-m",
@@ -363,6 +371,7 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
     "SLURM_NTASKS": "4",
     "SLURM_JOB_NODELIST": "node[07-08]",
     "MASTER_PORT": "29500",
+    "HOME": "/home/u",
   }
   got = cmd(["-n", "4", "--devices-per-process", "2", "--", "python", "x.py"], sit(env=env))
   assert got == [
@@ -374,7 +383,8 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
     "--kill-on-bad-exit=1",
     "--mpi=pmix",
     "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
-    "MASTER_ADDR=node07,MASTER_PORT=29500," + ",".join(f"{n}={v}" for n, v in HEAP),
+    "MASTER_ADDR=node07,MASTER_PORT=29500,JAX_COMPILATION_CACHE_DIR=/home/u/.cache/mpijax/jax,"
+    + ",".join(f"{n}={v}" for n, v in HEAP),
     "python",
     "-m",
     "mpijax",
@@ -1024,3 +1034,23 @@ def test_a_session_directory_a_killed_launcher_left_does_not_stop_the_next_job()
     assert sessions() == [], sessions()
   finally:
     shutil.rmtree(base, ignore_errors=True)
+
+
+def _cache_export(env_extra):
+  env = {"PATH": "/usr/bin", "MASTER_PORT": "29500", "HOME": "/home/u", **env_extra}
+  got = cmd(["-n", "2", "--", "python", "x.py"], sit(env=env))
+  return [a.split("=", 1)[1] for a in got if a.startswith("JAX_COMPILATION_CACHE_DIR=")]
+
+
+def test_every_job_gets_a_compile_cache_unless_the_user_chose():
+  assert _cache_export({}) == ["/home/u/.cache/mpijax/jax"]
+  assert _cache_export({"XDG_CACHE_HOME": "/scratch/u"}) == ["/scratch/u/mpijax/jax"]
+  assert _cache_export({"MPIJAX_COMPILE_CACHE": "/lustre/p/cache"}) == ["/lustre/p/cache"]
+  # JAX's own variable wins, and reaches every rank as it is.
+  assert _cache_export({"JAX_COMPILATION_CACHE_DIR": "/mine"}) == ["/mine"]
+  assert _cache_export({"MPIJAX_COMPILE_CACHE": "off"}) == []
+
+
+def test_a_relative_compile_cache_path_is_refused_before_launch():
+  with pytest.raises(ValueError, match=r"MPIJAX_COMPILE_CACHE='cache'.*absolute directory path"):
+    _cache_export({"MPIJAX_COMPILE_CACHE": "cache"})

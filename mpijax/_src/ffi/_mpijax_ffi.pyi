@@ -87,7 +87,11 @@ def set_python_place(fn: Callable[[], str] | None) -> None:
   inspector's answers); None removes it."""
 
 def status(key: int, device: int) -> str:
-  """'<calls> <phase> <text>' for (communicator key, device), as sent to askers."""
+  """'<calls> <phase> <activity> <text>' for (communicator key, device), as sent to askers."""
+
+def set_activity(kind: int, text: str) -> None:
+  """What this process does that ranks waiting for it should know of: 1
+  compiling a program, 2 waiting for another rank's compile, 0 neither."""
 
 def timeline_start(capacity: int) -> None:
   """Turns the collective timeline on: every handler call records one event

@@ -8,6 +8,8 @@ import socket
 import sys
 
 from mpijax._src import bridge_env
+from mpijax._src import compile_cache
+from mpijax._src import config
 from mpijax._src import heap
 from mpijax._src.launch.common import COORDINATOR_ENV
 from mpijax._src.launch.common import DEVICES_ENV
@@ -79,6 +81,12 @@ def _exports(
   explicit["MASTER_ADDR"], explicit["MASTER_PORT"] = master
   if plan.job_files:
     explicit[JOB_FILES_ENV] = plan.job_files
+  # Every job a compile cache: a restart, and the next run, load what this one compiled.
+  cache = compile_cache.job_directory(config.get("compile_cache", env), env)
+  if cache:
+    explicit[compile_cache.JAX_ENV] = cache
+  elif env.get(compile_cache.JAX_ENV):
+    explicit[compile_cache.JAX_ENV] = env[compile_cache.JAX_ENV]
   if "COLUMNS" not in env and sys.stdout.isatty():
     # The ranks' terminal (Open MPI's) is 0 columns wide: rank 0's progress bar takes ours.
     explicit["COLUMNS"] = str(shutil.get_terminal_size().columns)

@@ -225,6 +225,32 @@ std::string Elsewhere(int64_t key, int64_t device, int64_t since_ns) {
 std::mutex g_place_mu;
 std::function<std::string()> g_place;
 
+namespace {
+std::mutex g_activity_mu;
+int g_activity = kActivityNone;
+std::string g_activity_text;
+int64_t g_activity_since = 0;
+}  // namespace
+
+void SetActivity(int kind, std::string text) {
+  std::lock_guard<std::mutex> lock(g_activity_mu);
+  if (kind != g_activity || text != g_activity_text) g_activity_since = NowNs();
+  g_activity = kind;
+  g_activity_text = std::move(text);
+}
+
+namespace {
+
+// (kind, "; compiling jit_step for 3.2 s") of what SetActivity last said.
+std::pair<int, std::string> Activity() {
+  std::lock_guard<std::mutex> lock(g_activity_mu);
+  if (g_activity == kActivityNone) return {kActivityNone, ""};
+  return {g_activity, "; " + g_activity_text + " for " +
+                          Seconds((NowNs() - g_activity_since) * 1e-9) + " s"};
+}
+
+}  // namespace
+
 void SetPythonPlace(std::function<std::string()> place) {
   std::lock_guard<std::mutex> lock(g_place_mu);
   g_place = std::move(place);
@@ -246,10 +272,12 @@ std::string PythonPlace() {
 }  // namespace
 
 std::string DescribeStatus(int64_t key, int64_t device) {
+  auto [activity, doing] = Activity();
   DevComm* dc = FindDev(key, device);
   if (dc == nullptr) {
-    return "0 0 has not used this communicator yet; " +
-           Elsewhere(key, device, 0) + PythonPlace();
+    return "0 0 " + std::to_string(activity) +
+           " has not used this communicator yet; " + Elsewhere(key, device, 0) +
+           doing + PythonPlace();
   }
   const Status& st = dc->status;
   int64_t calls = st.calls.load(std::memory_order_relaxed);
@@ -258,16 +286,16 @@ std::string DescribeStatus(int64_t key, int64_t device) {
   int64_t since = st.since_ns.load(std::memory_order_relaxed);
   double secs = (NowNs() - since) * 1e-9;
   std::ostringstream s;
-  s << calls << " " << phase << " ";
+  s << calls << " " << phase << " " << activity << " ";
   if (calls == 0) {
     s << "idle, no call on this communicator yet; " << Elsewhere(key, device, 0)
-      << PythonPlace();
+      << doing << PythonPlace();
   } else if (phase == 0) {
     s << "idle since " << Seconds(secs) << " s; last: " << SiteText(site)
       << ", call #" << calls;
     std::string more = Elsewhere(key, device, since);
     if (!more.empty()) s << "; " << more;
-    s << PythonPlace();
+    s << doing << PythonPlace();
   } else {
     s << "in call #" << calls << " since " << Seconds(secs) << " s: "
       << (phase == 1 ? "signature check before " : "") << SiteText(site);
@@ -283,8 +311,10 @@ void ReportStall(const CallInfo& info, double waited) {
   int64_t my_calls = st.calls.load(std::memory_order_relaxed);
   int my_phase = st.phase.load(std::memory_order_relaxed);
   int n = CommSize(dc->comm), me = CommRank(dc->comm);
+  // A late rank that compiles (or waits for another's compile) will come.
+  bool compiling = false;
   std::ostringstream s;
-  s << "mpijax: stall: rank " << (insp == MPI_COMM_NULL ? me : my_insp_rank)
+  s << "rank " << (insp == MPI_COMM_NULL ? me : my_insp_rank)
     << " waited " << Seconds(waited) << " s in "
     << (my_phase == 1 ? "the signature check before " : "")
     << SiteText(info.site) << " (call #" << my_calls << " on "
@@ -386,12 +416,14 @@ void ReportStall(const CallInfo& info, double waited) {
         continue;
       }
       long long calls = 0;
-      int phase = 0, used = 0;
-      std::sscanf(answer[i].c_str(), "%lld %d %n", &calls, &phase, &used);
+      int phase = 0, activity = 0, used = 0;
+      std::sscanf(answer[i].c_str(), "%lld %d %d %n", &calls, &phase, &activity,
+                  &used);
       if (calls == my_calls && phase == my_phase) {
         arrived.push_back(who);
       } else {
         late.push_back(who + " (" + answer[i].substr(used) + ")");
+        compiling |= activity != kActivityNone;
       }
     }
     if (late.empty()) {
@@ -415,14 +447,22 @@ void ReportStall(const CallInfo& info, double waited) {
       s << ".";
     }
   }
-  s << " Every rank must call the same collectives in the same order "
-       "(MPIJAX_TIMEOUT=" << g_settings.timeout_s.load()
-    << " s; MPIJAX_STALL_ACTION="
-    << (g_settings.stall_abort.load() ? "abort" : "warn") << ").\n";
-  std::string text = s.str();
+  std::string text;
+  if (compiling) {
+    // Not a stall: said once per MPIJAX_TIMEOUT while it lasts, never fatal.
+    text = "mpijax: waiting for a compile: " + s.str() +
+           " It keeps waiting: a rank that compiles a program, or waits for "
+           "another rank's compile, arrives when the compile ends.\n";
+  } else {
+    s << " Every rank must call the same collectives in the same order "
+         "(MPIJAX_TIMEOUT=" << g_settings.timeout_s.load()
+      << " s; MPIJAX_STALL_ACTION="
+      << (g_settings.stall_abort.load() ? "abort" : "warn") << ").\n";
+    text = "mpijax: stall: " + s.str();
+  }
   std::fwrite(text.data(), 1, text.size(), stderr);
   std::fflush(stderr);
-  if (g_settings.stall_abort.load()) {
+  if (g_settings.stall_abort.load() && !compiling) {
     // Give the launcher's output forwarding time to pass the report on.
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     MPI_Abort(MPI_COMM_WORLD, 1);

@@ -28,7 +28,8 @@ bool StartInspector(MPI_Comm comm);
 // Stops and joins both threads (before their communicator is freed).
 void StopInspector();
 
-// "<calls> <phase> <human text>" for (key, device), as sent to an asker.
+// "<calls> <phase> <activity> <human text>" for (key, device), as sent to an
+// asker.
 std::string DescribeStatus(int64_t key, int64_t device);
 
 // Where this process's Python main thread is ("stall.py:19 in <module>:
@@ -36,9 +37,17 @@ std::string DescribeStatus(int64_t key, int64_t device);
 // asked-about call; the function returns "" when it cannot tell in time.
 void SetPythonPlace(std::function<std::string()> place);
 
+// What this process does that a rank waiting for it should know of (set by
+// the compile hook): kActivityCompiling a program, kActivityWaitingCompile for
+// another rank's compile of one; kActivityNone: neither. `text` says which
+// program ("compiling jit_step"). A collective that waits for ranks doing
+// either says so and keeps waiting: a compile is progress, not a stall.
+constexpr int kActivityNone = 0, kActivityCompiling = 1, kActivityWaitingCompile = 2;
+void SetActivity(int kind, std::string text);
+
 // Asks every other rank of the stalled op's communicator for its status,
 // prints the report on stderr, then ends the job (MPIJAX_STALL_ACTION=abort)
-// or returns so the caller keeps waiting (warn).
+// or returns so the caller keeps waiting (warn, or ranks that compile).
 void ReportStall(const CallInfo& info, double waited);
 
 // Whether the watchdog guards blocking calls (see ChooseBlocking).

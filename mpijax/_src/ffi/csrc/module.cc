@@ -324,7 +324,16 @@ NB_MODULE(_mpijax_ffi, m) {
 
   m.def("status", &DescribeStatus, nb::arg("key"), nb::arg("device"),
   "This process's status line for (communicator key, device), as the stall "
-  "inspector sends it: '<calls> <phase> <text>'.");
+  "inspector sends it: '<calls> <phase> <activity> <text>'.");
+
+  m.def("set_activity", [](int kind, std::string text) {
+    if (kind < kActivityNone || kind > kActivityWaitingCompile)
+      throw nb::value_error("set_activity: kind must be 0, 1 or 2");
+    SetActivity(kind, std::move(text));
+  }, nb::arg("kind"), nb::arg("text"),
+  "What this process does that ranks waiting for it should know of: 1 "
+  "compiling a program, 2 waiting for another rank's compile, 0 neither; "
+  "`text` names it ('compiling jit_step').");
 
   m.def("timeline_start", [](int64_t capacity) {
     if (capacity < 1) throw nb::value_error("timeline_start: capacity must be >= 1");
