@@ -315,7 +315,9 @@ class Outcome:
   owner: Owner | None = None  # whose compile was waited for
   warning: str = ""  # an unusable entry, recompiled: one line for the user ('' if none)
   waited_s: float = 0.0
-  unwritable: str = ""  # why the directory cannot be written ('' if it can)
+  unwritable: str = (
+    ""  # why the directory cannot be written, e.g. "Permission denied" ('' if it can)
+  )
 
 
 def fetch(
@@ -455,7 +457,7 @@ def _compile_and_write(
 
 
 def _why(e: OSError, directory: str) -> str:
-  return f"{directory}: {e.strerror or e}"
+  return e.strerror or str(e)
 
 
 @contextlib.contextmanager

@@ -79,12 +79,24 @@ class Stats:
 
 
 _stats = Stats()
+# (program, how, whose compile was waited for: a rank or None), in compile order.
+_outcomes: list[tuple[str, str, int | None]] = []
 
 
 def stats() -> Stats:
   """A copy of this process's compile statistics (benchmarks, tests)."""
   with _lock:
     return dataclasses.replace(_stats)
+
+
+def outcomes() -> list[tuple[str, str, int | None]]:
+  """Each program this process compiled or loaded: (name, how, rank waited for).
+
+  ``how`` is "compiled", "loaded" (its entry was there), "waited" (loaded
+  after another rank's compile) or "uncached".
+  """
+  with _lock:
+    return list(_outcomes)
 
 
 def add_reader(fn: Callable[[Program], None]) -> None:
@@ -315,13 +327,17 @@ def _compile(
     if outcome.unwritable and directory not in _warned_dirs:
       _warned_dirs.add(directory)
       log.warning(
-        f"the compile cache directory {outcome.unwritable}: programs compile on every rank "
-        "and are not cached. Fix: make it writable, or point JAX_COMPILATION_CACHE_DIR (or "
-        "MPIJAX_COMPILE_CACHE) at a writable directory, or set MPIJAX_COMPILE_CACHE=off"
+        f"the compile cache directory {directory} cannot be written ({outcome.unwritable}): "
+        "programs compile on every rank and are not cached. Fix: make it writable, point "
+        "JAX_COMPILATION_CACHE_DIR (or MPIJAX_COMPILE_CACHE) at a writable directory, or set "
+        "MPIJAX_COMPILE_CACHE=off"
       )
     log.LOGGER.debug("%s: compile cache: %s %s (%s)", log.rank_label(), outcome.how, name, key)
   seconds = time.monotonic() - start
   with _lock:
+    how = "uncached" if outcome is None or outcome.unwritable else outcome.how
+    owner = outcome.owner.rank if outcome is not None and outcome.owner is not None else None
+    _outcomes.append((name, how, owner))
     _stats.seconds += seconds
     if outcome is None or outcome.unwritable:
       _stats.uncached += 1
@@ -344,8 +360,10 @@ def _compile(
 
 
 def _stale_s() -> float:
-  timeout = config.get("timeout")
-  return min(compile_cache.STALE_S, timeout) if timeout > 0 else compile_cache.STALE_S
+  """How long a claim's time may stand still: the stall timeout, within
+  [3 heartbeats, compile_cache.STALE_S]."""
+  timeout = config.get("timeout") or compile_cache.STALE_S
+  return max(3 * compile_cache.HEARTBEAT_S, min(compile_cache.STALE_S, timeout))
 
 
 def install(rank: int, job: str) -> None:
