@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ _TYPE_NAME = b"N5Eigen15ThreadPoolTemplIN3tsl6thread16EigenEnvironmentEEE"
 _LIBRARY = "libjax_common.so"
 _SPIN_BUDGET = 5000  # Eigen's kSpinCount: spin_count_ = 5000 / num_threads_
 _CHUNK = 16 << 20  # bytes read at a time while scanning the heap
+_LOCK_SECONDS = 60.0  # hashing the library takes seconds; another rank's lock longer is stuck
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,9 @@ def sha256(path: str) -> str:
       try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         lock = os.open(cache + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _flock(lock)
       except OSError:
-        pass  # an unwritable home: hash it, and try to remember it
+        pass  # an unwritable home, or a lock held too long: hash it here too
       known = _cached(cache, path, key)  # another rank may have hashed it meanwhile
       if known:
         return known
@@ -155,6 +157,20 @@ def sha256(path: str) -> str:
     finally:
       if lock is not None:
         os.close(lock)  # releases the lock
+
+
+def _flock(fd: int) -> None:
+  """Takes the lock on ``fd``, waiting at most _LOCK_SECONDS (a stopped
+  process that holds it must not stop init()); OSError after that."""
+  deadline = time.monotonic() + _LOCK_SECONDS
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return
+    except BlockingIOError:
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.05)
 
 
 def _cached(cache: str, path: str, key: list[int]) -> str:

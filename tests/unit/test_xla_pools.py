@@ -6,12 +6,15 @@ outside, in real jobs: tests/test_xla_pools_jobs.py.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -210,6 +213,45 @@ def test_the_librarys_digest_is_remembered_per_file(tmp_path, monkeypatch):
   (tmp_path / "ro").write_text("a file where the cache directory would be")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
   assert xla_pools.sha256(str(lib)) == hashlib.sha256(lib.read_bytes()).hexdigest()
+
+
+def test_ranks_that_start_together_hash_the_library_once(tmp_path, monkeypatch):
+  """While another process hashes (holds the lock), a rank waits and then
+  takes the digest it remembered; a lock held too long is not waited for."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  lib = tmp_path / "libjax_common.so"
+  lib.write_bytes(b"one build" * 1000)
+  cache = tmp_path / "cache" / "mpijax" / "jaxlib-sha256.json"
+  cache.parent.mkdir(parents=True)
+  st = os.stat(lib)
+  other = os.open(str(cache) + ".lock", os.O_RDWR | os.O_CREAT)
+  fcntl.flock(other, fcntl.LOCK_EX)
+
+  def other_rank_finishes():
+    time.sleep(0.3)
+    entry = {"key": [st.st_ino, st.st_size, st.st_mtime_ns], "sha256": "the other rank's"}
+    cache.write_text(json.dumps({str(lib): entry}))
+    os.close(other)  # releases the lock
+
+  thread = threading.Thread(target=other_rank_finishes)
+  thread.start()
+  try:
+    assert xla_pools.sha256(str(lib)) == "the other rank's"
+  finally:
+    thread.join()
+  cache.unlink()
+  other = os.open(str(cache) + ".lock", os.O_RDWR)
+  fcntl.flock(other, fcntl.LOCK_EX)
+  monkeypatch.setattr(xla_pools, "_LOCK_SECONDS", 0.2)
+  got = []
+  waiter = threading.Thread(target=lambda: got.append(xla_pools.sha256(str(lib))), daemon=True)
+  try:
+    waiter.start()
+    waiter.join(timeout=20)
+    assert not waiter.is_alive(), "sha256() still waits for a lock held too long"
+  finally:
+    os.close(other)
+  assert got == [hashlib.sha256(lib.read_bytes()).hexdigest()]
 
 
 def test_the_setting_names_its_values():
