@@ -29,6 +29,7 @@ Anything else leaves the pools as built, and the report says why.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -125,13 +126,16 @@ def _file_key(st: os.stat_result) -> list[int]:
   return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def sha256(path: str) -> str:
+def sha256(path: str, *, inode: int | None = None) -> str:
   """The sha256 of the file at ``path``, remembered per (path, inode, size,
   mtime_ns) in the user's cache directory: hashing libjax_common.so (350 MB)
-  takes seconds. Ranks that start together hash it once, under a lock."""
+  takes seconds. Ranks that start together hash it once, under a lock.
+  OSError where the file is not ``inode`` (another file than the one loaded)."""
   cache = _cache_file()
   with open(path, "rb") as f:
     key = _file_key(os.fstat(f.fileno()))
+    if inode is not None and key[0] != inode:
+      raise OSError(errno.ESTALE, "not the file this process loaded (replaced on disk)")
     known = _cached(cache, path, key)
     if known:
       return known
@@ -205,9 +209,7 @@ def _build(maps: list[_Mapping]) -> tuple[Layout | None, int, str]:
   if first is None or first.offset != 0:
     return None, 0, f"jaxlib's {_LIBRARY} is not loaded"
   try:
-    if os.stat(first.path).st_ino != first.inode:
-      return None, 0, f"{first.path} on disk is not the file this process loaded"
-    digest = sha256(first.path)
+    digest = sha256(first.path, inode=first.inode)
   except OSError as e:
     return None, 0, f"{first.path}: {e.strerror}"
   layout = VERIFIED.get((version, digest))

@@ -205,6 +205,9 @@ def test_the_librarys_digest_is_remembered_per_file(tmp_path, monkeypatch):
   # ... until the file changes: then it is hashed again.
   lib.write_bytes(b"another build" * 1000)
   assert xla_pools.sha256(str(lib)) == hashlib.sha256(lib.read_bytes()).hexdigest()
+  # Another file at the path than the one a process loaded (replaced on disk): no digest.
+  with pytest.raises(OSError, match="not the file this process loaded"):
+    xla_pools.sha256(str(lib), inode=os.stat(lib).st_ino + 1)
   # A relative XDG_CACHE_HOME is ignored (XDG), and an unwritable cache only costs the hashing.
   monkeypatch.setenv("XDG_CACHE_HOME", "relative")
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
