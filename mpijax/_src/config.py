@@ -150,11 +150,11 @@ _define("xla_spin", _parse_spin, "auto",
         "Whether the idle workers of XLA's CPU thread pools spin before they "
         "sleep, as jaxlib has them do for a process that owns the machine. "
         "auto: not where this node's ranks times local CPU devices exceed the "
-        "cores this rank may use (2 ranks x 2 devices on 2 cores: a jitted "
-        "4-byte all-reduce 267 -> 53 us); off: no spinning on any node; on: "
-        "jaxlib's spinning everywhere. "
-        "init() finds the pools and clears their spinning switch "
-        "(docs/jax-integration.md).")
+        "cores the node's ranks may use together (the union of their affinity "
+        "masks); off: no spinning on any node; on: jaxlib's spinning everywhere. "
+        "init() clears the pools' spinning switch, only on a jaxlib build it "
+        "was verified on (docs/jax-integration.md); elsewhere they keep "
+        "spinning and MPIJAX_LOG_LEVEL=DEBUG says why (with off: a warning).")
 _define("coordinator_port", _parse_optional_int, None,
         "Port for the coordinator. Unset: rank 0 asks the OS for a free port.")
 _define("coordinator_host", str, "",

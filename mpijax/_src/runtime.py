@@ -338,6 +338,7 @@ def init(
     key = info.local_rank if (info.local_rank is not None and comm is None) else my_rank
     shared = private.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     mpi_local_rank, mpi_local_size = shared.Get_rank(), shared.Get_size()
+    node_cpus = xla_pools.count_node_cpus(shared)
     shared.Free()
     if comm is None:
       try:
@@ -384,7 +385,7 @@ def init(
     multihost.install()
     _start_compile_cache(jax, my_rank, address)
     local_devices = list(jax.local_devices())
-    _settle_xla_spin(mpi_local_size, local_devices)
+    _settle_xla_spin(mpi_local_size, local_devices, node_cpus)
     if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
       raise RuntimeError(
         f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
@@ -450,20 +451,25 @@ def _start_compile_cache(jax, rank: int, job: str) -> None:
   compile_hook.install(rank, job)
 
 
-def _settle_xla_spin(local_ranks: int, local_devices: list) -> None:
+def _settle_xla_spin(local_ranks: int, local_devices: list, node_cpus: int) -> None:
   """Setting xla_spin: XLA's idle pool workers stop spinning where the node's
-  device threads outnumber its cores (xla_pools)."""
+  device threads outnumber the cores its ranks may use (xla_pools)."""
   mode = config.get("xla_spin")
   report = xla_pools.settle(
-    mode, local_ranks=local_ranks, local_devices=len(local_devices),
+    mode,
+    local_ranks=local_ranks,
+    local_devices=len(local_devices),
+    node_cpus=node_cpus,
     platform=local_devices[0].platform,
   )
-  if report is not None and report.reason:
+  if not report.reason:
+    text = f"XLA's CPU thread pools: {report.changed} of {report.pools} kept from spinning."
+  else:
     text = f"XLA's CPU thread pools keep spinning: {report.reason}."
-    if mode == "off":
-      log.warning(text)
-    else:
-      log.LOGGER.debug("%s: %s", log.rank_label(), text)
+  if report.reason and report.wanted and mode == "off":
+    log.warning(text)
+  else:
+    log.LOGGER.debug("%s: %s", log.rank_label(), text)
 
 
 def _check_device_counts(comm, count: int) -> list[int]:
