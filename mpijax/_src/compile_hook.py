@@ -130,10 +130,12 @@ def _doing(kind: int, text: str) -> Iterator[None]:
 
 def _publish(ffi: Any) -> None:
   """Hands the stall inspector the most urgent thing this process is doing."""
+  ext = ffi.loaded()
+  if ext is None:  # no collective has run: no inspector to tell
+    return
   with _lock:
     kind, text = max(((k, t) for k, t, _ in _activity.values()), default=(0, ""))
-  with contextlib.suppress(Exception):  # an extension that does not load: nothing to tell
-    ffi.load().set_activity(kind, text)
+  ext.set_activity(kind, text)
 
 
 def activity() -> str:
@@ -190,8 +192,9 @@ def _mpijax_build() -> str:
   except metadata.PackageNotFoundError:
     version = "unknown"
   digest = ""
-  with contextlib.suppress(Exception):
-    with open(ffi.load().__file__, "rb") as f:
+  path = ffi.extension_path()
+  with contextlib.suppress(OSError):
+    with open(path or "", "rb") as f:
       digest = hashlib.sha256(f.read()).hexdigest()
   return f"{version} {digest}"
 

@@ -81,6 +81,19 @@ def _check_agreement(runtime_version: str) -> None:
         "same MPI implementation and major version.\n" + _rebuild_hint())
 
 
+def loaded() -> ModuleType | None:
+  """The extension module if :func:`load` has loaded it, else None (never loads it)."""
+  return _module
+
+
+def extension_path() -> str | None:
+  """The extension's file, found without loading it (None if it is not built)."""
+  import importlib.util
+
+  spec = importlib.util.find_spec("mpijax._src.ffi._mpijax_ffi")
+  return spec.origin if spec is not None else None
+
+
 def load() -> ModuleType:
   """The extension module, loaded, checked and registered with JAX (once)."""
   global _module
