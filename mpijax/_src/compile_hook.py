@@ -206,8 +206,9 @@ def program_key(computation: Any, devices: Any, compile_options: Any, backend: A
   with a rank's own devices numbered by their place on the rank, so that a
   program each rank jits on its own devices has one key, plus what changes the
   executable and JAX's key leaves out or keys per process here: the device
-  kind, the devices per rank and in the job, the host's CPU, mpijax's build and
-  the settings that shape its lowering (``config.BAKED``).
+  kind, the devices per rank (and in the job, for a program over several
+  ranks), the host's CPU, mpijax's build and the settings that shape its
+  lowering (``config.BAKED``).
   """
   import jax
   import numpy as np
@@ -218,7 +219,8 @@ def program_key(computation: Any, devices: Any, compile_options: Any, backend: A
   me = jax.process_index()
   options = compile_options
   assignment = compile_options.device_assignment
-  if assignment is not None and flat and all(d.process_index == me for d in flat):
+  per_rank = all(d.process_index == me for d in flat)
+  if assignment is not None and flat and per_rank:
     place = {d.id: i for i, d in enumerate(backend.local_devices())}
     options = copy.deepcopy(compile_options)
     options.device_assignment = jax_compat.xla_client.DeviceAssignment.create(
@@ -231,7 +233,9 @@ def program_key(computation: Any, devices: Any, compile_options: Any, backend: A
   kind = flat[0].device_kind if flat else ""
   baked = ",".join(f"{s}={config.get(s)!r}" for s in config.BAKED)
   for part in (
-    f"devices {kind}: {len(backend.local_devices())} per rank, {len(backend.devices())} in all",
+    # A per-rank program is the same executable in a job of any size.
+    f"devices {kind}: {len(backend.local_devices())} per rank"
+    + ("" if per_rank else f", {len(backend.devices())} in the job"),
     f"cpu {_host_cpu()}",
     f"mpijax {_mpijax_build()}",
     f"settings {baked}",
