@@ -177,3 +177,33 @@ def _output(proc, logs) -> str:
     os.killpg(proc.pid, signal.SIGKILL)
   out, err = proc.communicate()
   return out + err + _logs(logs)
+
+
+def test_ranks_on_two_hosts_sharing_a_cache_compile_each_program_once(two_hosts, tmp_path):
+  """A cache directory both hosts see (as a shared filesystem would show it): one rank of the
+  job compiles each program, the other host's ranks wait for its claim (judged by its time, not
+  its process: another host) and load its entry."""
+  a, b = two_hosts.hosts
+  agent = two_hosts.rsh_agent(str(tmp_path / "agent"))
+  hostfile = tmp_path / "hostfile"
+  hostfile.write_text(f"{a.name} slots=2\n{b.name} slots=2\n")
+  subnet = two_hosts.subnet
+  mca = (f"--mca plm_ssh_agent {agent} --mca oob_tcp_if_include {subnet} "
+         f"--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include {subnet}")
+  launch = [sys.executable, "-m", "mpijax.launch", "-n", "4", "--hostfile", str(hostfile),
+            "--timeout", "120", "--launcher-args", mca, "--", sys.executable,
+            str(REPO / "tests" / "scripts" / "compile_cache_job.py"), "share"]
+  env = {**os.environ, "MPIJAX_TIMEOUT": "60", "MPIJAX_COMPILE_CACHE": str(tmp_path / "cache")}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  result = run(two_hosts.exec_argv(a, launch), timeout=150, cwd=REPO, env=env)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output
+  rows = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+  assert len(rows) == 4, output
+  for program in ("jit_rank_program", "jit_global_program"):
+    hows = {r["rank"]: how for r in rows for name, how, _ in r["outcomes"] if name == program}
+    assert sorted(hows.values()).count("compiled") == 1, (program, hows)  # once per job
+    compiler = next(rank for rank, how in hows.items() if how == "compiled")
+    other_host = [rank for rank in hows if rank // 2 != compiler // 2]
+    assert all(hows[rank] in ("waited", "loaded") for rank in other_host), (program, hows)
+  assert {tuple(r["glob"]) for r in rows} == {tuple(rows[0]["glob"])}
