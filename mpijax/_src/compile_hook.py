@@ -282,7 +282,9 @@ def _compile(
   directory = cache_directory()
   start, start_ns = time.monotonic(), _now_ns()
   outcome = None
-  if directory is None or host_callbacks:
+  pgle = args[0] if args else kwargs.get("pgle_profiler")
+  # Host callbacks cannot be serialized; profile-guided recompiles are JAX's to cache.
+  if directory is None or host_callbacks or pgle is not None:
     with _doing(COMPILING, f"compiling {name}"):
       executable = original(
         backend,
