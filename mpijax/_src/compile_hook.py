@@ -284,7 +284,13 @@ def _compile(
   outcome = None
   pgle = args[0] if args else kwargs.get("pgle_profiler")
   # Host callbacks cannot be serialized; profile-guided recompiles are JAX's to cache.
-  if directory is None or host_callbacks or pgle is not None:
+  key = None
+  if directory is not None and not host_callbacks and pgle is None:
+    try:
+      key = program_key(computation, devices, compile_options, backend)
+    except Exception as e:  # noqa: BLE001 -- a program the key cannot read compiles as JAX's
+      log.LOGGER.debug("%s: no compile cache key for %s: %r", log.rank_label(), name, e)
+  if key is None:
     with _doing(COMPILING, f"compiling {name}"):
       executable = original(
         backend,
@@ -297,7 +303,6 @@ def _compile(
         **kwargs,
       )
   else:
-    key = program_key(computation, devices, compile_options, backend)
     rank, job = _identity
     compiled_s = []
 
