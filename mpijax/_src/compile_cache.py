@@ -315,9 +315,7 @@ class Outcome:
   owner: Owner | None = None  # whose compile was waited for
   warning: str = ""  # an unusable entry, recompiled: one line for the user ('' if none)
   waited_s: float = 0.0
-  unwritable: str = (
-    ""  # why the directory cannot be written, e.g. "Permission denied" ('' if it can)
-  )
+  unwritable: str = ""  # why the directory cannot be written ('' if it can)
 
 
 def fetch(
@@ -365,7 +363,6 @@ def fetch(
   wait_ctx: contextlib.ExitStack | None = None
   try:
     while True:
-      bad = ""
       try:
         got = read_entry(path, key, jaxlib)
         if got is not None:
@@ -377,9 +374,8 @@ def fetch(
           how = "waited" if wait_start is not None else "loaded"
           return exe, Outcome(how, holder, warning, waited)
       except EntryError as e:
-        bad = str(e)
         discard(path)
-        warning = f"the compile cache entry {path} is unusable: {bad}; compiling the program again"
+        warning = f"the compile cache entry {path} is unusable: {e}; compiling the program again"
       try:
         claim = try_claim(claim_path, owner)
       except FileNotFoundError:
@@ -410,8 +406,8 @@ def fetch(
           wait_ctx.close()
         wait_ctx = contextlib.ExitStack()
         wait_ctx.enter_context(waiting(holder))
-      if stamp != seen[0]:
-        seen = (stamp, now)
+      if stamp != seen[0] or not seen[1]:
+        seen = (stamp, now)  # moved (or first seen): it stands still from now on, if at all
       if (who is not None and owner_gone(who)) or now - seen[1] > stale_s:
         break_claim(claim_path)
         seen = (0, now)

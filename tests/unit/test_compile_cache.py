@@ -265,3 +265,22 @@ def test_a_waiter_compiles_itself_when_the_compiling_process_dies(tmp_path):
   assert doomed.exitcode == 9
   assert (exe, out.how) == ("mine", "compiled")
   assert time.monotonic() - start < 10  # not stale_s: its process is provably gone
+
+
+def test_a_claim_that_cannot_be_read_is_not_taken_for_an_abandoned_one(tmp_path, monkeypatch):
+  """A claim this process cannot read (its time unknown) is waited for like any other."""
+  claim = _write_claim(str(tmp_path), cc.Owner(1, "elsewhere", 1, "job-b"))
+  monkeypatch.setattr(cc, "read_claim", lambda path: (None, 0) if os.path.exists(path) else None)
+
+  def owner_finishes():
+    time.sleep(0.6)
+    cc.write_entry(cc.entry_path(str(tmp_path), KEY), cc.pack(KEY, JAXLIB, b"theirs"))
+    os.unlink(claim)
+
+  import threading
+
+  t = threading.Thread(target=owner_finishes)
+  t.start()
+  exe, out = _fetch(str(tmp_path), compile=lambda: "mine", stale_s=30)
+  t.join()
+  assert (exe, out.how) == ("theirs", "waited")
