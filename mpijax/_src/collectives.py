@@ -190,28 +190,141 @@ def _reduction(fn: str, op: str, x, axis_name, axis_index_groups=None):
 
 
 def psum(x, axis_name, *, axis_index_groups=None):
-  """Sum over ``axis_name`` (a name or tuple of names), like ``jax.lax.psum``.
+  """Sums ``x`` over the mapped axis ``axis_name`` across ranks, like ``jax.lax.psum``.
 
-  ``axis_index_groups`` (lists of indices along the axis that partition it)
-  sums within each group separately, as in ``jax.lax.psum``; over an axis
-  that spans ranks this gathers the whole axis first (see
-  :func:`_grouped_reduction`), so it moves ``axis_size`` times the data.
+  Over an axis that spans ranks, XLA reduces over this rank's devices and
+  MPI between the ranks (one node-local all-reduce among all devices where
+  the ranks share a node; see docs/collectives.md). Each leaf of a pytree
+  is summed.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis. Bool leaves are counted (int32).
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    axis_index_groups: optional groups of indices along the axis that
+      partition it (e.g. ``[[0, 1], [2, 3]]`` for size 4); each group is
+      summed on its own. Over an axis that spans ranks this gathers the
+      whole axis first: ``axis_size`` times the data of the plain sum.
+
+  Returns:
+    ``x``'s structure and shapes: the sum over every device of the axis (of
+    its group), the same on each of them, in ``x``'s dtype (int32 for bool).
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: the names belong to different mpijax meshes, or
+      ``axis_index_groups`` does not hold every index exactly once.
+    TypeError: ``axis_index_groups`` is not groups of integer indices.
+
+  Examples:
+    On 2 ranks with 2 devices each (4 devices along ``"i"``):
+
+    >>> xs = jnp.arange(2.) + 2 * mpijax.process_index()  # [0, 1] / [2, 3]  # doctest: +SKIP
+    >>> mpijax.pmap(lambda x: mpijax.lax.psum(x, "i"), axis_name="i")(xs)  # doctest: +SKIP
+    Array([6., 6.], dtype=float32)
   """
   return _reduction("psum", "sum", x, axis_name, axis_index_groups)
 
 
 def pmax(x, axis_name, *, axis_index_groups=None):
-  """Element-wise maximum over ``axis_name``, like ``jax.lax.pmax``."""
+  """Element-wise maximum of ``x`` over the mapped axis ``axis_name``, like ``jax.lax.pmax``.
+
+  As XLA's all-reduce under ``jax.pmap``/``jax.shard_map``, NaN is skipped
+  (an element that is NaN on every device gives -inf). Complex numbers are
+  compared lexicographically (real part, then imaginary), from a gather of
+  the axis. The derivative is the mean of the tangents of the devices that
+  hold the maximum.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    axis_index_groups: optional groups of indices along the axis that
+      partition it; each group is reduced on its own (over an axis that
+      spans ranks, from a gather of the whole axis).
+
+  Returns:
+    ``x``'s structure, shapes and dtypes: the maximum over every device of
+    the axis (of its group), the same on each of them.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: the names belong to different mpijax meshes, or
+      ``axis_index_groups`` does not hold every index exactly once.
+
+  Examples:
+    >>> mpijax.pmap(lambda x: mpijax.lax.pmax(x, "i"))(xs)  # doctest: +SKIP
+  """
   return _reduction("pmax", "max", x, axis_name, axis_index_groups)
 
 
 def pmin(x, axis_name, *, axis_index_groups=None):
-  """Element-wise minimum over ``axis_name``, like ``jax.lax.pmin``."""
+  """Element-wise minimum of ``x`` over the mapped axis ``axis_name``, like ``jax.lax.pmin``.
+
+  The mirror of :func:`pmax`: NaN is skipped (all-NaN gives +inf), complex
+  numbers compare lexicographically.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    axis_index_groups: optional groups of indices along the axis that
+      partition it; each group is reduced on its own.
+
+  Returns:
+    ``x``'s structure, shapes and dtypes: the minimum over every device of
+    the axis (of its group), the same on each of them.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: the names belong to different mpijax meshes, or
+      ``axis_index_groups`` does not hold every index exactly once.
+  """
   return _reduction("pmin", "min", x, axis_name, axis_index_groups)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None):
-  """Mean over ``axis_name`` (within each of ``axis_index_groups``), like ``jax.lax.pmean``."""
+  """Mean of ``x`` over the mapped axis ``axis_name``, like ``jax.lax.pmean``.
+
+  :func:`psum` divided by the number of devices along the axis (with
+  ``axis_index_groups``: by the size of the device's own group).
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    axis_index_groups: optional groups of indices along the axis that
+      partition it; each group is averaged on its own.
+
+  Returns:
+    ``x``'s structure and shapes: the mean, the same on every device of the
+    axis (of its group). Integer and bool leaves give floating means, as
+    ``jax.lax.pmean``'s.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: the names belong to different mpijax meshes, or
+      ``axis_index_groups`` does not hold every index exactly once.
+
+  Examples:
+    >>> grads = mpijax.lax.pmean(grads, "batch")  # inside the map  # doctest: +SKIP
+  """
   if axis_index_groups is None:
     n = axis_size(axis_name)
   else:  # each device divides by the size of its own group
@@ -359,11 +472,48 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
                to: str = "varying"):
   """Gathers ``x`` from every device along ``axis_name``, like ``jax.lax.all_gather``.
 
-  With ``axis_index_groups`` (groups of equal size) each device gathers from
-  its own group only, in the group's order. ``to='invarying'`` types the
-  result as the same on every device of the axis (``jax.lax``'s
-  ``all_gather_invariant``), which an ``out_specs`` of ``P()`` needs under
-  ``shard_map(..., check_vma=True)``; the values are the same either way.
+  Over an axis that spans ranks, MPI runs first (each block crosses the
+  network once) and the copies for this rank's other devices are made
+  locally.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    axis_index_groups: optional groups of equal size that partition the
+      axis' indices; each device gathers from its own group only, in the
+      group's order.
+    axis: where the gathered dimension goes in the result (negative counts
+      from the end).
+    tiled: concatenate the blocks along ``axis`` instead of stacking them
+      in a new dimension.
+    to: ``"varying"`` (default) or ``"invarying"``: the latter types the
+      result as the same on every device of the axis (``jax.lax``'s
+      ``all_gather_invariant``), which an ``out_specs`` of ``P()`` needs
+      under ``shard_map(..., check_vma=True)``; the values are the same.
+
+  Returns:
+    ``x``'s structure and dtypes. Untiled, each leaf has a new dimension of
+    size ``axis_size(axis_name)`` (or the group size) at ``axis``, whose
+    entry ``i`` is the ``x`` of the device with ``axis_index`` ``i``; tiled,
+    dimension ``axis`` is that many times longer. The same on every device.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: ``axis`` is out of range, ``to`` is another value, or the
+      groups do not partition the axis into groups of equal size.
+    NotImplementedError: ``axis_index_groups`` with ``to="invarying"``.
+
+  Examples:
+    On 2 ranks with 1 device each:
+
+    >>> mpijax.pmap(lambda x: mpijax.lax.all_gather(x, "i"))(jnp.ones((1, 3)))  # doctest: +SKIP
+    Array([[[1., 1., 1.],
+            [1., 1., 1.]]], dtype=float32)
   """
   env = axis_env()
   names = _names(axis_name)
@@ -416,10 +566,42 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
                  tiled: bool = False):
-  """Sums over ``axis_name`` and keeps this device's block, like ``jax.lax.psum_scatter``.
+  """Sums ``x`` over ``axis_name`` and keeps this device's block, like ``jax.lax.psum_scatter``.
 
-  With ``axis_index_groups`` (groups of equal size) the sum is over this
-  device's group, which splits the scatter dimension among its members.
+  The reduce-scatter: device ``i`` of the axis gets block ``i`` (along
+  ``scatter_dimension``) of the sum. The local devices reduce-scatter with
+  XLA before the MPI step, so each rank sends its share once.
+
+  Args:
+    x: this device's array, or a pytree of arrays (ints or floats, not
+      bool), with the same shapes and dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    scatter_dimension: the dimension of ``x`` split into one block per
+      device: of size ``axis_size`` untiled, a multiple of it tiled.
+    axis_index_groups: optional groups of equal size that partition the
+      axis' indices; the sum is over this device's group, whose members
+      split the scatter dimension.
+    tiled: keep ``scatter_dimension`` (shortened to one block) instead of
+      removing it.
+
+  Returns:
+    ``x``'s structure and dtypes: this device's block of the sum. Untiled,
+    ``scatter_dimension`` is removed; tiled, it is ``axis_size`` (or the
+    group size) times shorter.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    TypeError: a bool leaf (cast it first, e.g. ``x.astype(jnp.int32)``).
+    ValueError: ``scatter_dimension`` is out of range or its size does not
+      fit the axis size, or the groups do not partition the axis into
+      groups of equal size.
+
+  Examples:
+    >>> mine = mpijax.lax.psum_scatter(grads, "i", tiled=True)  # doctest: +SKIP
   """
   env = axis_env()
   names = _names(axis_name)
@@ -490,9 +672,43 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
                tiled: bool = False):
   """Exchanges chunks between all devices of ``axis_name``, like ``jax.lax.all_to_all``.
 
-  With ``axis_index_groups`` (groups of equal size) chunks go between the
-  members of each group only. Over a tuple of axes (indices row-major over
-  the names) the chunks come from a gather of the whole axis.
+  ``x`` is split along ``split_axis`` into one chunk per device of the
+  axis; chunk ``j`` goes to device ``j``, and the chunks received are put
+  together along ``concat_axis``. Over a tuple of names the chunks come
+  from a gather of the whole axis (``axis_size`` times the data).
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    split_axis: the dimension of ``x`` cut into chunks: of size
+      ``axis_size`` untiled, a multiple of it tiled (negative counts from
+      the end).
+    concat_axis: where the received chunks are put together in the result.
+    axis_index_groups: optional groups of equal size that partition the
+      axis' indices; chunks go between the members of a group only.
+    tiled: concatenate the received chunks along ``concat_axis`` instead of
+      stacking them in a new dimension there.
+
+  Returns:
+    ``x``'s structure and dtypes. Untiled, each leaf's shape is
+    ``np.insert(np.delete(x.shape, split_axis), concat_axis, axis_size)``,
+    and entry ``j`` along ``concat_axis`` is the chunk device ``j`` sent
+    here; tiled, ``split_axis`` is ``axis_size`` times shorter and
+    ``concat_axis`` as many times longer.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: ``split_axis`` or ``concat_axis`` is out of range, the size
+      of ``split_axis`` does not fit the axis (or group) size, or the
+      groups do not partition the axis into groups of equal size.
+
+  Examples:
+    >>> y = mpijax.lax.all_to_all(x, "i", split_axis=0, concat_axis=1, tiled=True)  # doctest: +SKIP
   """
   mesh, a = _single("all_to_all", axis_name)
   if mesh is None:
@@ -591,9 +807,39 @@ def _grouped_all_to_all(x, axis_name, split_axis: int, concat_axis: int, groups,
 def ppermute(x, axis_name, perm: Sequence[tuple[int, int]]):
   """Sends ``x`` from device ``src`` to device ``dst`` for each pair, like ``jax.lax.ppermute``.
 
-  Devices that receive nothing get zeros. Over a tuple of axes the indices
-  are row-major over the names, and each device picks its value from a
-  gather of the whole axis.
+  Over an axis that spans ranks and local devices, each distance in ranks
+  that a pair moves takes one MPI exchange (a ring shift: at most two).
+  Over a tuple of names each device picks its value from a gather of the
+  whole axis.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis.
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    perm: ``(source, destination)`` pairs of indices along the axis; each
+      index appears at most once as a source and once as a destination
+      (cycles and partial maps are fine).
+
+  Returns:
+    ``x``'s structure, shapes and dtypes: on device ``d`` the ``x`` of the
+    device ``s`` with ``(s, d)`` in ``perm``, zeros where no pair ends at
+    ``d``.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    TypeError: ``perm`` is not a sequence of pairs of integers.
+    ValueError: an index is outside ``[0, axis_size)`` or used twice as a
+      source or as a destination.
+
+  Examples:
+    A ring shift, device ``i`` to ``i + 1``:
+
+    >>> n = mpijax.lax.axis_size("i")  # doctest: +SKIP
+    >>> y = mpijax.lax.ppermute(x, "i", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
   """
   mesh, a = _single("ppermute", axis_name)
   if mesh is None:
@@ -669,7 +915,33 @@ def _take_source(gathered, source, otherwise):
 
 
 def pbroadcast(x, axis_name, source: int):
-  """Every device along ``axis_name`` gets the value of device ``source``."""
+  """Every device along ``axis_name`` gets device ``source``'s ``x``, like ``jax.lax.pbroadcast``.
+
+  Over an axis that spans only ranks it is one MPI broadcast; otherwise a
+  :func:`psum` in which every other device contributes zeros.
+
+  Args:
+    x: this device's array, or a pytree of arrays, with the same shapes and
+      dtypes on every device of the axis (only ``source``'s values are used).
+    axis_name: the name of an axis bound by :func:`mpijax.pmap` (every
+      device of every rank) or :func:`mpijax.shard_map` (a mesh axis: it
+      may span ranks, each rank's local devices, or both), or a tuple of
+      names, indexed row-major over the names. A name mpijax does not bind
+      (a ``jax.vmap`` axis) is handed to ``jax.lax``.
+    source: the index along the axis (``axis_index``) of the device whose
+      value everyone gets, in ``[0, axis_size)``.
+
+  Returns:
+    ``x``'s structure, shapes and dtypes, holding ``source``'s values on
+    every device of the axis.
+
+  Raises:
+    NameError: ``axis_name`` is not an axis of an enclosing map.
+    ValueError: ``source`` is outside ``[0, axis_size)``.
+
+  Examples:
+    >>> params = mpijax.lax.pbroadcast(params, "i", 0)  # doctest: +SKIP
+  """
   size = _axis_size("pbroadcast", axis_name)
   if not 0 <= int(source) < size:
     raise ValueError(f"pbroadcast got source={source} for axis {axis_name!r} of size {size}; "

@@ -66,6 +66,14 @@ class GlobalArray:
   ``jax.tree.map(f, ga)`` and ``jax.jit`` of functions taking and returning
   GlobalArrays work on the local part and keep shape, mesh and spec.
 
+  Args:
+    local: this rank's part, a ``jax.Array`` sharded over ``mesh``'s local
+      devices as ``spec`` says.
+    shape: the global shape.
+    dtype: the dtype.
+    mesh: the :class:`~mpijax.GlobalMesh`.
+    spec: the normalized ``PartitionSpec`` (one entry per dimension).
+
   Examples:
     >>> mesh = mpijax.make_mesh((mpijax.process_count(),), ("x",))  # doctest: +SKIP
     >>> ga = mpijax.GlobalArray.from_global(np.arange(16.).reshape(8, 2), mesh, P("x"))  # doctest: +SKIP
@@ -90,6 +98,19 @@ class GlobalArray:
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    """The pytree protocol's rebuild: a GlobalArray around a new local part.
+
+    Args:
+      aux: ``(shape, dtype, mesh, spec)``, from :meth:`tree_flatten`.
+      children: ``(local,)``, the new local part.
+
+    Returns:
+      The GlobalArray; its dtype follows the new local part.
+
+    Raises:
+      ValueError: the new local part changed shape (``jax.tree.map`` of a
+        function that is not element-wise).
+    """
     shape, dtype, mesh, spec = aux
     local = children[0]
     # After jax.tree.map the leaf may have a new dtype (x.astype); keep it honest.
@@ -285,6 +306,15 @@ class GlobalArray:
     collective either. Bytes are compared, so NaN payloads and -0.0 vs 0.0
     count as differences.
 
+    Args:
+      local_data: this rank's part (NumPy-convertible or a ``jax.Array``).
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+
+    Returns:
+      The GlobalArray; its global shape is inferred from the ranks' parts.
+
     Raises:
       ValueError: on every rank, if any rank's part has the wrong number of
         dimensions, a shape that does not fit the others', or another dtype;
@@ -313,6 +343,16 @@ class GlobalArray:
     collective either. Bytes are compared, so NaN payloads and -0.0 vs 0.0
     count as differences.
 
+    Args:
+      host_array: the whole array (NumPy-convertible), the same on every
+        rank.
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+
+    Returns:
+      The GlobalArray; each rank keeps (on its devices) only its part.
+
     Raises:
       ValueError: on every rank, if the ranks passed arrays of different shapes
         or dtypes, or different values (the message names the ranks), or if
@@ -329,7 +369,22 @@ class GlobalArray:
   def from_global_part(
     cls, part: Any, global_shape: Sequence[int], mesh: GlobalMesh, spec
   ) -> GlobalArray:
-    """From this rank's part when the global shape is known on every rank (no communication)."""
+    """From this rank's part when the global shape is known on every rank (no communication).
+
+    Args:
+      part: this rank's part: the block ``mesh`` and ``spec`` assign to it.
+      global_shape: the global shape, the same on every rank.
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+
+    Returns:
+      The GlobalArray (nothing is checked across ranks).
+
+    Raises:
+      ValueError: ``part`` has another shape than this rank's part, or the
+        spec does not fit the shape or the mesh.
+    """
     shape = tuple(int(s) for s in global_shape)
     nspec = normalize_spec(spec, len(shape), mesh)
     check_divisible(shape, mesh, nspec, "GlobalArray.from_global_part")
@@ -347,14 +402,40 @@ class GlobalArray:
   def zeros(
     cls, shape: Sequence[int], dtype: Any = jnp.float32, *, mesh: GlobalMesh, spec=None
   ) -> GlobalArray:
-    """A GlobalArray of zeros (see :func:`full`)."""
+    """A GlobalArray of zeros, made on the devices (no host copy, no communication).
+
+    Args:
+      shape: the global shape.
+      dtype: the dtype (default float32).
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+
+    Returns:
+      The GlobalArray.
+
+    Examples:
+      >>> buf = mpijax.GlobalArray.zeros((8, 4), mesh=mesh, spec=P("x"))  # doctest: +SKIP
+    """
     return full(shape, 0, dtype, mesh=mesh, spec=spec)
 
   @classmethod
   def full(
     cls, shape: Sequence[int], fill_value: Any, dtype: Any = None, *, mesh: GlobalMesh, spec=None
   ) -> GlobalArray:
-    """A GlobalArray filled with ``fill_value``, made on the devices."""
+    """A GlobalArray filled with ``fill_value``, made on the devices (no communication).
+
+    Args:
+      shape: the global shape.
+      fill_value: the scalar every element gets.
+      dtype: the dtype (default: ``fill_value``'s, as JAX canonicalizes it).
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+
+    Returns:
+      The GlobalArray.
+    """
     return full(shape, fill_value, dtype, mesh=mesh, spec=spec)
 
   @classmethod
@@ -369,7 +450,24 @@ class GlobalArray:
     """Like ``jax.make_array_from_callback``: ``data_callback(index)`` gives one block.
 
     Called once per distinct block held by this rank's devices, with the
-    block's index (a tuple of slices) into the global array.
+    block's index (a tuple of slices) into the global array. No
+    communication.
+
+    Args:
+      global_shape: the global shape.
+      dtype: the dtype the blocks are converted to (as JAX canonicalizes it:
+        int64 is int32 without x64).
+      mesh: the :class:`~mpijax.GlobalMesh` the array is laid over.
+      spec: the ``PartitionSpec`` over ``mesh``'s axes (``None``: replicated);
+        each sharded dimension must be divisible by the devices sharding it.
+      data_callback: ``data_callback(index) -> block``, the block of the
+        global array at ``index`` (NumPy-convertible, of that shape).
+
+    Returns:
+      The GlobalArray.
+
+    Raises:
+      ValueError: a block has the wrong shape, or the spec does not fit.
     """
     rt = runtime.get("GlobalArray.from_callback")
     shape = tuple(int(s) for s in global_shape)
@@ -423,6 +521,16 @@ class GlobalArray:
         axes (creating a mesh is collective).
       spec: the layout on ``mesh``; default the array's own ``PartitionSpec``
         (then the array needs a ``NamedSharding`` with ``mesh``'s axes).
+
+    Returns:
+      The GlobalArray, with the array's global shape and dtype.
+
+    Raises:
+      RuntimeError: JAX does not know every rank.
+      TypeError: no ``mesh``/``spec`` given and the array has no
+        ``NamedSharding``.
+      ValueError: the array's mesh does not match ``mesh`` (without
+        ``spec``), or the spec does not fit.
     """
     rt = runtime.get("GlobalArray.from_jax")
     _require_distributed(rt, "GlobalArray.from_jax")
@@ -464,11 +572,18 @@ class GlobalArray:
   def gather(self, root: int | None = None) -> np.ndarray | None:
     """The whole array as NumPy (collective: every rank must call it).
 
+    Each distinct process part is sent once (replicas are not sent again).
+
     Args:
       root: ``None``: every rank gets the array; a rank number: only that rank
         does, the others get ``None``.
 
-    Each distinct process part is sent once (replicas are not sent again).
+    Returns:
+      A NumPy array of the global shape and dtype (on ``root``, or on every
+      rank), else ``None``.
+
+    Raises:
+      ValueError: ``root`` is not a rank of the job.
     """
     rt = runtime.get("GlobalArray.gather")
     MPI = mpi_util.import_mpi()

@@ -82,7 +82,34 @@ def shard_map(
 
   Specs refer to global shapes. Each rank passes (and gets back) its own part:
   the block of the global array held by its devices. ``f`` sees one device's
-  block and may call :mod:`mpijax.lax` collectives over the mesh's axes.
+  block and may call :mod:`mpijax.lax` collectives over the mesh's axes (and
+  ``jax.lax``'s, which run as mpijax's there). The result works under
+  ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+  Args:
+    f: the function of one device's blocks.
+    mesh: the :class:`~mpijax.GlobalMesh` whose axes the specs name.
+    in_specs: a ``PartitionSpec`` per argument (a tuple), or one for all;
+      each may be a pytree prefix of its argument (one spec for a subtree).
+      A ``None`` argument passes through.
+    out_specs: the same for the outputs. An output whose spec leaves a mesh
+      axis out is the same on every device along it (``P()``: replicated).
+    check_vma: let JAX check, as in ``jax.shard_map``, that an output
+      specified as replicated is typed invariant (a ``psum`` result is; use
+      ``all_gather(..., to="invarying")`` for a gather).
+
+  Returns:
+    The mapped function. It takes each rank's parts as plain arrays (their
+    shapes: the global shape divided by the process blocks of the spec) and
+    returns this rank's parts; given :class:`~mpijax.GlobalArray` arguments it
+    returns GlobalArrays, given global ``jax.Array`` arguments global
+    ``jax.Array`` objects.
+
+  Raises:
+    TypeError: ``mesh`` is not a :class:`~mpijax.GlobalMesh`.
+    ValueError: (when the mapped function is called) the specs do not match
+      the arguments' structure or shapes (a sharded dimension not divisible
+      by its devices), or a GlobalArray lives on another mesh or spec.
 
   Examples:
     >>> mesh = mpijax.make_mesh((mpijax.process_count(),), ("x",))  # doctest: +SKIP
@@ -200,7 +227,36 @@ def pmap(
   Inputs and outputs have leading dimension ``local_device_count`` (this
   rank's devices), as with ``jax.pmap`` in a multi-process JAX job;
   :func:`mpijax.lax.axis_index` is the global device index
-  ``process_index * local_device_count + local_index``.
+  ``process_index * local_device_count + local_index``. Each call is jitted
+  (one compile per argument signature); keyword arguments are mapped over
+  their leading axis, as in ``jax.pmap``.
+
+  Args:
+    fun: the function of one device's values; it may call
+      :mod:`mpijax.lax` (or ``jax.lax``) collectives over ``axis_name``.
+    axis_name: the name of the mapped axis, which spans
+      ``process_count() * local_device_count()`` devices.
+    in_axes: which axis of each argument is mapped: an int, ``None`` (not
+      mapped: the same value on every device), a tuple with one entry per
+      argument, or a pytree prefix of the arguments; negative counts from
+      the end.
+    out_axes: the same for the outputs; ``None`` returns a replicated output
+      once instead of per device.
+    static_broadcasted_argnums: positions of arguments that are static
+      (hashable Python values; a new value recompiles).
+    donate_argnums: positions of arguments whose buffers the call may reuse
+      for its outputs.
+
+  Returns:
+    The mapped function: it takes and returns arrays whose mapped axis has
+    size ``local_device_count()`` (this rank's devices), or GlobalArrays or
+    global ``jax.Array`` objects sharded over ``axis_name`` along it.
+
+  Raises:
+    ValueError: (when the mapped function is called) a mapped axis is not of
+      size ``local_device_count()``, or ``in_axes``/``out_axes`` do not fit
+      the arguments or outputs.
+    TypeError: an ``in_axes``/``out_axes`` entry is not an int or None.
 
   Examples:
     >>> xs = jnp.ones(mpijax.local_device_count())  # doctest: +SKIP

@@ -69,8 +69,11 @@ class GlobalMesh:
 
   Args:
     axis_shapes: size of each axis; their product must be the global device
-      count.
-    axis_names: the names, as for ``jax.make_mesh``.
+      count (see :func:`make_mesh`).
+    axis_names: the names, one per axis, as for ``jax.make_mesh``.
+
+  Raises:
+    ValueError: as :func:`make_mesh`.
 
   Examples:
     >>> mesh = mpijax.make_mesh((4,), ("i",))  # doctest: +SKIP
@@ -163,5 +166,29 @@ class GlobalMesh:
 
 
 def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str]) -> GlobalMesh:
-  """A :class:`GlobalMesh` (like ``jax.make_mesh``, over every rank's devices)."""
+  """A :class:`GlobalMesh` (like ``jax.make_mesh``, over every rank's devices).
+
+  Collective: every rank makes the same meshes in the same order.
+
+  Args:
+    axis_shapes: the size of each axis; their product is the job's device
+      count, ``process_count() * local_device_count()``. Devices (global
+      index ``process * local_device_count + local``) fill the axes
+      row-major, so the innermost axes span a rank's local devices first.
+    axis_names: one distinct name per axis.
+
+  Returns:
+    The mesh.
+
+  Raises:
+    RuntimeError: ``mpijax.init()`` has not run.
+    ValueError: the sizes and names differ in number, a name repeats, the
+      sizes do not multiply to the device count, or an axis neither covers
+      whole groups of a rank's local devices nor divides them.
+
+  Examples:
+    >>> mesh = mpijax.make_mesh((2, 2), ("data", "model"))  # doctest: +SKIP
+    >>> mesh  # on 2 ranks x 2 devices: data across ranks, model inside each  # doctest: +SKIP
+    GlobalMesh('data': 2, 'model': 2; process x local: data=2x1, model=1x2)
+  """
   return GlobalMesh(axis_shapes, axis_names)

@@ -25,7 +25,25 @@ def reshard(array: GlobalArray, spec) -> GlobalArray:
   :func:`mpijax.shard_map`: an axis that moves from one dimension to another
   is one ``all_to_all`` (row-sharded to column-sharded); other changes
   ``all_gather`` the old blocks along the changed dimensions and keep the new
-  block (sharding a replicated dimension needs no communication).
+  block (sharding a replicated dimension needs no communication). Every rank
+  calls it with its part of the same array.
+
+  Args:
+    array: the :class:`~mpijax.GlobalArray` to lay out anew.
+    spec: the new ``PartitionSpec`` over ``array.mesh``'s axes (``None`` is
+      ``P()``: replicated; a tuple is ``P(*spec)``); each dimension it shards
+      must be divisible by the devices sharding it.
+
+  Returns:
+    A GlobalArray with ``array``'s global shape, dtype and mesh, laid out by
+    ``spec`` (``array`` itself when the spec does not change).
+
+  Raises:
+    TypeError: ``array`` is not a GlobalArray, or ``spec`` not a spec.
+    ValueError: ``spec`` has more entries than ``array`` has dimensions,
+      names an axis the mesh lacks or one axis twice, shards a dimension
+      not divisible by its devices, or puts an axis across ranks after a
+      local one in an entry (each rank's part would not be one block).
 
   Examples:
     >>> cols = mpijax.reshard(rows, P(None, "x"))  # doctest: +SKIP

@@ -35,7 +35,21 @@ from mpijax._src.timeline import record as timeline_record
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """Where this rank sits in the job."""
+  """Where this rank sits in the job (``mpijax.init().topology``).
+
+  Attributes:
+    rank: this rank's index in the job (the runtime communicator's rank).
+    size: the number of ranks.
+    local_rank: this rank's index among the ranks on its node.
+    local_size: the number of ranks on this node.
+    node_index: this node's index, nodes numbered by their first rank.
+    node_count: the number of nodes.
+    hostnames: every rank's host name, in rank order (``hostname`` is this
+      rank's).
+    coordinator_address: ``"host:port"`` of JAX's distributed coordinator.
+    launcher: the launcher detected (``"openmpi4"``, ``"prrte"``,
+      ``"slurm"``, ``"mpich"``, ``"mpi"`` or ``"single"``).
+  """
 
   rank: int
   size: int
@@ -62,7 +76,17 @@ class Topology:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
-  """One entry of the global device table."""
+  """One entry of the global device table (``mpijax.devices()``).
+
+  Attributes:
+    process_index: the rank that holds the device.
+    local_index: its index among that rank's devices.
+    global_index: ``process_index * local_device_count + local_index``, its
+      position in every :class:`GlobalMesh`.
+    platform: the JAX platform (``"cpu"``).
+    host: the host name of the rank.
+    device_kind: JAX's ``device_kind`` of the device.
+  """
 
   process_index: int
   local_index: int
@@ -74,7 +98,19 @@ class DeviceInfo:
 
 @dataclasses.dataclass
 class Runtime:
-  """What ``mpijax.init()`` returns; one per process."""
+  """What ``mpijax.init()`` returns; one per process.
+
+  Attributes:
+    topology: where this rank sits (:class:`Topology`).
+    comm: mpijax's private clone of the job's mpi4py communicator.
+    local_devices: this rank's JAX devices.
+    device_table: every device of every rank (:class:`DeviceInfo`), in
+      global order.
+    jax_distributed: whether JAX's distributed runtime spans the ranks.
+    xla_collectives: what XLA's cross-process collectives run on:
+      ``"mpi"`` (through mpijax's bridge), ``"gloo"``, another the user
+      chose, or ``""`` without JAX's distributed runtime.
+  """
 
   topology: Topology
   comm: Any  # mpi4py communicator: mpijax's private clone
@@ -265,8 +301,11 @@ def init(
   Args:
     launcher: force a detector ("openmpi4", "prrte", "slurm", "mpich", "mpi",
       "single"); default: the first whose variables are present.
-    rank, size, local_rank, local_size: explicit values; they beat the
-      environment and are still cross-checked against MPI.
+    rank: this rank's index, instead of the launcher's variables; still
+      cross-checked against MPI.
+    size: the job's rank count, as ``rank``.
+    local_rank: this rank's index among the ranks of its node, as ``rank``.
+    local_size: the number of ranks on this node, as ``rank``.
     coordinator_address: "host:port" to use instead of rank 0 picking one
       (default: JAX_COORDINATOR_ADDRESS when set).
     devices_per_process: number of CPU devices per rank (default: the user's
@@ -288,7 +327,14 @@ def init(
       MPIJAX_TIMELINE; see docs/timeline.md). The same path on every rank.
 
   Returns:
-    The :class:`Runtime`.
+    The :class:`Runtime` (the same one on every later call).
+
+  Raises:
+    TypeError: ``devices_per_process`` is not an int, or ``comm`` not an
+      mpi4py communicator.
+    ValueError: ``coordinator_address`` is not ``"host:port"``.
+    RuntimeError: on every rank, when the launcher's view (or the explicit
+      ``rank``/``size``) disagrees with ``MPI.COMM_WORLD``'s.
 
   Examples:
     >>> import mpijax

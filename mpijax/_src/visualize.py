@@ -29,7 +29,22 @@ def visualize_sharding(
   """A text picture of which process (P) and local device (D) holds each block.
 
   Like ``jax.debug.visualize_array_sharding``, for 1-D and 2-D arrays. Rank 0
-  prints it (with ``rich`` when importable); every rank gets the string.
+  prints it (with ``rich`` when importable); every rank gets the string. No
+  communication: every rank draws it from the mesh and spec.
+
+  Args:
+    array: a 1-D or 2-D :class:`~mpijax.GlobalArray`.
+    use_rich: ``False`` draws with plain box-drawing characters; otherwise
+      (the default) with ``rich``'s table when it is importable.
+    print_it: print the picture on rank 0.
+
+  Returns:
+    The picture: one cell per block, labelled ``P<process>:D<local device>``
+    for each device holding it.
+
+  Raises:
+    TypeError: ``array`` is not a GlobalArray.
+    ValueError: ``array`` is not 1-D or 2-D.
 
   Examples:
     >>> mpijax.visualize_sharding(ga)  # doctest: +SKIP

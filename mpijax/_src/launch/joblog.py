@@ -380,6 +380,8 @@ class Relay:
     log_dir: directory for ``rank_<r>.log``, ``mpijax-run.log`` and
       ``attempts.jsonl``; None to only pass the output on.
     tee: with ``log_dir``, also show the ranks' lines on the console.
+    stdout: the console's output stream (bytes; default ``sys.stdout``'s).
+    stderr: the console's error stream (bytes; default ``sys.stderr``'s).
   """
 
   def __init__(

@@ -110,12 +110,25 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
   identity (each rank keeps its own cotangent).
 
   Args:
-    x: array or scalar input.
+    x: array or scalar input; the same shape and dtype on every rank.
     op: an mpi4py ``MPI.Op`` (e.g. ``MPI.SUM``), or an mpijax op name.
-    comm: the mpi4py communicator (default: a clone of ``COMM_WORLD``).
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
 
   Returns:
-    The result of the allreduce (``x``'s shape and dtype).
+    The result of the allreduce (``x``'s shape and dtype), on every rank.
+
+  Raises:
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    ValueError: an op mpijax does not reduce with (``MPI.MAXLOC``,
+      ``MPI.MINLOC``, ``MPI.REPLACE``, a user-defined op).
+
+  Examples:
+    >>> total = mpi4jax.allreduce(x, op=MPI.SUM)  # doctest: +SKIP
   """
   _no_token(token)
   comm, op = _comm("allreduce", comm), _op("allreduce", op)
@@ -127,7 +140,26 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
 
 
 def allgather(x, *, comm=None, token=_NOTSET):
-  """Performs an allgather: every rank gets ``(nproc, *x.shape)``, entry r from rank r."""
+  """Performs an allgather: every rank gets ``(nproc, *x.shape)``, entry r from rank r.
+
+  Args:
+    x: array or scalar input; the same shape and dtype on every rank.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    An array of shape ``(nproc, *x.shape)`` whose entry ``r`` is rank r's
+    ``x``, on every rank.
+
+  Raises:
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+  """
   _no_token(token)
   return _allgather.allgather(_nd(x, "allgather"), comm=_comm("allgather", comm))
 
@@ -135,7 +167,24 @@ def allgather(x, *, comm=None, token=_NOTSET):
 def alltoall(x, *, comm=None, token=_NOTSET):
   """Performs an alltoall: ``x[j]`` goes to rank j, ``out[j]`` comes from rank j.
 
-  ``x``'s first axis must have size ``nproc``.
+  Args:
+    x: array of shape ``(nproc, ...)``: entry ``j`` goes to rank j; the
+      same shape and dtype on every rank.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    An array of ``x``'s shape whose entry ``j`` is rank j's ``x[rank]``.
+
+  Raises:
+    ValueError: ``x.shape[0]`` is not the communicator's size.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
   """
   _no_token(token)
   comm = _comm("alltoall", comm)
@@ -148,7 +197,24 @@ def alltoall(x, *, comm=None, token=_NOTSET):
 
 
 def barrier(*, comm=None, token=_NOTSET):
-  """Performs a barrier: waits until every rank of ``comm`` has reached it."""
+  """Performs a barrier: waits until every rank of ``comm`` has reached it.
+
+  Inside ``jax.jit`` it runs in program order with the other calls.
+
+  Args:
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    ``[]``, as mpi4jax's barrier.
+
+  Raises:
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+  """
   _no_token(token)
   _barrier.barrier(comm=_comm("barrier", comm))
   return []  # what mpi4jax's barrier primitive returns
@@ -157,7 +223,26 @@ def barrier(*, comm=None, token=_NOTSET):
 def bcast(x, root, *, comm=None, token=_NOTSET):
   """Broadcasts root's ``x``: a new array on the other ranks; root gets ``x`` back.
 
-  On the other ranks ``x`` gives the result's shape and dtype.
+  Args:
+    x: on ``root``, the array to send; on the other ranks an array of the
+      same shape and dtype (its values are not read).
+    root: the sending rank (a Python or NumPy integer).
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    ``root``'s ``x``: a new array on the other ranks, ``x`` itself on
+    ``root``.
+
+  Raises:
+    ValueError: ``root`` is outside the communicator.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
   """
   _no_token(token)
   root, comm = _int("bcast", "root", root), _comm("bcast", comm)
@@ -167,7 +252,28 @@ def bcast(x, root, *, comm=None, token=_NOTSET):
 
 
 def gather(x, root, *, comm=None, token=_NOTSET):
-  """Gathers ``x`` onto root: ``(nproc, *x.shape)`` there; the others get ``x`` back."""
+  """Gathers ``x`` onto root: ``(nproc, *x.shape)`` there; the others get ``x`` back.
+
+  Args:
+    x: array or scalar input; the same shape and dtype on every rank.
+    root: the receiving rank (a Python or NumPy integer).
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    On ``root`` an array of shape ``(nproc, *x.shape)`` whose entry ``r`` is
+    rank r's ``x``; on the other ranks ``x`` itself.
+
+  Raises:
+    ValueError: ``root`` is outside the communicator.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+  """
   _no_token(token)
   root, comm = _int("gather", "root", root), _comm("gather", comm)
   rank, _ = _rank_size(comm, "gather")
@@ -176,7 +282,30 @@ def gather(x, root, *, comm=None, token=_NOTSET):
 
 
 def reduce(x, op, root, *, comm=None, token=_NOTSET):
-  """Reduces ``x`` onto root; the other ranks get ``x`` back unchanged."""
+  """Reduces ``x`` onto root; the other ranks get ``x`` back unchanged.
+
+  Args:
+    x: array or scalar input; the same shape and dtype on every rank.
+    op: an mpi4py ``MPI.Op`` (e.g. ``MPI.SUM``), or an mpijax op name.
+    root: the receiving rank (a Python or NumPy integer).
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    On ``root`` the reduction over every rank's ``x`` (``x``'s shape and
+    dtype); on the other ranks ``x`` itself.
+
+  Raises:
+    ValueError: ``root`` is outside the communicator, or an op mpijax does
+      not reduce with.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+  """
   _no_token(token)
   op, root = _op("reduce", op), _int("reduce", "root", root)
   comm = _comm("reduce", comm)
@@ -186,7 +315,27 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
 
 
 def scan(x, op, *, comm=None, token=_NOTSET):
-  """Performs a scan: rank r gets the reduction of ranks 0..r's ``x``."""
+  """Performs a scan: rank r gets the reduction of ranks 0..r's ``x``.
+
+  Args:
+    x: array or scalar input; the same shape and dtype on every rank.
+    op: an mpi4py ``MPI.Op`` (e.g. ``MPI.SUM``), or an mpijax op name.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    The inclusive prefix reduction (``x``'s shape and dtype).
+
+  Raises:
+    ValueError: an op mpijax does not reduce with.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+  """
   _no_token(token)
   return _scan.scan(_nd(x, "scan"), _op("scan", op), comm=_comm("scan", comm))
 
@@ -194,7 +343,27 @@ def scan(x, op, *, comm=None, token=_NOTSET):
 def scatter(x, root, *, comm=None, token=_NOTSET):
   """Scatters root's ``x`` (shape ``(nproc, *block)``): rank r gets block r.
 
-  On the other ranks ``x`` has the block's shape and dtype (not read).
+  Args:
+    x: on ``root``, the blocks stacked: shape ``(nproc, *block)``; on the
+      other ranks an array of shape ``block`` and root's dtype (its values
+      are not read).
+    root: the sending rank (a Python or NumPy integer).
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    This rank's block (shape ``block``).
+
+  Raises:
+    ValueError: ``root`` is outside the communicator, or root's ``x`` does
+      not have ``nproc`` blocks.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
   """
   _no_token(token)
   root, comm = _int("scatter", "root", root), _comm("scatter", comm)
@@ -207,7 +376,36 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
 
 
 def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
-  """Sends ``x`` to rank ``dest`` (only this rank and ``dest`` take part)."""
+  """Sends ``x`` to rank ``dest`` (only this rank and ``dest`` take part).
+
+  ``dest`` makes the matching :func:`recv` (or ``sendrecv``).
+
+  Args:
+    x: the array to send.
+    dest: the receiving rank (a Python or NumPy integer), or
+      ``MPI.PROC_NULL`` (nothing is sent).
+    tag: the message's tag, in ``[0, MPI.TAG_UB]``.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    ``[]``, as mpi4jax's send.
+
+  Raises:
+    ValueError: ``dest`` is outside the communicator, or ``tag`` out of
+      range.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+
+  Examples:
+    >>> if rank == 0:  # doctest: +SKIP
+    ...   mpi4jax.send(x, dest=1, tag=7)
+  """
   _no_token(token)
   dest, tag = _int("send", "dest", dest), _int("send", "tag", tag)
   p2p.send(_nd(x, "send"), dest, tag=tag, comm=_comm("send", comm))
@@ -217,8 +415,35 @@ def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
 def recv(x, source=None, *, tag=None, comm=None, status=None, token=_NOTSET):
   """Receives an array shaped like ``x`` from ``source`` (default: any source, any tag).
 
-  ``status``: an mpi4py ``MPI.Status`` that gets the receive's source, tag
-  and count.
+  Args:
+    x: an array with the shape and dtype of the message (its values are not
+      read).
+    source: the sending rank (a Python or NumPy integer); None or
+      ``MPI.ANY_SOURCE``: any rank; ``MPI.PROC_NULL``: no message, ``x``
+      comes back.
+    tag: the tag to match; None or ``MPI.ANY_TAG``: any tag.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    status: an mpi4py ``MPI.Status`` that gets the receive's source, tag
+      and count when the call has run.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    The received array (``x``'s shape and dtype).
+
+  Raises:
+    ValueError: ``source`` is outside the communicator, or ``tag`` out of
+      range.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+    NotImplementedError: when differentiated (as in mpi4jax, only
+      ``allreduce`` and ``sendrecv`` are differentiable).
+
+  Examples:
+    >>> if rank == 1:  # doctest: +SKIP
+    ...   y = mpi4jax.recv(jnp.zeros(3), source=0, tag=7)
   """
   _no_token(token)
   MPI = _mpi()
@@ -231,8 +456,39 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=None, comm=No
              status=None, token=_NOTSET):
   """Sends ``sendbuf`` to ``dest`` and receives like ``recvbuf`` from ``source``, at once.
 
-  Differentiable: the cotangent goes back along the same path (to
-  ``source``, from ``dest``).
+  ``MPI_Sendrecv``: a ring or halo exchange made of them cannot deadlock.
+  Only this rank and its two peers take part. Differentiable: the cotangent
+  goes back along the same path (to ``source``, from ``dest``; so not from
+  ``MPI.ANY_SOURCE``), and, unlike mpi4jax's, in forward mode too.
+
+  Args:
+    sendbuf: the array to send to ``dest``.
+    recvbuf: an array with the shape and dtype of what arrives (its values
+      are not read).
+    source: the sending rank (a Python or NumPy integer), ``MPI.ANY_SOURCE``
+      or ``MPI.PROC_NULL`` (nothing arrives: ``recvbuf`` comes back).
+    dest: the receiving rank, or ``MPI.PROC_NULL`` (nothing is sent).
+    sendtag: the tag of the message sent, in ``[0, MPI.TAG_UB]``.
+    recvtag: the tag to match; None or ``MPI.ANY_TAG``: any tag.
+    comm: the mpi4py ``Intracomm`` to use (default: a clone of
+      ``COMM_WORLD``); mpijax works on a private clone of it.
+    status: an mpi4py ``MPI.Status`` that gets the receive's source, tag
+      and count when the call has run.
+    token: not supported (mpi4jax >= 0.8 orders the calls itself); passing
+      one raises ``RuntimeError`` with mpi4jax's message.
+
+  Returns:
+    The received array (``recvbuf``'s shape and dtype).
+
+  Raises:
+    ValueError: a peer outside the communicator, or a tag out of range.
+    TypeError: an argument of another type than mpi4jax takes (with
+      mpi4jax's message, naming it), or an array of a dtype mpijax cannot
+      send.
+
+  Examples:
+    >>> left, right = (rank - 1) % size, (rank + 1) % size  # doctest: +SKIP
+    >>> halo = mpi4jax.sendrecv(edge, edge, source=left, dest=right)  # doctest: +SKIP
   """
   _no_token(token)
   MPI = _mpi()

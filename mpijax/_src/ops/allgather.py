@@ -29,6 +29,10 @@ def allgather(x, *, comm: Any = None) -> jax.Array:
   Returns:
     Shape ``(size, *x.shape)``; entry ``r`` is rank r's ``x``.
 
+  Raises:
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+    RuntimeError: ``mpijax.init()`` has not run.
+
   Examples:
     >>> rows = mpijax.ops.allgather(jnp.ones(3))  # (size, 3)  # doctest: +SKIP
   """

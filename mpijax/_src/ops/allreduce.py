@@ -44,6 +44,14 @@ def allreduce(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Returns:
     The reduction, the same on every rank, with ``x``'s shape and dtype.
 
+  Raises:
+    ValueError: ``op`` is not an op name mpijax knows, or an ``MPI.Op`` it
+      does not run (``MAXLOC``, ``MINLOC``, ``REPLACE``, user-defined).
+    TypeError: ``x``'s dtype is not supported, or ``op`` is not defined for
+      it (e.g. ``"xor"`` on floats; ``"mean"`` needs a floating or complex
+      dtype).
+    RuntimeError: ``mpijax.init()`` has not run.
+
   Examples:
     >>> total = mpijax.ops.allreduce(jnp.ones(3))  # doctest: +SKIP
   """

@@ -29,6 +29,10 @@ def alltoall(x, *, comm: Any = None) -> jax.Array:
   Returns:
     Same shape as ``x``; on rank r, ``out[j]`` is rank j's ``x[r]``.
 
+  Raises:
+    ValueError: ``x.shape[0]`` is not the communicator's size.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+
   Examples:
     >>> y = mpijax.ops.alltoall(jnp.ones((size, 2)))  # doctest: +SKIP
   """

@@ -47,6 +47,10 @@ def bcast(x, root: int, *, comm: Any = None) -> jax.Array:
   Returns:
     Root's ``x`` on every rank.
 
+  Raises:
+    ValueError: ``root`` is not a static integer rank of the communicator.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+
   Examples:
     >>> params = mpijax.ops.bcast(params_leaf, root=0)  # doctest: +SKIP
   """
@@ -69,6 +73,16 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm: Any = None) -> jax.Array:
 
   Returns:
     The reduction on ``root``, zeros of ``x``'s shape elsewhere.
+
+  Raises:
+    ValueError: ``root`` is not a static integer rank of the communicator,
+      ``op`` is not an op name mpijax knows, or an ``MPI.Op`` it does not
+      run (``MAXLOC``, ``MINLOC``, ``REPLACE``, user-defined).
+    TypeError: ``x``'s dtype is not supported, or ``op`` is not defined for
+      it (e.g. ``"xor"`` on floats).
+
+  Examples:
+    >>> total = mpijax.ops.reduce(x, "sum", root=0)  # zeros on ranks != 0  # doctest: +SKIP
   """
   x = dtypes.as_array("mpijax.ops.reduce", x)
   info = communicators.resolve_comm(comm, "mpijax.ops.reduce")

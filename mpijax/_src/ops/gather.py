@@ -33,6 +33,10 @@ def gather(x, root: int, *, comm: Any = None) -> jax.Array:
     On ``root``, shape ``(size, *x.shape)``: entry r is rank r's ``x``. On
     the other ranks an empty array of shape ``(0, *x.shape)``.
 
+  Raises:
+    ValueError: ``root`` is not a static integer rank of the communicator.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+
   Examples:
     >>> rows = mpijax.ops.gather(jnp.ones(3), root=0)  # (size, 3) on rank 0  # doctest: +SKIP
   """

@@ -145,6 +145,11 @@ def send(x, dest: int, *, tag: int = 0, comm: Any = None) -> None:
   program order with the rank's other mpijax calls, also though it returns
   nothing.
 
+  Raises:
+    ValueError: ``dest`` is not a rank of the communicator (or
+      ``MPI.PROC_NULL``), or ``tag`` is outside ``[0, MPI.TAG_UB]``.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+
   Examples:
     >>> if rank == 0:  # doctest: +SKIP
     ...   mpijax.ops.send(x, dest=1, tag=7)
@@ -174,6 +179,11 @@ def recv(x, source: int | None = None, *, tag: int | None = None, comm: Any = No
 
   Returns:
     The received array (``x``'s shape and dtype).
+
+  Raises:
+    ValueError: ``source`` is not a rank of the communicator (or one of the
+      MPI constants above), or ``tag`` is outside ``[0, MPI.TAG_UB]``.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
 
   Examples:
     >>> if rank == 1:  # doctest: +SKIP

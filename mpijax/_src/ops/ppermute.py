@@ -56,6 +56,12 @@ def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Arr
   Returns:
     What the rank's source sent, or zeros if no pair targets this rank.
 
+  Raises:
+    TypeError: ``perm`` is not a sequence of integer pairs, or ``x``'s dtype
+      is not supported.
+    ValueError: a rank outside the communicator, or one that appears twice
+      as a source or as a destination.
+
   Examples:
     >>> ring = [(r, (r + 1) % size) for r in range(size)]  # doctest: +SKIP
     >>> y = mpijax.ops.ppermute(x, ring)  # doctest: +SKIP
@@ -82,6 +88,24 @@ def sendrecv(x, source: int | None, dest: int | None, *,
   communicator makes the call, also one with neither ``source`` nor ``dest``.
   It is a ``ppermute`` over the pairs this rank knows about, so it has the
   same transpose (send back to ``source``, receive from ``dest``).
+
+  Args:
+    x: the array to send, of a supported dtype; what arrives has its shape
+      and dtype, so the peers' ``x`` must agree.
+    source: the rank whose ``x`` this rank receives (a Python int), or None
+      to receive nothing.
+    dest: the rank this rank's ``x`` goes to (a Python int), or None to
+      send nothing.
+    comm: an mpi4py communicator (default: the runtime's).
+
+  Returns:
+    What ``source`` sent (``x``'s shape and dtype), or zeros when ``source``
+    is None.
+
+  Raises:
+    ValueError: ``source`` or ``dest`` is outside the communicator.
+    TypeError: ``x``'s dtype is not supported, or ``source``/``dest`` is not
+      an integer.
 
   Examples:
     >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP

@@ -34,6 +34,13 @@ def reduce_scatter(x, op: str = "sum", *, comm: Any = None) -> jax.Array:
   Returns:
     On rank r, the reduction over all ranks of ``x[r]`` (shape ``x.shape[1:]``).
 
+  Raises:
+    ValueError: ``x.shape[0]`` is not the communicator's size, ``op`` is
+      not an op name mpijax knows, or an ``MPI.Op`` it does not run
+      (``MAXLOC``, ``MINLOC``, ``REPLACE``, user-defined).
+    TypeError: ``x``'s dtype is not supported, or ``op`` is not defined for
+      it (e.g. ``"xor"`` on floats).
+
   Examples:
     >>> mine = mpijax.ops.reduce_scatter(jnp.ones((size, 3)))  # doctest: +SKIP
   """

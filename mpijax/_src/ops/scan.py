@@ -34,6 +34,12 @@ def scan(x, op: Any = "sum", *, comm: Any = None) -> jax.Array:
   Returns:
     On rank r, the reduction of ranks 0..r's ``x`` (``x``'s shape and dtype).
 
+  Raises:
+    ValueError: ``op`` is not an op name mpijax knows, or an ``MPI.Op`` it
+      does not run (``MAXLOC``, ``MINLOC``, ``REPLACE``, user-defined).
+    TypeError: ``x``'s dtype is not supported, or ``op`` is not defined for
+      it (e.g. ``"xor"`` on floats).
+
   Examples:
     >>> offset = mpijax.ops.scan(jnp.int32(n_local)) - n_local  # doctest: +SKIP
   """

@@ -38,6 +38,11 @@ def scatter(x, root: int, *, comm: Any = None) -> jax.Array:
   Returns:
     This rank's block, shape ``block``.
 
+  Raises:
+    ValueError: ``root`` is not a static integer rank of the communicator,
+      or root's ``x`` does not hold one block per rank.
+    TypeError: ``x``'s dtype is not one of :data:`mpijax.ops.SUPPORTED_DTYPES`.
+
   Examples:
     >>> # rank 0: x of shape (size, 3); the others: jnp.zeros(3)
     >>> mine = mpijax.ops.scatter(x, root=0)  # doctest: +SKIP

@@ -105,6 +105,13 @@ def span(name: str, *, step: bool = False, **args: Any) -> Iterator[None]:
     step: the span is one training step: ``python -m mpijax.timeline render
       --step N`` draws the N-th of them (as it does DataParallel's steps).
     **args: shown with the span (JSON values).
+
+  Yields:
+    None: the ``with`` block is the span.
+
+  Examples:
+    >>> with mpijax.timeline.span("data loading"):  # doctest: +SKIP
+    ...   batch = next(batches)
   """
   if not active():
     yield

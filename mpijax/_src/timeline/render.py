@@ -68,7 +68,33 @@ def waits_in(events: list[dict[str, Any]], start: float, end: float) -> dict[int
 
 
 def render(trace_path: str, output: str, *, step: int | None = None) -> str:
-  """Draws step ``step`` (default: the last) of ``trace_path`` into ``output``; a text summary."""
+  """Draws step ``step`` (default: the last) of ``trace_path`` into ``output``; a text summary.
+
+  One row per rank and device: each mpijax call's wait for the other ranks
+  and its transfer, the ranks' step bars above, and who waited for whom.
+  Needs matplotlib. What ``python -m mpijax.timeline render`` runs.
+
+  Args:
+    trace_path: a timeline file (``MPIJAX_TIMELINE``'s JSON).
+    output: the image to write (its suffix picks the format, e.g. ``.png``).
+    step: which step span (0-based, negative counts from the end); default
+      the last. A file without step spans is drawn whole (``step`` None).
+
+  Returns:
+    The summary: the window drawn and its length, then per rank how long it
+    waited and for which rank most (or ``no rank waited``).
+
+  Raises:
+    OSError: ``trace_path`` cannot be read or ``output`` written.
+    ValueError: ``trace_path`` is not a timeline file, ``step`` is out of
+      range or given for a file without step spans, or the file has no
+      mpijax calls.
+
+  Examples:
+    >>> print(render("trace.json", "step.png", step=-1))  # doctest: +SKIP
+    step 9 of 10: 12.31 ms
+    rank 0 waited 4.10 ms, most for rank 1 (4.10 ms)
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

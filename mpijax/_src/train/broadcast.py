@@ -102,6 +102,11 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any | None = None) -> Any:
   Returns:
     ``tree`` with root's values.
 
+  Raises:
+    ValueError: ``root`` is not a rank of the communicator; or, on every
+      rank, the ranks' trees differ or a leaf holds objects, strings or
+      times (which cannot be sent).
+
   Examples:
     >>> params = mpijax.train.broadcast(init_params(jax.random.key(rank)))  # doctest: +SKIP
   """

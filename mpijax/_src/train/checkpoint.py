@@ -136,6 +136,12 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, metadata: dict[str, 
 
   Returns:
     ``path`` as a string.
+
+  Raises:
+    TypeError: on every rank, when a rank's ``state`` has a leaf that
+      cannot be stored (objects, strings, times) or ``metadata`` is not
+      JSON-serializable; nothing is written.
+    OSError: on every rank, when rank 0 could not write the file.
   """
   path = os.fspath(path)
   comm = _comm_or_none(comm)

@@ -67,7 +67,23 @@ def _raise_everywhere(comm: Any, error: Exception | None, what: str) -> None:
 
 
 class ShardedBatches:
-  """The iterator returned by :func:`shard_batches` (``len()`` = steps left)."""
+  """The iterator returned by :func:`shard_batches` (``len()`` = steps left).
+
+  Build it with :func:`shard_batches`, which takes the same arguments and
+  says what they mean; ``step`` is the index of the next batch.
+
+  Args:
+    arrays: a pytree of arrays with a common leading sample dimension.
+    global_batch_size: samples per step over all ranks.
+    seed: shuffling seed, or None for the data order.
+    epoch: epoch number, mixed into the shuffle.
+    drop_remainder: skip the last partial batch instead of padding it.
+    replicated: whether every rank holds the same full dataset.
+    start_step: the first step to yield (resume mid-epoch).
+    process_index: this rank (default: the communicator's).
+    process_count: number of ranks (default: the communicator's size).
+    comm: mpi4py communicator (default mpijax's).
+  """
 
   def __init__(self, arrays: Any, global_batch_size: int, *, seed: int | None, epoch: int,
                drop_remainder: bool = False, replicated: bool = True, start_step: int = 0,
@@ -280,6 +296,14 @@ def shard_batches(arrays: Any, global_batch_size: int, *, seed: int | None, epoc
   Returns:
     An iterator of :class:`Batch` ``(data, mask, weight)``; ``len()`` is the
     number of steps left.
+
+  Raises:
+    ValueError: ``global_batch_size`` is not a positive multiple of the rank
+      count, ``seed`` or ``epoch`` is not a non-negative integer, or
+      ``start_step`` is beyond the epoch. Also when a rank's data is
+      unusable (leaves with different sample counts; with
+      ``replicated=True``, ranks holding different sample counts), then on
+      every rank, as said above.
 
   Examples:
     >>> for x, mask, w in mpijax.train.shard_batches((images, labels), 128, seed=0, epoch=e):  # doctest: +SKIP

@@ -54,7 +54,16 @@ def _all_ranks_or_none(comm: Any, what: str):
 
 
 class TrainState(NamedTuple):
-  """Replicated training state (a pytree: checkpoint it with ``save_checkpoint``)."""
+  """Replicated training state (a pytree: checkpoint it with ``save_checkpoint``).
+
+  Attributes:
+    step: int32 scalar, the optimizer steps taken (also the data position).
+    params: the model's parameters.
+    opt_state: the optimizer's state.
+    rng: the base PRNG key; step ``s`` uses ``fold_in(rng, s)``.
+    model_state: mutable model state (BatchNorm statistics, ...); None for
+      a stateless model.
+  """
   step: jax.Array  # int32 scalar, optimizer steps taken (also the data position)
   params: Any
   opt_state: Any
@@ -113,9 +122,11 @@ class DataParallel:
     has_aux: ``loss_fn`` returns ``(losses, aux)``.
     with_rng: pass a per-step PRNG key (``fold_in(state.rng, state.step)``,
       the same on every rank) as last argument.
-    bucket_bytes, compression: see :func:`allreduce_gradients` (with
-      compression, the metrics and averaged model state travel uncompressed
-      in a second call).
+    bucket_bytes: the largest gradient bucket (see
+      :func:`allreduce_gradients`).
+    compression: ``None``, ``"bf16"`` or ``"fp16"`` (see
+      :func:`allreduce_gradients`); the metrics and averaged model state
+      then travel uncompressed in a second call.
     overlap: all-reduce each gradient bucket as soon as the backward pass has
       computed it, overlapping communication with the rest of the backward
       pass (see :func:`allreduce_gradients`); the buckets follow the order in
@@ -145,6 +156,13 @@ class DataParallel:
       ``step`` saves before its step runs, so these are as of the saved state.
     handle_preemption: install the SIGTERM/SIGUSR1 handler (default: when
       ``checkpoint_dir`` is given).
+
+  Raises:
+    ValueError: an unsupported ``compression`` or ``state_sync``, a
+      ``checkpoint_every`` or ``keep_checkpoints`` that is not an integer
+      >= 1, or ``checkpoint_every``/``handle_preemption`` without
+      ``checkpoint_dir``.
+    TypeError: ``overlap`` is not True, False or None.
 
   Examples:
     >>> dp = mpijax.train.DataParallel(loss_fn, optax.adam(1e-3), has_aux=True)  # doctest: +SKIP
@@ -224,7 +242,27 @@ class DataParallel:
   # -- state ------------------------------------------------------------------
 
   def init(self, params: Any, rng: jax.Array | None = None, model_state: Any = None) -> TrainState:
-    """Broadcasts ``root``'s parameters, key and model state, and builds the optimizer state."""
+    """Broadcasts ``root``'s parameters, key and model state, and builds the optimizer state.
+
+    Collective: every rank calls it, with trees of the same structure,
+    shapes and dtypes (e.g. each its own fresh initialization); ``root``'s
+    values win, so the replicas start equal.
+
+    Args:
+      params: the model's parameters (a pytree).
+      rng: the base PRNG key (default ``jax.random.key(0)``); step ``s``
+        uses ``fold_in(rng, s)``.
+      model_state: mutable model state (Flax collections such as
+        ``{"batch_stats": ...}``, an NNX ``nnx.State``), or None.
+
+    Returns:
+      A :class:`TrainState` at step 0 with ``root``'s values and
+      ``optimizer.init(params)``.
+
+    Raises:
+      ValueError: on every rank, when the ranks' trees differ (naming the
+        first differing leaf).
+    """
     if rng is None:
       rng = jax.random.key(0)
     params, rng, model_state = _bcast.broadcast((params, rng, model_state), self.root, comm=self.comm)
@@ -237,7 +275,24 @@ class DataParallel:
     """The newest complete checkpoint of ``checkpoint_dir``, else :meth:`init`'s state.
 
     Collective. See :func:`mpijax.train.resume_or_init`; the restored
-    ``step`` is the data position to continue from.
+    ``step`` is the data position to continue from. Without
+    ``checkpoint_dir`` it is :meth:`init`.
+
+    Args:
+      params: the model's parameters, as for :meth:`init`.
+      rng: the base PRNG key, as for :meth:`init`.
+      model_state: mutable model state, as for :meth:`init`.
+
+    Returns:
+      The restored :class:`TrainState`, or :meth:`init`'s.
+
+    Raises:
+      CheckpointMismatch: the newest checkpoint holds another model's state.
+      CheckpointError: there are checkpoints, but none could be read.
+
+    Examples:
+      >>> state = dp.resume_or_init(params, rng=jax.random.key(0))  # doctest: +SKIP
+      >>> epoch, start = divmod(int(state.step), steps_per_epoch)  # doctest: +SKIP
     """
     init = lambda: self.init(params, rng, model_state)
     if self.checkpoint_dir is None:
@@ -381,6 +436,15 @@ class DataParallel:
       ``(new_state, metrics)``: metrics are global means over the real samples
       of the global batch (``"loss"`` and the ``aux`` keys, or ``"aux"`` for
       an ``aux`` that is not a dict), as jax values.
+
+    Raises:
+      Preempted: on every rank, after the agreed preemption checkpoint.
+      TypeError: called under a JAX transformation (``jax.jit`` etc.), or
+        ``loss_fn`` returned the wrong structure for ``has_aux`` and the
+        model state.
+      ValueError: ``loss_fn``'s losses are not one per example.
+      RuntimeError: building the step failed on another rank (this rank
+        raises its own error).
     """
     if _timeline.active():
       # The span ends when the step's results are ready: with the timeline
@@ -503,6 +567,11 @@ class DataParallel:
     Returns:
       ``{"loss": ..., **aux}`` (or ``{"loss": ..., "aux": aux}``), scalars as
       Python floats, identical on every rank.
+
+    Raises:
+      ValueError: ``arrays`` is unusable or holds no samples, or
+        ``batch_size`` is not a multiple of the rank count.
+      RuntimeError: the evaluation failed on another rank.
     """
     comm = communicator.get_comm(self.comm, "mpijax.train.DataParallel.evaluate")
     # A rank whose arrays are unusable (e.g. leaves with different sample

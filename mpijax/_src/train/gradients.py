@@ -207,13 +207,37 @@ def fused_allreduce(tree: Any, *, average: bool = True, bucket_bytes: int | None
                     overlap: bool | None = None) -> Any:
   """Sums (or averages) every leaf of ``tree`` over all ranks.
 
-  Call it inside ``jax.jit`` (it also works eagerly). See
-  :func:`allreduce_gradients` for the arguments; with ``overlap`` the buckets
-  follow the reverse of the tree order (a tree of layers: the last layer's
-  gradients first, as the backward pass computes them).
+  Call it inside ``jax.jit`` (it also works eagerly). The arguments are
+  :func:`allreduce_gradients`'s; with ``overlap`` the buckets follow the
+  reverse of the tree order (a tree of layers: the last layer's gradients
+  first, as the backward pass computes them). Collective: every rank calls
+  it with a tree of the same structure, shapes and dtypes.
+
+  Args:
+    tree: a pytree of numeric arrays (not bool).
+    average: divide the sum by the number of ranks.
+    bucket_bytes: largest bucket (default ``MPIJAX_BUCKET_BYTES``).
+    compression: ``None``, ``"bf16"`` or ``"fp16"``: float buckets travel
+      in half precision.
+    local_axis_name: the axis over this rank's local devices to reduce over
+      first, inside ``jax.shard_map``/``jax.pmap`` (or an ``mpijax.pmap``
+      axis).
+    comm: an mpi4py communicator; default mpijax's.
+    fuse_leaf_bytes: leaves at least this big travel alone, unpacked.
+    overlap: one call per bucket, in backward-pass order (default
+      ``MPIJAX_OVERLAP``).
 
   Returns:
-    A tree like ``tree`` holding the cross-rank sum or mean, same dtypes.
+    A tree like ``tree`` holding the cross-rank sum or mean, same dtypes
+    (integer means are floored).
+
+  Raises:
+    TypeError: a bool leaf, or ``overlap`` not True, False or None.
+    ValueError: an unsupported ``compression``, a ``bucket_bytes`` <= 0, or
+      a ``local_axis_name`` mpijax axis that spans only some of the ranks.
+
+  Examples:
+    >>> grads = mpijax.train.fused_allreduce(grads)  # inside the jitted step  # doctest: +SKIP
   """
   return _fused_allreduce(tree, average=average, bucket_bytes=bucket_bytes,
                           compression=compression, local_axis_name=local_axis_name, comm=comm,
@@ -415,6 +439,12 @@ def allreduce_gradients(*, average: bool = True, bucket_bytes: int | None = None
   Returns:
     An ``optax.GradientTransformation`` (stateless).
 
+  Raises:
+    ValueError: an unsupported ``compression`` (here), or a
+      ``bucket_bytes`` <= 0 (at the first update).
+    TypeError: ``overlap`` is not True, False or None; at the update, a bool
+      gradient leaf.
+
   Examples:
     >>> tx = optax.chain(mpijax.train.allreduce_gradients(), optax.adam(1e-3))  # doctest: +SKIP
   """
@@ -462,6 +492,13 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> o
 
   Returns:
     An ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError: ``every_k`` is not an integer >= 1.
+
+  Examples:
+    >>> tx = mpijax.train.accumulate_gradients(  # doctest: +SKIP
+    ...   optax.chain(mpijax.train.allreduce_gradients(), optax.adam(1e-3)), every_k=4)
   """
   if not isinstance(every_k, (int, np.integer)) or every_k < 1:
     raise ValueError(f"every_k={every_k!r} must be an integer >= 1")

@@ -37,6 +37,14 @@ def mean_metrics(tree: Any, *, comm: Any | None = None) -> Any:
 
   Returns:
     The tree of cross-rank means.
+
+  Raises:
+    ValueError: eagerly, on every rank, when the ranks' trees differ (keys
+      or shapes).
+    TypeError: eagerly, on every rank, when a leaf is not a number.
+
+  Examples:
+    >>> means = mpijax.train.mean_metrics({"loss": loss, "accuracy": acc})  # doctest: +SKIP
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if _is_traced(leaves):
@@ -99,7 +107,19 @@ def is_main_process(comm: Any | None = None) -> bool:
 
 
 def log(*args: Any, comm: Any | None = None, **kwargs: Any) -> None:
-  """``print`` on rank 0 only (flushed, so it interleaves sensibly with MPI output)."""
+  """``print`` on rank 0 only (flushed, so it interleaves sensibly with MPI output).
+
+  Not collective: the other ranks return at once. Works before
+  ``mpijax.init()`` and in a plain process (which counts as rank 0).
+
+  Args:
+    *args: what ``print`` prints.
+    comm: the mpi4py communicator whose rank 0 prints (default mpijax's).
+    **kwargs: ``print``'s keyword arguments (``flush`` defaults to True).
+
+  Examples:
+    >>> mpijax.train.log(f"epoch {epoch}: loss {loss:.4f}")  # doctest: +SKIP
+  """
   if is_main_process(comm):
     kwargs.setdefault("flush", True)
     print(*args, **kwargs)
@@ -121,6 +141,21 @@ def progress(
   gives the rank a terminal 0 columns wide, in which tqdm draws nothing at
   all). A line is written at most every ``mininterval`` seconds (default 5
   there) and once at the end, as wide as ``COLUMNS`` (else 80).
+
+  Args:
+    iterable: what to iterate over.
+    comm: the mpi4py communicator whose rank 0 shows the bar (default
+      mpijax's; a plain process counts as rank 0).
+    **tqdm_kwargs: ``tqdm``'s keyword arguments (``desc``, ``total``,
+      ``mininterval``, ...).
+
+  Returns:
+    On rank 0 a ``tqdm`` bar (or a generator writing it as lines) over
+    ``iterable``; elsewhere ``iterable`` itself.
+
+  Examples:
+    >>> for batch in mpijax.train.progress(batches, desc=f"epoch {e}"):  # doctest: +SKIP
+    ...   state, metrics = dp.step(state, batch)
   """
   if not is_main_process(comm):
     return iterable

@@ -47,6 +47,12 @@ class Preempted(SystemExit):
   """
 
   def __init__(self, step: int | None = None, path: str | None = None):
+    """Marks exit status 75 as agreed by every rank (see above).
+
+    Args:
+      step: the training step the checkpoint holds.
+      path: the checkpoint written (None when there was nothing to write).
+    """
     super().__init__(PREEMPTED_EXIT_CODE)
     self.step, self.path = step, path
     # Raised on every rank at the same step, by contract: the exit is agreed.

@@ -38,7 +38,19 @@ def restart_attempt() -> int:
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> str:
-  """The file name of step ``step``'s checkpoint in ``directory``."""
+  """The file name of step ``step``'s checkpoint in ``directory``.
+
+  Args:
+    directory: the checkpoint directory.
+    step: the training step.
+
+  Returns:
+    ``<directory>/step_<step, 9 digits>.ckpt``.
+
+  Examples:
+    >>> mpijax.train.checkpoint_path("ckpt", 1200)
+    'ckpt/step_000001200.ckpt'
+  """
   return os.path.join(os.fspath(directory), f"step_{int(step):09d}.ckpt")
 
 
@@ -62,6 +74,15 @@ def list_checkpoints(
 
   Collective in a multi-rank job: rank 0 lists the directory and every rank
   gets its list (so all ranks decide alike even if their views lag).
+
+  Args:
+    directory: the checkpoint directory (a missing one has none).
+    comm: an mpi4py communicator; default mpijax's (none in a plain
+      single process).
+
+  Returns:
+    ``(step, path)`` pairs of the ``step_<step>.ckpt`` files, by step; each
+    path is in this rank's ``directory``.
   """
   directory = os.fspath(directory)
   comm = _ckpt._comm_or_none(comm)
@@ -81,7 +102,19 @@ def list_checkpoints(
 
 
 def latest_checkpoint(directory: str | os.PathLike, *, comm: Any | None = None) -> str | None:
-  """The newest checkpoint in ``directory`` (by step), or None. Collective, as :func:`list_checkpoints`."""
+  """The newest checkpoint in ``directory`` (by step), or None.
+
+  Collective, as :func:`list_checkpoints`.
+
+  Args:
+    directory: the checkpoint directory.
+    comm: an mpi4py communicator; default mpijax's.
+
+  Returns:
+    The path of the checkpoint with the largest step, or None when there is
+    none. It is not opened: :func:`resume_or_init` also falls back to an
+    older one when the newest cannot be read.
+  """
   found = list_checkpoints(directory, comm=comm)
   return found[-1][1] if found else None
 
@@ -112,6 +145,13 @@ def save_step_checkpoint(
 
   Returns:
     The path written.
+
+  Raises:
+    ValueError: ``keep`` or ``step`` is not a valid count, or ``tree``
+      carries a step of its own (``tree["step"]``, ``TrainState.step``)
+      other than ``step``.
+    TypeError: as :func:`save_checkpoint`.
+    OSError: as :func:`save_checkpoint`.
   """
   if keep is not None and (not isinstance(keep, int) or keep < 1):
     raise ValueError(f"keep={keep!r} must be an integer >= 1 (or None to keep every checkpoint)")
@@ -174,6 +214,12 @@ def resume_or_init(
 
   Returns:
     The restored tree, or ``init_fn()``'s.
+
+  Raises:
+    CheckpointMismatch: the newest checkpoint does not fit ``init_fn()``'s
+      tree (another model, optimizer or state).
+    CheckpointError: there are checkpoints, but no rank-wide readable one
+      (starting afresh would overwrite the run's progress).
 
   Examples:
     >>> state = mpijax.train.resume_or_init("ckpt", lambda: dp.init(params))  # doctest: +SKIP
