@@ -575,6 +575,41 @@ def test_the_launcher_loads_neither_jax_nor_numpy():
   assert not {"jax", "jaxlib", "numpy", "mpijax._src.runtime"} & loaded, sorted(loaded)
 
 
+def test_a_bad_setting_stops_mpijax_run_before_any_rank_starts(tmp_path):
+  marker = tmp_path / "ran"
+  out = run_cli(
+    "-n",
+    "2",
+    "--",
+    sys.executable,
+    "-c",
+    f"open({str(marker)!r}, 'w')",
+    env={**os.environ, "MPIJAX_TIMEOUT": "soon", "MPIJAX_XLA_COLLECTIVES": "tcp"},
+  )
+  assert out.returncode == 2 and not marker.exists(), out.stdout + out.stderr
+  # Every bad value: the variable, the value and the form expected.
+  assert "mpijax-run: error: " in out.stderr, out.stderr
+  assert "MPIJAX_TIMEOUT='soon' is not valid: expected a number of seconds >= 0" in out.stderr
+  assert "MPIJAX_XLA_COLLECTIVES='tcp' is not valid: expected auto, mpi or gloo" in out.stderr
+
+
+def test_a_misspelled_setting_is_named_with_the_closest_before_the_launch():
+  env = {
+    **os.environ,
+    "MPIJAX_TIMOUT": "5",
+    "MPIJAX_XLA_COLLECTIVE": "gloo",
+    "MPIJAX_TEST_ANYTHING": "1",
+  }
+  out = run_cli("-n", "2", "--dry-run", "--", "python", "x.py", env=env)
+  assert out.returncode == 0, out.stderr
+  assert out.stderr.splitlines() == [
+    "mpijax-run: warning: MPIJAX_TIMOUT is not an mpijax setting and is ignored "
+    "(did you mean MPIJAX_TIMEOUT?)",
+    "mpijax-run: warning: MPIJAX_XLA_COLLECTIVE is not an mpijax setting and is ignored "
+    "(did you mean MPIJAX_XLA_COLLECTIVES?)",
+  ], out.stderr
+
+
 def test_missing_n_is_an_error():
   out = run_cli(
     "--dry-run",
