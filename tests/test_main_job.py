@@ -70,10 +70,11 @@ def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
 
 def test_rank_0_draws_the_progress_bar_under_mpijax_run(digits_4_ranks):
   # Open MPI hands each rank a terminal 0 columns wide and passes its output on
-  # line by line: the bar comes as lines, from rank 0 only, one at least per epoch.
+  # line by line: the bar comes as lines, from rank 0 only, one at least per epoch,
+  # each with one prefix.
   _, result = digits_4_ranks
   bars = re.findall(
-    r"^\[1,(\d+)\]<stdout>: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
+    r"^\[rank(\d+)\]: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
     result.stdout,
     flags=re.M,
   )

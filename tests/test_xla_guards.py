@@ -56,9 +56,10 @@ def _job(
 def _every_rank_raised(out: str, n: int) -> None:
   """mpijax-run shows the first rank's report and says every rank raised it alike."""
   assert re.search(
-    r"\[rank \d+/\d+\] mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
+    r"^\[rank\d+\]: mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
     r"job \(exit code 1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives",
     out,
+    re.M,
   ), tail(out)
   assert re.search(
     rf"uncaught JaxRuntimeError: UNKNOWN: MPI error: mpijax: mismatch in XLA's "
@@ -368,7 +369,7 @@ def test_several_devices_per_rank_a_mismatch_names_every_device():
   ), tail(out)
   # The exception (at most 255 bytes) without the programs' names, on every rank.
   assert re.search(
-    r"\[rank \d/2\] mpijax: uncaught JaxRuntimeError on rank \d/2, aborting the job \(exit code "
+    r"\[rank\d\]: mpijax: uncaught JaxRuntimeError on rank \d/2, aborting the job \(exit code "
     r"1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives on XLA communicator on "
     r"ranks 0,1, call #\d+: rank 0 local devices 0,1 run XLA all-reduce float32\[1024\] \(sum\), "
     r"but rank 1 local devices 0,1 run XLA all-reduce float32\[4096\] \(sum\) \(details on "
@@ -445,7 +446,7 @@ def test_several_devices_per_rank_reduce_scatter(transport):
   rc, out, entered, lines, end = _job(2, "reduce_scatter", env=env, devices=2)
   assert rc == 0 and out.count("scatter ok") == 2, tail(out)
   warning = re.findall(
-    r"mpijax\[rank 0/2\]: warning: jit_\S+ has a reduce-scatter, and XLA's collectives run over "
+    r"\[rank0\]: mpijax: warning: jit_\S+ has a reduce-scatter, and XLA's collectives run over "
     r"gloo with 2 devices per rank: .*jax-ml/jax/issues/40830\)\. Unset "
     r"MPIJAX_XLA_COLLECTIVES=gloo",
     out,
