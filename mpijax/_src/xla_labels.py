@@ -138,7 +138,7 @@ def label_executable(executable: Any) -> None:
     text = module.to_string()
     found = collectives(text, module.name)
     if found:
-      program_check.note(module.name, text)
+      program_check.note(module.name, text, found)
     for kind, dtype, n, op, label in found:
       ext.xla_label(kind, dtype, n, op, label)
 
