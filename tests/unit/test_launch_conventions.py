@@ -464,6 +464,15 @@ def test_relay_tee_shows_one_prefix_per_line(tmp_path, kind, lines):
   assert (tmp_path / "rank_1.log").read_text() == "b\n"
 
 
+def test_a_bar_redrawn_in_place_shows_its_last_state_after_one_prefix(tmp_path):
+  out = io.BytesIO()
+  relay = joblog.Relay("openmpi", str(tmp_path), tee=True, stdout=io.BytesIO(), stderr=out)
+  relay._lines([b"[1,0]<stderr>: \rstep 1/4\rstep 2/4\rstep 4/4\n"], out)
+  relay.close()
+  assert out.getvalue() == b"[rank0]: step 4/4\n"
+  assert (tmp_path / "rank_0.log").read_bytes() == b"\rstep 1/4\rstep 2/4\rstep 4/4\n"
+
+
 def test_hydra_pieces_are_shown_as_whole_lines_each_with_its_rank():
   out = io.BytesIO()
   relay = joblog.Relay("mpich", None, stdout=out, stderr=io.BytesIO())

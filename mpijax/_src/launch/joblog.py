@@ -573,9 +573,16 @@ class Relay:
   def _shown_lines(
     console_filter: ConsoleFilter, pieces: Iterable[tuple[int | None, bytes]]
   ) -> bytes:
-    """What the console shows of ranks' lines: each with one prefix, ``[rank3]: ``."""
+    """What the console shows of ranks' lines: each with one prefix, ``[rank3]: ``.
+
+    A line a progress bar redrew in place (``\\r``) shows its last state: on
+    a terminal its earlier ones would overwrite the prefix.
+    """
     out = bytearray()
     for r, t in pieces:
+      body = t.rstrip(b"\r\n")
+      if b"\r" in body:
+        t = body.rsplit(b"\r", 1)[1] + b"\n"
       tagged = rank_prefix(r) + t
       out += b"".join(
         console_filter.rank_line(r, t.decode(errors="replace").rstrip("\r\n"), tagged)
