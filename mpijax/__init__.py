@@ -14,8 +14,6 @@ from mpijax._src import heap as _heap
 from mpijax._src import log as _log
 from mpijax._src.launch import common as _launch_common
 
-from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
-
 _as_launcher = _launch_common.started_as_launcher(getattr(_sys, "orig_argv", []))
 try:
   # mpijax's warnings and notices show on stderr unless the program configured
@@ -27,6 +25,8 @@ try:
   _heap.configure()
   _cpu_bind.configure()
   _ffi_settings.set_oversubscribed(_cpu_bind.oversubscribed())
+
+  from mpijax._src import jax_runtime as _jax_runtime
 
   # Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
   # collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
