@@ -14,25 +14,32 @@ from mpijax._src import heap as _heap
 from mpijax._src import log as _log
 from mpijax._src.launch import common as _launch_common
 
-# mpijax's warnings and notices show on stderr unless the program configured
-# logging itself (see mpijax/_src/log.py).
-_log.install()
+_as_launcher = _launch_common.started_as_launcher(getattr(_sys, "orig_argv", []))
+try:
+  # mpijax's warnings and notices show on stderr unless the program configured
+  # logging itself (see mpijax/_src/log.py).
+  _log.install()
 
-# Before MPI and JAX start their threads: see mpijax/_src/heap.py and
-# mpijax/_src/cpu_bind.py.
-_heap.configure()
-_cpu_bind.configure()
-_ffi_settings.set_oversubscribed(_cpu_bind.oversubscribed())
+  # Before MPI and JAX start their threads: see mpijax/_src/heap.py and
+  # mpijax/_src/cpu_bind.py.
+  _heap.configure()
+  _cpu_bind.configure()
+  _ffi_settings.set_oversubscribed(_cpu_bind.oversubscribed())
 
-from mpijax._src import jax_runtime as _jax_runtime  # noqa: E402
+  from mpijax._src import jax_runtime as _jax_runtime
 
-# Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
-# collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
-_jax_runtime.prepare_environment()
+  # Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
+  # collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
+  _jax_runtime.prepare_environment()
+except ValueError:
+  # A malformed MPIJAX_* value: mpijax-run's own process reports it (and every
+  # other) before the launch, without a traceback.
+  if not _as_launcher:
+    raise
 
 # The process of ``mpijax-run`` itself only starts the job: it leaves JAX and
 # the API below unloaded (about 0.7 s of every launch on a 2-core machine).
-if not _launch_common.started_as_launcher(getattr(_sys, "orig_argv", [])):
+if not _as_launcher:
   # Before the modules that lower with JAX internals: a too old JAX fails here
   # (jax_compat checks the version when imported), with the versions, instead of
   # with a TypeError from deep inside them.
@@ -71,25 +78,25 @@ if not _launch_common.started_as_launcher(getattr(_sys, "orig_argv", [])):
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeviceInfo",
-    "GlobalArray",
-    "GlobalMesh",
-    "Runtime",
-    "Topology",
-    "config",
-    "devices",
-    "init",
-    "is_initialized",
-    "load",
-    "local_device_count",
-    "local_devices",
-    "make_mesh",
-    "pmap",
-    "process_count",
-    "process_index",
-    "reshard",
-    "save",
-    "shard_map",
-    "shutdown",
-    "visualize_sharding",
+  "DeviceInfo",
+  "GlobalArray",
+  "GlobalMesh",
+  "Runtime",
+  "Topology",
+  "config",
+  "devices",
+  "init",
+  "is_initialized",
+  "load",
+  "local_device_count",
+  "local_devices",
+  "make_mesh",
+  "pmap",
+  "process_count",
+  "process_index",
+  "reshard",
+  "save",
+  "shard_map",
+  "shutdown",
+  "visualize_sharding",
 ]

@@ -28,6 +28,23 @@ def _digits(out, *args: str) -> list[str]:
   ]
 
 
+def test_several_devices_per_rank_are_refused_with_the_command_that_uses_them(tmp_path):
+  import os
+  import subprocess
+
+  from tests._launch import REPO
+
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM_"))}
+  env.update(MPIJAX_DEVICES_PER_PROCESS="2", MPIJAX_LAUNCHER="single")
+  out = subprocess.run(
+    _digits(tmp_path / "out"), capture_output=True, text=True, timeout=180, cwd=REPO, env=env
+  )
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert "this rank has 2 local devices" in out.stderr, out.stderr
+  assert "mpijax-run -n 2 -- python -m mpijax.examples.digits" in out.stderr, out.stderr
+  assert not (tmp_path / "out").exists()  # refused before any training or checkpoint
+
+
 def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
   out, result = digits_4_ranks  # conftest.MAIN_JOB, shared with tests/test_restart.py
   assert result.returncode == 0, tail(result.stdout)
@@ -53,10 +70,11 @@ def test_main_job_then_resume_at_another_rank_count(digits_4_ranks):
 
 def test_rank_0_draws_the_progress_bar_under_mpijax_run(digits_4_ranks):
   # Open MPI hands each rank a terminal 0 columns wide and passes its output on
-  # line by line: the bar comes as lines, from rank 0 only, one at least per epoch.
+  # line by line: the bar comes as lines, from rank 0 only, one at least per epoch,
+  # each with one prefix.
   _, result = digits_4_ranks
   bars = re.findall(
-    r"^\[1,(\d+)\]<stdout>: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
+    r"^\[rank(\d+)\]: (epoch (\d+)/12: +\d+%\|[█▏▎▍▌▋▊▉ ]+\| \d+/23 .*)$",
     result.stdout,
     flags=re.M,
   )

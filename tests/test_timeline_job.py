@@ -24,8 +24,9 @@ def test_timeline_of_a_training_job(tmp_path):
   plain, _ = run_mpi(RANKS, [sys.executable, SCRIPT, str(STEPS)], timeout=300)
   assert plain.returncode == 0, tail(plain.stdout)
   path = tmp_path / "trace.json"
-  traced, _ = run_mpi(RANKS, [sys.executable, SCRIPT, str(STEPS)], timeout=300,
-                      env={"MPIJAX_TIMELINE": str(path)})
+  traced, _ = run_mpi(
+    RANKS, [sys.executable, SCRIPT, str(STEPS)], timeout=300, env={"MPIJAX_TIMELINE": str(path)}
+  )
   assert traced.returncode == 0, tail(traced.stdout)
   # The timeline changes no value.
   assert len(_digests(plain.stdout)) == RANKS
@@ -39,8 +40,9 @@ def test_timeline_of_a_training_job(tmp_path):
   per_rank = collections.Counter(e["pid"] for e in calls)
   assert set(per_rank) == set(range(RANKS)) and len(set(per_rank.values())) == 1, per_rank
   assert {e["tid"] for e in calls} == {1}  # one device per rank
-  steps = collections.Counter(e["pid"] for e in events
-                              if e.get("cat") == "step" and e["name"] == "DataParallel.step")
+  steps = collections.Counter(
+    e["pid"] for e in events if e.get("cat") == "step" and e["name"] == "DataParallel.step"
+  )
   assert steps == {r: STEPS for r in range(RANKS)}, steps
   for e in calls:
     a = e["args"]
@@ -56,15 +58,23 @@ def test_timeline_of_a_training_job(tmp_path):
       assert any(a - 1 <= e["ts"] and e["ts"] + e["dur"] <= b + 1 for a, b in spans[e["pid"]]), e
 
   png = tmp_path / "step.png"
-  out = subprocess.run([sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o",
-                        str(png), "--step", "-1"], capture_output=True, text=True, timeout=120,
-                       cwd=str(REPO))
+  out = subprocess.run(
+    [sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o", str(png), "--step", "-1"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=str(REPO),
+  )
   assert out.returncode == 0, out.stdout + out.stderr
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert f"step {STEPS - 1} of {STEPS}" in out.stdout
-  bad = subprocess.run([sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o",
-                        str(png), "--step", "99"], capture_output=True, text=True, timeout=120,
-                       cwd=str(REPO))
+  assert f"step {STEPS} of {STEPS}: " in out.stdout  # the last, counted from 1
+  bad = subprocess.run(
+    [sys.executable, "-m", "mpijax.timeline", "render", str(path), "-o", str(png), "--step", "99"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=str(REPO),
+  )
   assert bad.returncode == 1 and "out of range" in bad.stderr
 
 
@@ -87,9 +97,16 @@ def _one_rank(path: str) -> subprocess.CompletedProcess:
   import os
 
   from tests.unit.test_cluster import LAUNCHER_PREFIXES
+
   env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-  return subprocess.run([sys.executable, "-c", _ONE_RANK, path], env=env, capture_output=True,
-                        text=True, timeout=180, cwd=str(REPO))
+  return subprocess.run(
+    [sys.executable, "-c", _ONE_RANK, path],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=180,
+    cwd=str(REPO),
+  )
 
 
 def test_init_argument_writes_the_file_at_exit(tmp_path):

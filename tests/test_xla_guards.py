@@ -56,9 +56,10 @@ def _job(
 def _every_rank_raised(out: str, n: int) -> None:
   """mpijax-run shows the first rank's report and says every rank raised it alike."""
   assert re.search(
-    r"\[rank \d+/\d+\] mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
+    r"^\[rank\d+\]: mpijax: uncaught JaxRuntimeError on rank \d+/\d+, aborting the "
     r"job \(exit code 1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives",
     out,
+    re.M,
   ), tail(out)
   assert re.search(
     rf"uncaught JaxRuntimeError: UNKNOWN: MPI error: mpijax: mismatch in XLA's "
@@ -274,25 +275,33 @@ def test_no_fault_no_message():
   assert "compiled different programs" not in out, tail(out)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_ranks_that_compiled_other_shapes_are_warned_when_the_job_ends(n):
-  # The last rank's rows have another shape: every collective has one size on
-  # every rank, so nothing fails, and the ranks' means differ.
-  rc, out, entered, lines, end = _job(n, "shapes")
-  assert rc == 0, tail(out)
-  means = dict(re.findall(r"rank (\d+) shape \(\d+, 4\) mean ([\d.]+)", out))
-  assert len(means) == n and len(set(means.values())) == 2, tail(out)
-  assert "mpijax: stall" not in out and "mismatch" not in out, tail(out)
-  # Every rank names both programs and who compiled each.
-  others = "rank 0" if n == 2 else "ranks " + ",".join(map(str, range(n - 1)))
-  for r in range(n):
-    assert re.search(
-      rf"mpijax\[rank {r}/{n}\]: warning: the ranks compiled different programs for the "
-      rf"devices of several processes, .*jit__lambda \(f32\[2,4\]\)->f32\[4\]: compiled by "
-      rf"{others}, not by rank {n - 1}; jit__lambda \(f32\[3,4\]\)->f32\[4\]: compiled by "
-      rf"rank {n - 1}, not by {others}\. .*pass global_shape",
-      out,
-    ), tail(out)
+@pytest.mark.parametrize("n,devices", [(2, 1), (4, 1), (2, 2)])
+def test_ranks_that_compiled_other_shapes_stop_at_the_programs_first_collective(n, devices):
+  # The last rank's rows have another shape: its program's all-reduce has the
+  # same size as the others', but the programs differ. Every rank stops at that
+  # all-reduce, before any data moves, and no rank prints a mean.
+  rc, out, entered, lines, end = _job(n, "shapes", devices=devices)
+  assert rc != 0 and not re.search(r"rank \d+ shape \(\d+, 4\) mean", out), tail(out)
+  _every_rank_raised(out, n)
+  found = re.search(r"mpijax: mismatch in XLA's collectives on .*", out)
+  assert found, tail(out)
+  text = found[0]
+  # The ranks (with several devices: each rank's devices), and each one's
+  # program by the shapes of its arguments, each device's part.
+  if devices == 1:
+    others = "rank 0 runs" if n == 2 else "ranks " + ",".join(map(str, range(n - 1))) + " run"
+    last = f"rank {n - 1} runs"
+  else:
+    others, last = "rank 0 local devices 0,1 run", "rank 1 local devices 0,1 run"
+  op = "XLA all-reduce float32[4] (sum), the first collective of program jit__lambda"
+  assert f"{others} {op} (f32[2,4])->f32[4]," in text, text
+  assert f"but {last} {op} (f32[3,4])->f32[4]," in text, text
+  assert "pass global_shape to jax.make_array_from_process_local_data" in text, text
+  # The exception every rank raises names the programs too (without their labels).
+  assert re.search(
+    r"JaxRuntimeError: UNKNOWN: MPI error: .*program jit__lambda \(f32\[3,4\]\)->f32\[4\]", out
+  ), tail(out)
+  assert "compiled different programs" not in out, tail(out)  # no warning at the end
 
 
 def test_the_timeline_shows_xla_collectives_beside_mpijax_own(tmp_path):
@@ -368,7 +377,7 @@ def test_several_devices_per_rank_a_mismatch_names_every_device():
   ), tail(out)
   # The exception (at most 255 bytes) without the programs' names, on every rank.
   assert re.search(
-    r"\[rank \d/2\] mpijax: uncaught JaxRuntimeError on rank \d/2, aborting the job \(exit code "
+    r"\[rank\d\]: mpijax: uncaught JaxRuntimeError on rank \d/2, aborting the job \(exit code "
     r"1\): UNKNOWN: MPI error: mpijax: mismatch in XLA's collectives on XLA communicator on "
     r"ranks 0,1, call #\d+: rank 0 local devices 0,1 run XLA all-reduce float32\[1024\] \(sum\), "
     r"but rank 1 local devices 0,1 run XLA all-reduce float32\[4096\] \(sum\) \(details on "
@@ -445,7 +454,7 @@ def test_several_devices_per_rank_reduce_scatter(transport):
   rc, out, entered, lines, end = _job(2, "reduce_scatter", env=env, devices=2)
   assert rc == 0 and out.count("scatter ok") == 2, tail(out)
   warning = re.findall(
-    r"mpijax\[rank 0/2\]: warning: jit_\S+ has a reduce-scatter, and XLA's collectives run over "
+    r"\[rank0\]: mpijax: warning: jit_\S+ has a reduce-scatter, and XLA's collectives run over "
     r"gloo with 2 devices per rank: .*jax-ml/jax/issues/40830\)\. Unset "
     r"MPIJAX_XLA_COLLECTIVES=gloo",
     out,

@@ -10,6 +10,7 @@ settings that ``init`` consumes).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,7 +37,10 @@ def _parse_log_level(text: str) -> str:
 
 
 def _parse_seconds(text: str) -> float:
-  value = float(text)
+  try:
+    value = float(text)
+  except ValueError:
+    raise ValueError("expected a number of seconds >= 0 (0 or inf: never)") from None
   if value != value or value < 0:  # NaN, or negative
     raise ValueError("expected a number of seconds >= 0 (0 or inf: never)")
   return 0.0 if value == float("inf") else value
@@ -50,12 +54,26 @@ def _parse_address(text: str) -> str:
   return text
 
 
+def _parse_int(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError("expected an integer, e.g. 65536") from None
+
+
+def _parse_float(text: str) -> float:
+  try:
+    return float(text)
+  except ValueError:
+    raise ValueError("expected a number, e.g. 50 or 2.5") from None
+
+
 def _parse_optional_int(text: str) -> int | None:
-  return None if text.strip() == "" else int(text)
+  return None if text.strip() == "" else _parse_int(text)
 
 
 def _parse_count(text: str) -> int:
-  value = int(text)
+  value = _parse_int(text)
   if value < 0:
     raise ValueError("expected an integer >= 0")
   return value
@@ -79,6 +97,24 @@ def _parse_dispatch(text: str) -> str:
   value = text.strip().lower()
   if value not in ("inline", "async"):
     raise ValueError("expected inline or async")
+  return value
+
+
+def _parse_stall_action(text: str) -> str:
+  value = text.strip().lower()
+  if value not in ("abort", "warn"):
+    raise ValueError("expected abort (report the stall, then end the job) or warn")
+  return value
+
+
+# The launcher detectors' names (mpijax/_src/cluster/).
+_LAUNCHERS = ("openmpi4", "prrte", "slurm", "mpich", "mpi", "single")
+
+
+def _parse_launcher(text: str) -> str:
+  value = text.strip()
+  if value and value not in _LAUNCHERS:
+    raise ValueError(f"expected one of {', '.join(_LAUNCHERS)} (or unset: detect it)")
   return value
 
 
@@ -160,7 +196,7 @@ _define("coordinator_port", _parse_optional_int, None,
 _define("coordinator_host", str, "",
         "Address the coordinator binds and advertises. Unset: rank 0's "
         "address on the interface that routes to the other ranks.")
-_define("heap_cache_bytes", int, 1 << 30,
+_define("heap_cache_bytes", _parse_int, 1 << 30,
         "Freed host memory below this size stays in the process heap for reuse "
         "(glibc: one malloc arena, mmap and trim thresholds at this value), so "
         "XLA's output buffers are not page-faulted afresh on every call. Set "
@@ -194,7 +230,7 @@ _define("compile_cache", _parse_compile_cache, "auto",
 _define("abort_on_exception", _parse_bool, True,
         "init() installs a hook that aborts the whole job when any rank "
         "has an uncaught exception.")
-_define("launcher", str, "",
+_define("launcher", _parse_launcher, "",
         "Force a launcher detector by name (openmpi4, prrte, slurm, mpich, mpi, single).")
 _define("jax_coordinator_address", _parse_address, "",
         "JAX's own variable: the coordinator address ('host:port') init() uses "
@@ -206,7 +242,7 @@ _define("jax_coordinator_address", _parse_address, "",
 _define("timeout", _parse_seconds, 300.0,
         "Seconds a collective may wait before the stall inspector reports "
         "the missing ranks. 0 (or inf) disables the inspector.")
-_define("stall_action", str, "abort",
+_define("stall_action", _parse_stall_action, "abort",
         "What a stall does after reporting: 'abort' the job or only 'warn'.")
 _define("check", _parse_bool, False,
         "Compare every collective call's signature across ranks (slower); "
@@ -215,9 +251,9 @@ _define("check", _parse_bool, False,
         "from_global hash and compare every byte of the copies that must be "
         "equal across ranks (by default up to 64 sampled elements). Must be "
         "the same on every rank.")
-_define("max_chunk_bytes", int, 1 << 30,
+_define("max_chunk_bytes", _parse_int, 1 << 30,
         "Largest single MPI message; bigger buffers are sent in chunks.")
-_define("blocking_min_bytes", int, 0,
+_define("blocking_min_bytes", _parse_int, 0,
         "From this message size on, a collective runs MPI's blocking "
         "algorithm, guarded against stalls by the watchdog thread; smaller "
         "ones are polled nonblocking calls, which were slower at every size "
@@ -226,18 +262,18 @@ _define("blocking_min_bytes", int, 0,
         "in a polled MPI_Ibarrier. With several local devices per rank every "
         "call is polled: their threads blocked in MPI at once slow each other "
         "down.")
-_define("ring_min_bytes", int, 128 * 1024,
+_define("ring_min_bytes", _parse_int, 128 * 1024,
         "From this many bytes per rank (message size / ranks) on, an all-reduce "
         "runs mpijax's ring (reduce-scatter then allgather by neighbour "
         "exchange, no copy of the input) instead of MPI_Allreduce. 0 turns "
         "the ring off. Must be the same on every rank.")
-_define("ring_in_place_min_bytes", int, 4 << 20,
+_define("ring_in_place_min_bytes", _parse_int, 4 << 20,
         "The same threshold for an all-reduce in place (a donated or "
         "intermediate operand), where the ring saves no input copy and MPI's "
         "blocking algorithm is as fast up to a few MiB (with several local "
         "devices per rank MPI's call is polled, and MPIJAX_RING_MIN_BYTES "
         "applies). 0 turns it off.")
-_define("shm_max_bytes", int, 1 << 20,
+_define("shm_max_bytes", _parse_int, 1 << 20,
         "All-reduces of up to this many bytes that run neither by cross-memory "
         "attach nor the ring, on a communicator whose ranks all run on one node, "
         "go through node-local shared memory (one POSIX shm file per "
@@ -246,7 +282,7 @@ _define("shm_max_bytes", int, 1 << 20,
         "segment size (per device in a reduction over every local device), fixed "
         "at the communicator's first such all-reduce. 0 "
         "turns it off. Must be the same on every rank.")
-_define("cma_min_bytes", int, 64 * 1024,
+_define("cma_min_bytes", _parse_int, 64 * 1024,
         "All-reduces of at least this many bytes, on a communicator whose ranks "
         "all run on one node, are reduced by "
         "cross-memory attach: each rank reads its block of the others' inputs "
@@ -255,7 +291,7 @@ _define("cma_min_bytes", int, 64 * 1024,
         "memory. 0 turns it off; it is also off, by itself, where the kernel "
         "refuses cross-memory attach between the ranks (ptrace restrictions, "
         "container seccomp profiles). Must be the same on every rank.")
-_define("wait_spin_us", float, 50.0,
+_define("wait_spin_us", _parse_float, 50.0,
         "Microseconds a rank waiting for the others (a node-local all-reduce, "
         "a polled MPI request) spins before it sleeps: node-local waits until "
         "the rank it waits for wakes it (a futex in the shared segment), MPI "
@@ -271,7 +307,7 @@ _define("wait_spin_us", float, 50.0,
         "sleep (spin, yielding now and then), for a core per rank and the "
         "last microseconds of latency. Must be the same on every rank only "
         "for the same timing.")
-_define("hierarchical_min_bytes", int, 64 * 1024,
+_define("hierarchical_min_bytes", _parse_int, 64 * 1024,
         "From this size on, psum over several local devices reduce-scatters "
         "locally before the MPI step (where the node-local all-reduce over "
         "every device does not apply).")
@@ -297,7 +333,7 @@ _define("timeline", str, "",
         "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
 
 # --- training ------------------------------------------------------------
-_define("bucket_bytes", int, 64 << 20,
+_define("bucket_bytes", _parse_int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")
 _define("overlap", _parse_bool, False,
         "mpijax.train all-reduces each gradient bucket with its own call as "
@@ -305,11 +341,11 @@ _define("overlap", _parse_bool, False,
         "order, as PyTorch DDP), instead of every bucket in one call after "
         "the backward pass. The same result bit for bit. Must be the same on "
         "every rank.")
-_define("overlap_bucket_bytes", int, 4 << 20,
+_define("overlap_bucket_bytes", _parse_int, 4 << 20,
         "Largest gradient bucket when the all-reduce overlaps the backward "
         "pass (MPIJAX_OVERLAP): smaller buckets start earlier, larger ones "
         "make fewer calls.")
-_define("fuse_leaf_bytes", int, 256 << 10,
+_define("fuse_leaf_bytes", _parse_int, 256 << 10,
         "Gradient leaves of at least this many bytes are all-reduced on their "
         "own, without the packing copy; smaller leaves share buckets.")
 _define("job_files", str, "",
@@ -321,6 +357,21 @@ _define("restart_attempt", _parse_count, 0,
         "Which run of a restarted job this is: 0 on the first run, 1 on the first "
         "restart, ... Set on every rank by mpijax-run --max-restarts; read with "
         "mpijax.train.restart_attempt().")
+_define("run", _parse_bool, False,
+        "Set by mpijax-run on every rank: mpijax-run starts each line of the rank's "
+        "output with [rankN]: and has checked the MPIJAX_* settings before the launch, "
+        "so mpijax's own messages leave out their rank tag and init() does not check "
+        "the settings' names again.")
+
+# --- building ----------------------------------------------------------------
+_define("mpicc", str, "",
+        "The MPI compiler wrapper (mpicc) whose MPI the C++ extension is built "
+        "against, by pip install (CMakeLists.txt). Unset: $MPICC, else the mpicc "
+        "of the MPI mpi4py loads, else the one on PATH. Not read at run time.")
+
+# Names of the test suite's and the benchmarks' own variables: not settings of
+# mpijax, and not reported as unknown.
+RESERVED_PREFIXES = ("MPIJAX_TEST_", "MPIJAX_BENCH_")
 
 
 # Settings read while a program is traced or lowered: they shape the compiled
@@ -388,14 +439,48 @@ def reset(name: str | None = None) -> None:
     _OVERRIDES.pop(name, None)
 
 
+def unknown(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+  """(name, closest known name or None) of each ``MPIJAX_*`` variable set in
+  ``env`` (default ``os.environ``) that is no setting of mpijax."""
+  env = os.environ if env is None else env
+  known = [s.env_var for s in _SETTINGS.values()]
+  out = []
+  for name in sorted(env):
+    if not name.startswith("MPIJAX_") or name in known or name.startswith(RESERVED_PREFIXES):
+      continue
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    out.append((name, close[0] if close else None))
+  return out
+
+
+def unknown_message(name: str, closest: str | None) -> str:
+  """One line on an unknown ``MPIJAX_*`` variable: that it is ignored, and the fix."""
+  fix = (f"did you mean {closest}?" if closest
+         else "the settings are listed in docs/configuration.md")
+  return f"{name} is not an mpijax setting and is ignored ({fix})"
+
+
+def problems(env: Mapping[str, str] | None = None) -> list[str]:
+  """Why each setting set in ``env`` (default ``os.environ``) does not parse:
+  the variable, its value and the expected form; empty when all do."""
+  env = os.environ if env is None else env
+  out = []
+  for s in _SETTINGS.values():
+    raw = env.get(s.env_var)
+    if raw is None:
+      continue
+    try:
+      s.parse(raw)
+    except ValueError as e:
+      out.append(f"{s.env_var}={raw!r} is not valid: {e}")
+  return out
+
+
 def markdown_table() -> str:
-  """The table of docs/configuration.md (``python -m mpijax._src.config``)."""
+  """The table of docs/configuration.md (``python -m mpijax._src.config_table``)."""
   rows = ["| variable | default | meaning |", "|---|---|---|"]
   for s in settings():
     default = "unset" if s.default in (None, "") else repr(s.default)
     rows.append(f"| `{s.env_var}` | {default} | {s.doc} |")
   return "\n".join(rows)
 
-
-if __name__ == "__main__":
-  print(markdown_table())

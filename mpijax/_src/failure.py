@@ -3,7 +3,8 @@
 Without this, a rank that raises exits while the others wait forever in
 their next collective. Like ``python -m mpi4py``, the hook prints the
 rank, the exception and its message in one line, then the traceback (each
-line prefixed with the rank), and calls ``MPI.COMM_WORLD.Abort`` so that
+line prefixed with the rank, except under ``mpijax-run``, which prefixes
+every line of a rank's output itself), and calls ``MPI.COMM_WORLD.Abort`` so that
 the launcher stops every rank, non-zero, within seconds (for a mismatched
 collective, which every rank raises, half a second after the report, so that
 every rank's report is out first). The traceback is written to stderr
@@ -61,8 +62,9 @@ def report_and_abort(
   follows without the frames of mpijax's own wrapper (``python -m mpijax``).
   """
   label = log.rank_label()
-  prefix = f"[{label}] "
+  prefix = "" if log.tagged_by_launcher() else f"[{label}] "
   message = str(exc).strip().split("\n", 1)[0] if str(exc).strip() else ""
+  _drop_jax_notes(exc)
   lines = "".join(traceback.format_exception(exc_type, exc, _user_frames(tb)))
   lines = lines.rstrip("\n").split("\n")
   lines += [f"mpijax: {hint}" for match, hint in _hints if match in str(exc)]
@@ -80,6 +82,24 @@ def report_and_abort(
   if any(m in str(exc) for m in RAISED_TOGETHER) and mpi is not None and mpi.Is_initialized():
     time.sleep(ABORT_GRACE_S)
   abort(exit_code)
+
+
+# The note JAX adds to an exception whose traceback it shortened; it says
+# "the following exception", but the notes come after it.
+_JAX_NOTE = "JAX has removed its internal frames from the traceback"
+
+
+def _drop_jax_notes(exc: BaseException) -> None:
+  """Removes JAX's note on shortened tracebacks from ``exc`` and the exceptions it chains."""
+  seen: set[int] = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+      notes[:] = [n for n in notes if not (isinstance(n, str) and _JAX_NOTE in n)]
+      if not notes:
+        del exc.__notes__
+    exc = exc.__cause__ or exc.__context__
 
 
 def _wrapper_frame(tb: TracebackType) -> bool:

@@ -1,7 +1,9 @@
 """mpijax's warnings and notices, through the standard ``logging`` module.
 
 Everything goes to the ``"mpijax"`` logger, tagged with the rank that says it
-(``mpijax[rank 2/4]: warning: ...``). Warnings are logged on every rank that
+(``mpijax[rank 2/4]: warning: ...``); under ``mpijax-run``, which starts each
+line of a rank's output with the rank (``[rank2]: ``), without it
+(``mpijax: warning: ...``). Warnings are logged on every rank that
 has one; notices at level INFO on rank 0 and at DEBUG on the others, so at
 the default level INFO one copy shows, and ``MPIJAX_LOG_LEVEL=DEBUG`` (or
 ``logging.getLogger("mpijax").setLevel(logging.DEBUG)``) shows every rank's.
@@ -29,8 +31,12 @@ LOGGER = logging.getLogger("mpijax")
 
 # Where the launchers put a process' rank and the job's size, for messages
 # before MPI is initialized (or after it is finalized).
-_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-              ("PMIX_RANK", None), ("SLURM_PROCID", "SLURM_NTASKS"))
+_RANK_VARS = (
+  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+  ("PMI_RANK", "PMI_SIZE"),
+  ("PMIX_RANK", None),
+  ("SLURM_PROCID", "SLURM_NTASKS"),
+)
 
 
 def rank_and_size() -> tuple[int | None, int | None]:
@@ -54,9 +60,17 @@ def rank_label() -> str:
   return f"rank {rank}" if size is None else f"rank {rank}/{size}"
 
 
+def tagged_by_launcher() -> bool:
+  """Whether mpijax-run tags each line of this process's output with its rank."""
+  try:
+    return bool(config.get("run"))
+  except ValueError:
+    return False
+
+
 def _tag() -> str:
   rank, _ = rank_and_size()
-  return "mpijax" if rank is None else f"mpijax[{rank_label()}]"
+  return "mpijax" if rank is None or tagged_by_launcher() else f"mpijax[{rank_label()}]"
 
 
 def warning(text: str) -> None:
@@ -71,6 +85,22 @@ def notice(text: str) -> None:
   """
   rank, _ = rank_and_size()
   LOGGER.log(logging.INFO if not rank else logging.DEBUG, "%s: %s", _tag(), text)
+
+
+_settings_checked = False
+
+
+def warn_unknown_settings() -> None:
+  """Warns, once per process, of each ``MPIJAX_*`` variable that is no setting,
+  naming the closest one (mpijax-run did so before the launch: not again)."""
+  global _settings_checked
+  if _settings_checked:
+    return
+  _settings_checked = True
+  if tagged_by_launcher():
+    return
+  for name, closest in config.unknown():
+    warning(config.unknown_message(name, closest))
 
 
 class _DefaultHandler(logging.Handler):

@@ -1,15 +1,24 @@
-"""Whether every rank compiled the same programs for the devices of several processes.
+"""Whether every rank runs the same programs for the devices of several processes.
 
 JAX needs every process to run the same computations on global arrays. A rank
 whose rows have another shape (a global batch built without ``global_shape``)
 compiles the same function for other shapes; where none of its collectives
-changes size, the bridge's per-call checks see nothing wrong and the ranks
-compute different results. So each rank notes the programs with collectives
-across processes that it compiled (name and entry layout), and when the job
-ends (``mpijax.shutdown()`` or exit) the ranks compare their sets through
-JAX's key-value store: every rank warns of a program that not every rank
-compiled. A warning, not an error: a program compiled ahead of time on some
-ranks only is legitimate.
+changes size, the collectives alone look alike on every rank and the ranks
+compute different results. So each program with collectives across
+processes that a rank compiles goes to the bridge with its name and the
+shapes of its arguments (:func:`note`): the first of its operations on each
+of XLA's communicators carries the program's fingerprint in the check the
+ranks make on every call, and ranks that run different programs stop there,
+before any data moves, with an error on every rank that names the ranks and
+each one's program (``ffi/bridge/xla_op.h``). The calls after the first cost
+nothing more.
+
+That needs a rank to compile a program only once the last one it ran has
+finished, as with XLA's programs run inline (``MPIJAX_XLA_DISPATCH=inline``,
+the default). With ``async`` dispatch the ranks instead compare the sets of
+programs they compiled when the job ends (``mpijax.shutdown()`` or exit),
+through JAX's key-value store, and every rank warns of a program that not
+every rank compiled.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import json
 import re
 import threading
 
+from mpijax._src import config
 from mpijax._src import log
 
 _PREFIX = "mpijax/compiled_programs"
@@ -48,19 +58,36 @@ def layout(hlo_header: str) -> str:
   return re.sub(r"\{[\d,]*\}", "", hlo_header[i : j - 1])
 
 
+def describe(module_name: str, hlo_text: str) -> str:
+  """A program as the ranks compare it: ``jit_f (f32[2,4])->f32[4]``."""
+  return f"{module_name} {layout(hlo_text.split(chr(10), 1)[0])}"
+
+
+def at_first_collective() -> bool:
+  """Whether the ranks' programs are compared at each one's first collective
+  (inline dispatch), rather than when the job ends."""
+  return config.get("xla_dispatch") == "inline"
+
+
 def arm() -> None:
-  """Compares the ranks' programs at exit (every rank, so that a rank that
-  compiled none still answers the others)."""
+  """Where the programs are compared when the job ends: at exit (every rank,
+  so that a rank that compiled none still answers the others)."""
   global _at_exit
   with _lock:
-    if not _at_exit:
+    if not _at_exit and not at_first_collective():
       atexit.register(compare)
       _at_exit = True
 
 
-def note(module_name: str, hlo_text: str) -> None:
-  """Notes a program with collectives across processes, compiled by this rank."""
-  program = f"{module_name} {layout(hlo_text.split(chr(10), 1)[0])}"
+def note(module_name: str, hlo_text: str, collectives: list[tuple]) -> None:
+  """Notes a program with collectives across processes, compiled by this rank;
+  ``collectives``: its (kind, dtype, elements, op, label), as xla_labels finds them."""
+  program = describe(module_name, hlo_text)
+  if at_first_collective():
+    from mpijax._src import ffi as _ffi
+
+    _ffi.load().xla_program(program, [tuple(c[:4]) for c in collectives])
+    return
   with _lock:
     _programs.add(program)
 
@@ -101,7 +128,7 @@ def compare() -> None:
   through JAX's key-value store, each wait bounded); warns of differences."""
   global _compared
   with _lock:
-    if _compared:
+    if _compared or not _at_exit:
       return
     _compared = True
     mine = sorted(_programs)

@@ -122,6 +122,8 @@ class Runtime:
   xla_collectives: str = ""
   _world_comm: Any = dataclasses.field(repr=False, default=None)
   _owns_distributed: bool = dataclasses.field(repr=False, default=False)
+  # What the init() that started it was given (and chose), for a second call.
+  _first_call: dict = dataclasses.field(repr=False, default_factory=dict)
 
   @property
   def rank(self) -> int:
@@ -273,6 +275,82 @@ def _check_arguments(coordinator_address: Any, devices_per_process: Any, comm: A
     )
 
 
+def _check_same_as_first(rt: Runtime, args: dict[str, Any]) -> None:
+  """A second ``init()``: an argument it gives that differs from what the
+  running runtime was started with is an error naming both."""
+  t, first = rt.topology, rt._first_call
+  running = {
+    "launcher": t.launcher,
+    "rank": t.rank,
+    "size": t.size,
+    "local_rank": t.local_rank,
+    "local_size": t.local_size,
+    "coordinator_address": t.coordinator_address,
+    "devices_per_process": rt.local_device_count,
+    "jax_distributed": rt.jax_distributed,
+    "abort_on_exception": first.get("abort_on_exception"),
+    "timeline": first.get("timeline") or None,
+  }
+  differ = []
+  for name, value in args.items():
+    if value is None:
+      continue
+    if name == "comm":
+      base = rt._world_comm
+      if not (value is base or value == base):
+        differ.append(f"comm={value!r} (the runtime runs on {base!r})")
+      continue
+    have = running[name]
+    if name == "timeline":
+      same = have is not None and str(value) == str(have)
+    elif name in ("jax_distributed", "abort_on_exception"):
+      same = bool(value) == bool(have)
+    else:
+      same = value == have
+    if not same:
+      differ.append(f"{name}={value!r} (the runtime runs with {name}={have!r})")
+  if differ:
+    given = ", ".join(f"{k}={v!r}" for k, v in first.get("args", {}).items())
+    raise RuntimeError(
+      f"mpijax.init() was called again, with {'; '.join(differ)}; the first call, "
+      f"init({given}), started the runtime. A second init() returns the running runtime "
+      "and cannot change it: give these arguments to the first init(), or call "
+      "mpijax.shutdown() before init() again."
+    )
+
+
+def _interactive() -> bool:
+  """Whether this process is an interactive session (a REPL, IPython, a notebook kernel)."""
+  import sys
+
+  return bool(
+    hasattr(sys, "ps1")
+    or sys.flags.interactive
+    or "IPython" in sys.modules
+    or "ipykernel" in sys.modules
+  )
+
+
+_said_single_rank = False
+
+
+def _say_single_rank() -> None:
+  """One line, once per process: this job is one rank because no launcher
+  started it, and how to start N (not in an interactive session)."""
+  import os
+  import sys
+
+  global _said_single_rank
+  if _said_single_rank or _interactive():
+    return
+  _said_single_rank = True
+  script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "script.py"
+  log.notice(
+    "running as 1 rank: no MPI launcher started this process (N ranks: mpijax-run -n N "
+    f"python {os.path.basename(script)}; 1 rank meant: MPIJAX_LAUNCHER=single silences this)"
+  )
+
+
 def _raise_on_every_rank(comm, problems: list[str]) -> None:
   """Collective: if any rank found a problem, every rank raises it, naming the rank."""
   bad = mpi_util.rank_problems(comm, "\n".join(p for p in problems if p))
@@ -297,6 +375,13 @@ def init(
   timeline: str | None = None,
 ) -> Runtime:
   """Starts the mpijax runtime on this rank (idempotent).
+
+  A later call returns the running runtime; one whose arguments differ from
+  what the runtime was started with raises, naming both (``shutdown()``
+  first to start it anew). A process started without any launcher runs as
+  1 rank and says so in one line, unless 1 rank is asked for
+  (``launcher="single"``, ``MPIJAX_LAUNCHER=single``, ``size=1``) or the
+  session is interactive.
 
   Args:
     launcher: force a detector ("openmpi4", "prrte", "slurm", "mpich", "mpi",
@@ -343,10 +428,25 @@ def init(
     Topology(rank=0, size=4, local_rank=0, local_size=4, node=0/1, ...)
   """
   global _runtime
+  args = dict(
+    launcher=launcher,
+    rank=rank,
+    size=size,
+    local_rank=local_rank,
+    local_size=local_size,
+    coordinator_address=coordinator_address,
+    devices_per_process=devices_per_process,
+    jax_distributed=jax_distributed,
+    comm=comm,
+    abort_on_exception=abort_on_exception,
+    timeline=timeline,
+  )
   with _lock:
     if _runtime is not None:
+      _check_same_as_first(_runtime, args)
       return _runtime
     _check_arguments(coordinator_address, devices_per_process, comm)
+    log.warn_unknown_settings()
     if coordinator_address is None:  # JAX's convention: JAX_COORDINATOR_ADDRESS
       coordinator_address = config.get("jax_coordinator_address") or None
     info = cluster.detect(
@@ -356,6 +456,10 @@ def init(
       local_rank=local_rank,
       local_size=local_size,
     )
+    # No launcher's variables: plain MPI (a singleton) or no MPI at all.
+    no_launcher = info.launcher in ("single", "mpi") and info.size == 1
+    if no_launcher and not (launcher or config.get("launcher") or size == 1 or comm is not None):
+      _say_single_rank()
     MPI = mpi_util.import_mpi()
     base = comm if comm is not None else MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -461,6 +565,11 @@ def init(
       _owns_distributed=bool(started and started.owns_distributed),
     )
     abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
+    _runtime._first_call = dict(
+      abort_on_exception=bool(abort),
+      timeline=timeline if timeline is not None else config.get("timeline"),
+      args={k: v for k, v in args.items() if v is not None},
+    )
     if abort:
       failure.install()
     # The stall inspector's responder answers other ranks' "what are you

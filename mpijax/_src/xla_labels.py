@@ -140,7 +140,7 @@ def label(program: compile_hook.Program) -> None:
         continue
       found = collectives(text, name)
       if found:
-        program_check.note(name, text)
+        program_check.note(name, text, found)
       for kind, dtype, n, op, label in found:
         ext.xla_label(kind, dtype, n, op, label)
   except Exception as e:  # labels are names in messages, never a reason to fail

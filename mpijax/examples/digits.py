@@ -326,6 +326,16 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   rt = mpijax.init()
   rank, ranks = rt.rank, rt.size
+  if rt.local_device_count > 1:
+    # DataParallel steps on one device per rank: the others would sit idle.
+    devices = rt.local_device_count
+    raise SystemExit(
+      f"python -m mpijax.examples.digits: this rank has {devices} local devices "
+      "(mpijax-run --devices-per-process, MPIJAX_DEVICES_PER_PROCESS or XLA_FLAGS), but the "
+      "job trains on one device per rank and would leave the others idle. Start one rank "
+      f"per device instead: mpijax-run -n {ranks * devices} -- python -m "
+      "mpijax.examples.digits"
+    )
   x_train, y_train, x_test, y_test = load_data(args.seed)
   train.log(
     f"digits ({args.model}): {len(x_train)} train / {len(x_test)} test images, {ranks} ranks, "

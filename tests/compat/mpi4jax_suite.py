@@ -5,8 +5,8 @@
 
 Takes the tests and examples of mpi4jax's source distribution (downloaded with
 ``pip download --no-binary :all: --no-deps``, or given), and runs them under
-``mpijax-run`` with a shim first on PYTHONPATH (tests/compat/shim) in which
-``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
+``mpijax-run`` with mpijax's shim first on PYTHONPATH (``mpijax.compat.shim``,
+installed with mpijax) in which ``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
 mpi4jax_deviations.py are left out, each with its reason; every other test
 must pass on every rank, except the ones the suite itself skips at that rank
 and rank count (:func:`expected_skips`): a skip more or less is a failure.
@@ -89,16 +89,28 @@ def unpack(sdist: Path, dest: Path) -> Path:
   return suite
 
 
+def _shim_dir() -> str:
+  """The installed shim's directory, as a user finds it (``python -m mpijax.compat.shim``)."""
+  out = subprocess.run(
+    [sys.executable, "-m", "mpijax.compat.shim"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
+  return out.stdout.strip()
+
+
 def run(ranks: int, suite: Path, timeout: float, results: Path) -> tuple[int, str, float]:
   """One mpijax-run job of the suite; (exit code, output, seconds)."""
   shutil.rmtree(results, ignore_errors=True)
   results.mkdir(parents=True)
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-    [str(HERE / "shim"), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    [_shim_dir(), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
   )
   env.update(
-    MPIJAX_SUITE_RESULTS=str(results),
+    MPIJAX_TEST_SUITE_RESULTS=str(results),
     JAX_PLATFORMS="cpu",
     MPIJAX_TIMEOUT=env.get("MPIJAX_TIMEOUT", "120"),
     MPIJAX_DEVICES_PER_PROCESS="1",

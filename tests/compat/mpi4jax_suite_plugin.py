@@ -1,7 +1,7 @@
 """pytest plugin for mpi4jax's suite under mpijax (``-p mpi4jax_suite_plugin``).
 
 Leaves out the deviations (mpi4jax_deviations.py) and writes each rank's
-outcomes to ``$MPIJAX_SUITE_RESULTS/rank-<rank>.json`` for
+outcomes to ``$MPIJAX_TEST_SUITE_RESULTS/rank-<rank>.json`` for
 tests/compat/mpi4jax_suite.py to check.
 """
 
@@ -40,11 +40,13 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-  out_dir = os.environ.get("MPIJAX_SUITE_RESULTS")
+  out_dir = os.environ.get("MPIJAX_TEST_SUITE_RESULTS")
   if not out_dir:
     return
   from mpi4py import MPI
+
   rank = MPI.COMM_WORLD.Get_rank()
   with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
-    json.dump({"exitstatus": int(exitstatus), "outcomes": _outcomes,
-               "deselected": _deselected}, f, indent=1)
+    json.dump(
+      {"exitstatus": int(exitstatus), "outcomes": _outcomes, "deselected": _deselected}, f, indent=1
+    )

@@ -126,9 +126,15 @@ class TwoHosts:
     script = 'hostname "$0" && exec "$@"'
     return ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c", script, host.name, *argv]
 
-  def rsh_agent(self, path: str) -> str:
-    """Writes an rsh-style agent ``path HOST CMD...`` (CMD is a shell command line, as for ssh)."""
+  def rsh_agent(self, path: str, login_env: bool = False) -> str:
+    """Writes an rsh-style agent ``path HOST CMD...`` (CMD is a shell command line, as for ssh).
+
+    ``login_env``: CMD gets only ``PATH`` and ``HOME`` of the caller's
+    environment, as ssh gives a login (the rest reaches it only if the
+    launcher passes it on); else all of it.
+    """
     cases = "\n".join(f"  {h.name}) ns={h.netns} ;;" for h in self.hosts)
+    env = 'env -i PATH="$PATH" HOME="$HOME" ' if login_env else ""
     with open(path, "w") as f:
       f.write(f"""#!/bin/sh
 # rsh-style agent for the test's fake hosts: enter HOST's netns and hostname, run CMD.
@@ -137,7 +143,7 @@ case $host in
 {cases}
   *) echo "agent: unknown host $host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+exec ip netns exec "$ns" {env}unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
 """)
     os.chmod(path, 0o755)
     return path

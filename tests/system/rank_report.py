@@ -7,7 +7,7 @@ mpijax built from the launcher's environment, sums across ranks computed by
 mpijax's own transport (``mpijax.ops.allreduce`` eagerly and inside
 ``jax.jit``, and ``mpijax.lax.psum`` under ``mpijax.pmap``; there is no
 fallback: if the extension does not load, the rank fails), and the
-SLURM_*/PMIX_* variables the rank saw. Rank 0 then draws a progress bar
+SLURM_*/PMIX_* variables the rank saw, and its JAX_* and XLA_FLAGS. Rank 0 then draws a progress bar
 (``mpijax.train.progress``) under the launcher.
 """
 
@@ -42,6 +42,8 @@ def sums(rank: int) -> dict[str, float]:
 
 
 def main(outdir: str) -> None:
+  # JAX's and XLA's settings as the rank started (init() adds to XLA_FLAGS).
+  settings = {k: v for k, v in os.environ.items() if k.startswith("JAX_") or k == "XLA_FLAGS"}
   rt = mpijax.init()
   t = rt.topology
   by = sums(t.rank)
@@ -54,6 +56,7 @@ def main(outdir: str) -> None:
       "gethostname": socket.gethostname(), "pid": os.getpid(),
       "slurm_env": {k: v for k, v in os.environ.items() if k.startswith("SLURM_")},
       "pmix_env": {k: v for k, v in os.environ.items() if k in ("PMIX_RANK", "PMIX_NAMESPACE")},
+      "jax_env": settings,
   }
   with open(os.path.join(outdir, f"rank-{t.rank}.json"), "w") as f:
     json.dump(report, f, indent=1, sort_keys=True)

@@ -7,7 +7,9 @@ starts ``mpijax-run -n 4 --hostfile`` (2 slots per host) inside the first
 host; Open MPI reaches the second host through an rsh-style agent that enters
 that namespace, as ssh would. Every rank must see node count 2, local ranks
 0/1 on each host, the coordinator on the first host, and the correct sum of an
-mpijax allreduce across hosts. A second test loses the second host in the
+mpijax allreduce across hosts; the ranks on the second host, started through an
+agent that passes on no variable ssh would not, see the JAX_* and XLA_FLAGS
+settings of the launching shell (mpijax-run exports them). A second test loses the second host in the
 middle of a job (its processes killed, the rsh agent refusing it from then on)
 and checks that ``mpijax-run --max-restarts --min-ranks`` finishes the job on
 the first host. Namespaces, veth and hosts files are removed in a finalizer,
@@ -48,7 +50,7 @@ def two_hosts():
 
 def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
   a, b = two_hosts.hosts
-  agent = two_hosts.rsh_agent(str(tmp_path / "agent"))
+  agent = two_hosts.rsh_agent(str(tmp_path / "agent"), login_env=True)
   hostfile = tmp_path / "hostfile"
   hostfile.write_text(f"{a.name} slots=2\n{b.name} slots=2\n")
   subnet = two_hosts.subnet
@@ -63,8 +65,10 @@ def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
   assert dry.returncode == 0, dry.stderr
   assert "--oversubscribe" not in dry.stdout  # 4 ranks fit the hostfile's 2+2 slots
 
+  settings = {"JAX_TRACEBACK_FILTERING": "off", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
   result = run(two_hosts.exec_argv(a, launch + program), timeout=150, cwd=REPO,
-               env={**os.environ, "MPIJAX_TIMEOUT": "60"})
+               env={**env, "MPIJAX_TIMEOUT": "60", **settings})
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
   reports = read_reports(report_dir)
@@ -81,6 +85,8 @@ def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
     assert coordinator_host in (a.addr, a.name), r
     # Crossed the veth (ranks 2, 3 live in the other namespace), by mpijax's transport.
     assert_mpijax_sums(r, 4)
+    # JAX's and XLA's settings reached every host (Open MPI's -x, by mpijax-run).
+    assert r["jax_env"] == settings, r["jax_env"]
   print(output)
 
 

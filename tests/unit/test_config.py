@@ -38,10 +38,11 @@ def test_unknown_setting():
 def test_docs_table_is_current():
   text = CONFIG_DOC.read_text()
   start, end = "<!-- config-table:start -->\n", "\n<!-- config-table:end -->"
-  table = text[text.index(start) + len(start):text.index(end)]
+  table = text[text.index(start) + len(start) : text.index(end)]
   assert table.strip() == config.markdown_table().strip(), (
-      "docs/configuration.md's table is stale; regenerate it with "
-      "python -m mpijax._src.config and paste it between the markers")
+    "docs/configuration.md's table is stale; regenerate it with "
+    "python -m mpijax._src.config_table and paste it between the markers"
+  )
 
 
 def test_timeout_accepts_inf_as_never_and_refuses_nan_and_negative(monkeypatch):
@@ -52,3 +53,63 @@ def test_timeout_accepts_inf_as_never_and_refuses_nan_and_negative(monkeypatch):
     with pytest.raises(ValueError, match=rf"MPIJAX_TIMEOUT='{bad}' is not valid: .*>= 0"):
       config.get("timeout")
   assert config.parse("timeout", float("inf")) == 0.0
+
+
+def test_unknown_names_are_reported_with_the_closest_setting():
+  env = {
+    "MPIJAX_TIMOUT": "5",
+    "MPIJAX_XLA_COLLECTIVE": "gloo",
+    "MPIJAX_ZZZZZZZZZ": "1",
+    "MPIJAX_TIMEOUT": "5",  # known
+    "MPIJAX_RUN": "1",  # mpijax-run's own channel to the ranks
+    "MPIJAX_JOB_FILES": "/tmp/x",
+    "MPIJAX_RESTART_ATTEMPT": "0",
+    "MPIJAX_MPICC": "mpicc",  # read by the build
+    "MPIJAX_TEST_SLOW": "1",  # the tests' own
+    "MPIJAX_BENCH_MARKER": "x",
+    "JAX_TIMEOUT": "1",  # not ours
+  }
+  assert config.unknown(env) == [
+    ("MPIJAX_TIMOUT", "MPIJAX_TIMEOUT"),
+    ("MPIJAX_XLA_COLLECTIVE", "MPIJAX_XLA_COLLECTIVES"),
+    ("MPIJAX_ZZZZZZZZZ", None),
+  ]
+  assert config.unknown_message("MPIJAX_TIMOUT", "MPIJAX_TIMEOUT") == (
+    "MPIJAX_TIMOUT is not an mpijax setting and is ignored (did you mean MPIJAX_TIMEOUT?)"
+  )
+  assert "docs/configuration.md" in config.unknown_message("MPIJAX_ZZZZZZZZZ", None)
+
+
+def test_every_set_value_is_checked_with_the_form_expected():
+  env = {
+    "MPIJAX_TIMEOUT": "soon",
+    "MPIJAX_RING_MIN_BYTES": "1MB",
+    "MPIJAX_WAIT_SPIN_US": "fast",
+    "MPIJAX_STALL_ACTION": "ignore",
+    "MPIJAX_LAUNCHER": "ompi",
+    "MPIJAX_CHECK": "1",  # fine
+    "JAX_COORDINATOR_ADDRESS": "nohost",
+  }
+  assert config.problems(env) == [
+    "MPIJAX_LAUNCHER='ompi' is not valid: expected one of openmpi4, prrte, slurm, mpich, mpi, "
+    "single (or unset: detect it)",
+    "JAX_COORDINATOR_ADDRESS='nohost' is not valid: expected 'host:port' with a port in "
+    "1..65535, e.g. '10.0.0.1:12345'",
+    "MPIJAX_TIMEOUT='soon' is not valid: expected a number of seconds >= 0 (0 or inf: never)",
+    "MPIJAX_STALL_ACTION='ignore' is not valid: expected abort (report the stall, then end "
+    "the job) or warn",
+    "MPIJAX_RING_MIN_BYTES='1MB' is not valid: expected an integer, e.g. 65536",
+    "MPIJAX_WAIT_SPIN_US='fast' is not valid: expected a number, e.g. 50 or 2.5",
+  ]
+  assert config.problems({"MPIJAX_CHECK": "1", "MPIJAX_TIMEOUT": "inf"}) == []
+
+
+def test_the_configuration_table_prints_without_a_warning():
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-m", "mpijax._src.config_table"], capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0 and out.stderr == "", out.stderr
+  assert out.stdout.strip() == config.markdown_table().strip()

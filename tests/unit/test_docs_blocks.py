@@ -105,3 +105,16 @@ def test_a_comment_speaks_of_configurations_and_ranks():
 def test_print_comments_are_read_beside_the_statement_and_below_it():
   source = "x = 1  # not a print\nprint(x)  # 1 on every rank\nprint(\n  x)\n# 1: below\ny = 2\n"
   assert docs.print_comments(source) == {1: "1 on every rank", 2: "1: below"}
+
+
+def test_the_documented_init_signature_is_inits():
+  import inspect
+  import re
+  from pathlib import Path
+
+  from mpijax._src import runtime
+
+  text = (Path(__file__).resolve().parents[2] / "docs" / "collectives.md").read_text()
+  documented = re.search(r"^\| `init\((.*?)\)` \|", text, re.M).group(1)
+  params = [f"{p.name}={p.default!r}" for p in inspect.signature(runtime.init).parameters.values()]
+  assert documented == "*, " + ", ".join(params), documented

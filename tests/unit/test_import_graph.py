@@ -22,6 +22,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 LAYERS: dict[str, list[str]] = {
   "base": [
     "_src/config.py",
+    "_src/config_table.py",
     "_src/log.py",
     "_src/jax_compat.py",
     "_src/mpi_util.py",

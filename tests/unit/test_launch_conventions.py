@@ -175,6 +175,29 @@ def test_restart_attempt_and_jax_coordinator_are_exported():
   got = _exported(["-n", "2", "--", "hostname"], env)
   assert got["JAX_COORDINATOR_ADDRESS"] is None  # forwarded as set
   assert got["MPIJAX_RESTART_ATTEMPT"] == "0"  # ours, not an outer job's
+  assert got["MPIJAX_RUN"] == "1"  # the ranks leave their own rank tags out
+
+
+def test_jax_and_xla_settings_reach_every_host():
+  env = {
+    "PATH": "/usr/bin",
+    "JAX_PLATFORMS": "cpu",
+    "JAX_ENABLE_X64": "1",
+    "XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_backend_optimization_level=2",
+    "XLAFLAGS": "not XLA's",
+    "MY_JAX_THING": "not JAX's",
+  }
+  got = _exported(["-n", "4", "--hosts", "a:2,b:2", "--", "hostname"], env)
+  # Open MPI: exported by name, with the value the ranks' environment had here.
+  assert {k: v for k, v in got.items() if k.startswith(("JAX", "XLA", "MY_"))} == {
+    "JAX_PLATFORMS": None,
+    "JAX_ENABLE_X64": None,
+    "XLA_FLAGS": None,
+  }
+  # srun and Hydra pass the whole environment on (--export=ALL, Hydra's default).
+  opts = cli.parse_args(["-n", "2", "--launcher", "srun", "--", "hostname"])
+  srun = commands.build_command(opts, _sit({**env, "SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"}))
+  assert [a for a in srun if a.startswith("--export=")][0].startswith("--export=ALL,")
 
 
 def test_dropped_hosts_replace_the_hostfile(tmp_path):
@@ -425,17 +448,47 @@ def test_hydra_pieces_of_lines_go_to_their_ranks(tmp_path):
   assert out.getvalue() == b""  # no --tee
 
 
-def test_relay_tee_shows_tagged_lines(tmp_path):
+@pytest.mark.parametrize(
+  "kind,lines",
+  [
+    ("srun", [b"0: a\n", b"1: b\n"]),
+    ("openmpi", [b"[1,0]<stdout>: a\n", b"[1,1]<stdout>: b\n"]),
+  ],
+)
+def test_relay_tee_shows_one_prefix_per_line(tmp_path, kind, lines):
   out = io.BytesIO()
-  relay = joblog.Relay("srun", str(tmp_path), tee=True, stdout=out, stderr=io.BytesIO())
-  relay._lines([b"0: a\n", b"1: b\n"], out)
+  relay = joblog.Relay(kind, str(tmp_path), tee=True, stdout=out, stderr=io.BytesIO())
+  relay._lines(lines, out)
   relay.close()
-  assert out.getvalue() == b"0: a\n1: b\n"
+  assert out.getvalue() == b"[rank0]: a\n[rank1]: b\n"  # the launcher's own tag replaced
   assert (tmp_path / "rank_1.log").read_text() == "b\n"
 
 
-def _block(rank: int, message: str) -> list[bytes]:
-  tag, p = f"[1,{rank}]<stderr>: ".encode(), f"[rank {rank}/4] ".encode()
+def test_a_bar_redrawn_in_place_shows_its_last_state_after_one_prefix(tmp_path):
+  out = io.BytesIO()
+  relay = joblog.Relay("openmpi", str(tmp_path), tee=True, stdout=io.BytesIO(), stderr=out)
+  relay._lines([b"[1,0]<stderr>: \rstep 1/4\rstep 2/4\rstep 4/4\n"], out)
+  relay.close()
+  assert out.getvalue() == b"[rank0]: step 4/4\n"
+  assert (tmp_path / "rank_0.log").read_bytes() == b"\rstep 1/4\rstep 2/4\rstep 4/4\n"
+
+
+def test_hydra_pieces_are_shown_as_whole_lines_each_with_its_rank():
+  out = io.BytesIO()
+  relay = joblog.Relay("mpich", None, stdout=out, stderr=io.BytesIO())
+  hydra = joblog.HydraDemux()
+  hydra.ranks = 2
+  relay._lines(
+    [b"[1] RANK[1]  [1] 1\n", b"[0] RANK[1] again\n", b"[0]  0\n", b"[1] end"], out, hydra
+  )
+  relay._lines([], out, hydra, final=True)
+  assert out.getvalue() == b"[rank1]: RANK 1\n[rank1]: again\n[rank0]: RANK 0\n[rank1]: end\n"
+
+
+def _block(rank: int, message: str, own_tag: bool = False) -> list[bytes]:
+  """A rank's report of an uncaught exception: under mpijax-run without the rank's own
+  tag on each line, under plain mpirun (``own_tag``) with it."""
+  tag, p = f"[1,{rank}]<stderr>: ".encode(), f"[rank {rank}/4] ".encode() if own_tag else b""
   return [
     tag
     + p
@@ -447,7 +500,17 @@ def _block(rank: int, message: str) -> list[bytes]:
   ]
 
 
-def test_a_failure_reaches_the_console_as_one_block_and_the_logs_whole(tmp_path):
+def _shown(lines: list[bytes]) -> list[str]:
+  """Lines of the launcher (Open MPI tags) as mpijax-run's console shows them."""
+  out = []
+  for b in lines:
+    rank, text = joblog.split_tag("openmpi", b)
+    out.append((f"[rank{rank}]: " + text.decode()).rstrip("\n"))
+  return out
+
+
+@pytest.mark.parametrize("own_tag", [False, True])
+def test_a_failure_reaches_the_console_as_one_block_and_the_logs_whole(tmp_path, own_tag):
   err = io.BytesIO()
   relay = joblog.Relay("openmpi", str(tmp_path), tee=True, stdout=io.BytesIO(), stderr=err)
   relay.begin(0, 4)
@@ -470,29 +533,37 @@ def test_a_failure_reaches_the_console_as_one_block_and_the_logs_whole(tmp_path)
     b"[1,3]<stderr>: E1127 11:02:33.123456   4242 client.cc:123] Terminating process because "
     b"the JAX distributed service detected fatal errors.\n",
   ]
+  p = b"[rank 2/4] " if own_tag else b""
   other = [
-    b"[1,2]<stderr>: [rank 2/4] mpijax: uncaught JaxRuntimeError on rank 2/4, aborting the "
+    b"[1,2]<stderr>: " + p + b"mpijax: uncaught JaxRuntimeError on rank 2/4, aborting the "
     b"job (exit code 1): UNAVAILABLE: the coordinator is gone\n",
-    b"[1,2]<stderr>: [rank 2/4] Traceback (most recent call last):\n",
+    b"[1,2]<stderr>: " + p + b"Traceback (most recent call last):\n",
   ]
+  # A line of rank 1's report that looks like JAX's teardown: shown, it is the report's.
+  first = _block(1, "it exists", own_tag)
+  first.insert(
+    3,
+    b"[1,1]<stderr>: "
+    + (b"[rank 1/4] " if own_tag else b"")
+    + b"    client.wait('CoordinationService')\n",
+  )
   relay._lines(
-    _block(1, "it exists")
+    first
     + box
-    + _block(0, "it exists")
+    + _block(0, "it exists", own_tag)
     + noise
     + other
     + launcher_box
-    + [b"[1,0]<stderr>: -----\n", b"[1,0]<stderr>: a rank's own line\n"],
+    + ([b"[1,0]<stderr>: -----\n", b"[1,0]<stderr>: a rank's own line\n"] if own_tag else []),
     err,
   )
   relay._lines([], err, final=True)
   relay.close()
   shown = err.getvalue().decode().splitlines()
-  assert shown == [b.decode().rstrip("\n") for b in _block(1, "it exists")] + [
-    other[0].decode().rstrip("\n"),
-    "[1,0]<stderr>: -----",
-    "[1,0]<stderr>: a rank's own line",
-  ]
+  # Rank 0's lines after its report (plain mpirun: without its tag) are its own.
+  after = ["[rank0]: -----", "[rank0]: a rank's own line"] if own_tag else []
+  assert shown == _shown(first) + _shown(other[:1]) + after
+  assert all(line.startswith("[rank") and "<stderr>" not in line for line in shown), shown
   # The logs keep every line, without Open MPI's NUL.
   rank1 = (tmp_path / "rank_1.log").read_bytes()
   assert b"MPI_ABORT was invoked" in rank1 and b"\0" not in rank1

@@ -45,6 +45,7 @@ X_HEAP = [a for name, value in HEAP for a in ("-x", f"{name}={value}")]
 # What every launch exports about the job (the port comes from MASTER_PORT in sit()'s environment).
 JOB = [
   ("MPIJAX_RESTART_ATTEMPT", "0"),
+  ("MPIJAX_RUN", "1"),
   ("MASTER_ADDR", "127.0.0.1"),
   ("MASTER_PORT", "29500"),
   ("JAX_COMPILATION_CACHE_DIR", "/home/u/.cache/mpijax/jax"),
@@ -345,6 +346,9 @@ def test_hydra_command():
     "MPIJAX_RESTART_ATTEMPT",
     "0",
     "-genv",
+    "MPIJAX_RUN",
+    "1",
+    "-genv",
     "MASTER_ADDR",
     "a",
     "-genv",
@@ -382,7 +386,7 @@ def test_srun_inside_allocation(monkeypatch, tmp_path):
     "--label",
     "--kill-on-bad-exit=1",
     "--mpi=pmix",
-    "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,"
+    "--export=ALL,MPIJAX_DEVICES_PER_PROCESS=2,MPIJAX_RESTART_ATTEMPT=0,MPIJAX_RUN=1,"
     "MASTER_ADDR=node07,MASTER_PORT=29500,JAX_COMPILATION_CACHE_DIR=/home/u/.cache/mpijax/jax,"
     + ",".join(f"{n}={v}" for n, v in HEAP),
     "python",
@@ -585,6 +589,41 @@ def test_the_launcher_loads_neither_jax_nor_numpy():
   assert not {"jax", "jaxlib", "numpy", "mpijax._src.runtime"} & loaded, sorted(loaded)
 
 
+def test_a_bad_setting_stops_mpijax_run_before_any_rank_starts(tmp_path):
+  marker = tmp_path / "ran"
+  out = run_cli(
+    "-n",
+    "2",
+    "--",
+    sys.executable,
+    "-c",
+    f"open({str(marker)!r}, 'w')",
+    env={**os.environ, "MPIJAX_TIMEOUT": "soon", "MPIJAX_XLA_COLLECTIVES": "tcp"},
+  )
+  assert out.returncode == 2 and not marker.exists(), out.stdout + out.stderr
+  # Every bad value: the variable, the value and the form expected.
+  assert "mpijax-run: error: " in out.stderr, out.stderr
+  assert "MPIJAX_TIMEOUT='soon' is not valid: expected a number of seconds >= 0" in out.stderr
+  assert "MPIJAX_XLA_COLLECTIVES='tcp' is not valid: expected auto, mpi or gloo" in out.stderr
+
+
+def test_a_misspelled_setting_is_named_with_the_closest_before_the_launch():
+  env = {
+    **os.environ,
+    "MPIJAX_TIMOUT": "5",
+    "MPIJAX_XLA_COLLECTIVE": "gloo",
+    "MPIJAX_TEST_ANYTHING": "1",
+  }
+  out = run_cli("-n", "2", "--dry-run", "--", "python", "x.py", env=env)
+  assert out.returncode == 0, out.stderr
+  assert out.stderr.splitlines() == [
+    "mpijax-run: warning: MPIJAX_TIMOUT is not an mpijax setting and is ignored "
+    "(did you mean MPIJAX_TIMEOUT?)",
+    "mpijax-run: warning: MPIJAX_XLA_COLLECTIVE is not an mpijax setting and is ignored "
+    "(did you mean MPIJAX_XLA_COLLECTIVES?)",
+  ], out.stderr
+
+
 def test_missing_n_is_an_error():
   out = run_cli(
     "--dry-run",
@@ -650,12 +689,20 @@ def test_exit_status_is_the_failing_ranks():
 
 @needs_mpirun
 def test_wrapped_python_runs_every_rank_and_tags_output():
-  code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print('hello', c.rank, c.size)"
+  code = (
+    "from mpi4py import MPI; c = MPI.COMM_WORLD; print('hello', c.rank, c.size)\n"
+    "from mpijax._src import log; log.warning(f'careful on {c.rank}')"
+  )
   out = run_cli("-n", "4", "--timeout", "90", "--", "python", "-c", code)
   assert out.returncode == 0, out.stdout + out.stderr
-  for r in range(4):
-    assert f"hello {r} 4" in out.stdout
-  assert "[1,0]" in out.stdout or "[0]" in out.stdout  # rank tags (Open MPI / Hydra)
+  # One prefix per line, the rank's, whichever launcher ran the job; mpijax's own
+  # messages leave their rank tag out.
+  assert sorted(out.stdout.splitlines()) == [f"[rank{r}]: hello {r} 4" for r in range(4)], (
+    out.stdout
+  )
+  assert sorted(out.stderr.splitlines()) == [
+    f"[rank{r}]: mpijax: warning: careful on {r}" for r in range(4)
+  ], out.stderr
 
 
 @needs_mpirun

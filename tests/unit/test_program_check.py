@@ -42,6 +42,27 @@ def test_the_warning_names_a_few_programs_and_the_fix():
 def test_without_a_distributed_runtime_nothing_is_compared_and_nothing_raised(monkeypatch):
   monkeypatch.setattr(program_check, "_programs", {"a (f32[2])->f32[]"})
   monkeypatch.setattr(program_check, "_compared", False)
+  monkeypatch.setattr(program_check, "_at_exit", True)  # armed (async dispatch)
   program_check.compare()  # one process, no JAX distributed runtime: returns quietly
   assert program_check._compared is True
   program_check.compare()  # once only
+
+
+def test_programs_are_compared_at_their_first_collective_unless_dispatch_is_async(monkeypatch):
+  from mpijax._src import config
+
+  header = "HloModule jit_f, entry_computation_layout={(f32[2,4]{1,0})->f32[4]{0}}"
+  assert program_check.describe("jit_f", header + "\nENTRY ...") == "jit_f (f32[2,4])->f32[4]"
+  monkeypatch.delenv("MPIJAX_XLA_DISPATCH", raising=False)
+  assert program_check.at_first_collective()  # inline, the default: in the bridge's check
+  monkeypatch.setattr(program_check, "_at_exit", False)
+  program_check.arm()
+  assert program_check._at_exit is False  # nothing left for the job's end
+  config.update("xla_dispatch", "async")
+  try:
+    assert not program_check.at_first_collective()
+    monkeypatch.setattr(program_check, "_programs", set())
+    program_check.note("jit_f", header, [("all-reduce", "float32", 4, "sum", "jit(f)/psum")])
+    assert program_check._programs == {"jit_f (f32[2,4])->f32[4]"}
+  finally:
+    config.reset("xla_dispatch")

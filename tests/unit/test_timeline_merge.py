@@ -40,8 +40,11 @@ def _call(rank, seq, enter, exit_, *, key=0, device=0, size=3, name="allreduce")
 def test_split_waits_for_the_last_arrival_on_aligned_clocks():
   # Rank 1's clock runs 1000 ns behind rank 0's, rank 2's 500 ahead.
   syncs = {0: merge.ClockSync(0, 0), 1: merge.ClockSync(0, 1000), 2: merge.ClockSync(0, -500)}
-  calls = [_call(0, 0, 100, 900), _call(1, 0, 400 - 1000, 950 - 1000),
-           _call(2, 0, 300 + 500, 920 + 500)]
+  calls = [
+    _call(0, 0, 100, 900),
+    _call(1, 0, 400 - 1000, 950 - 1000),
+    _call(2, 0, 300 + 500, 920 + 500),
+  ]
   splits = {s.call.rank: s for s in merge.split_calls(calls, syncs)}
   assert (splits[0].enter, splits[0].ready, splits[0].exit) == (100, 400, 900)
   assert splits[0].wait == 300 and splits[0].transfer == 500 and splits[0].waited_for == 1
@@ -50,13 +53,26 @@ def test_split_waits_for_the_last_arrival_on_aligned_clocks():
 
 
 def test_split_pairs_by_communicator_device_and_number():
-  calls = [_call(0, 0, 0, 50, size=2), _call(1, 0, 20, 60, size=2),
-           _call(0, 1, 100, 150, size=2), _call(1, 1, 90, 160, size=2),
-           _call(0, 0, 10, 70, size=2, device=1), _call(1, 0, 40, 80, size=2, device=1)]
-  got = {(s.call.rank, s.call.device, s.call.seq): (s.wait, s.waited_for)
-         for s in merge.split_calls(calls, {})}
-  assert got == {(0, 0, 0): (20, 1), (1, 0, 0): (0, None), (0, 0, 1): (0, None),
-                 (1, 0, 1): (10, 0), (0, 1, 0): (30, 1), (1, 1, 0): (0, None)}
+  calls = [
+    _call(0, 0, 0, 50, size=2),
+    _call(1, 0, 20, 60, size=2),
+    _call(0, 1, 100, 150, size=2),
+    _call(1, 1, 90, 160, size=2),
+    _call(0, 0, 10, 70, size=2, device=1),
+    _call(1, 0, 40, 80, size=2, device=1),
+  ]
+  got = {
+    (s.call.rank, s.call.device, s.call.seq): (s.wait, s.waited_for)
+    for s in merge.split_calls(calls, {})
+  }
+  assert got == {
+    (0, 0, 0): (20, 1),
+    (1, 0, 0): (0, None),
+    (0, 0, 1): (0, None),
+    (1, 0, 1): (10, 0),
+    (0, 1, 0): (30, 1),
+    (1, 1, 0): (0, None),
+  }
 
 
 def test_split_clamps_an_exit_before_the_last_arrival():
@@ -67,25 +83,42 @@ def test_split_clamps_an_exit_before_the_last_arrival():
 
 
 def test_split_without_every_rank_or_point_to_point_has_no_wait():
-  calls = [_call(0, 0, 0, 100), _call(1, 0, 60, 100),  # rank 2's event is missing
-           _call(0, -1, 200, 300, name="send"), _call(1, -1, 250, 300, name="recv")]
+  calls = [
+    _call(0, 0, 0, 100),
+    _call(1, 0, 60, 100),  # rank 2's event is missing
+    _call(0, -1, 200, 300, name="send"),
+    _call(1, -1, 250, 300, name="recv"),
+  ]
   for s in merge.split_calls(calls, {}):
     assert s.wait == 0 and s.waited_for is None and s.transfer == s.exit - s.enter
 
 
 def _rank_data(rank, calls, spans=(), devices=1):
-  return merge.RankData(rank=rank, host="h", devices=devices,
-                        calls=[("allreduce", "float32", (4,), 16, 4, 7, 0, d, 2, seq, a, b)
-                               for d, seq, a, b in calls],
-                        spans=list(spans), sites={7: "allreduce(float32[4], sum) at x.py:3"},
-                        lost=0, sync=merge.ClockSync(0, 0))
+  return merge.RankData(
+    rank=rank,
+    host="h",
+    devices=devices,
+    calls=[("allreduce", "float32", (4,), 16, 4, 7, 0, d, 2, seq, a, b) for d, seq, a, b in calls],
+    spans=list(spans),
+    sites={7: "allreduce(float32[4], sum) at x.py:3"},
+    lost=0,
+    sync=merge.ClockSync(0, 0),
+  )
 
 
 def test_chrome_trace_has_rows_slices_and_exact_split():
-  ranks = [_rank_data(0, [(0, 0, 1_000, 5_000), (0, 1, 6_000, 7_000)],
-                      spans=[("DataParallel.step", 500, 8_000, {"category": "step", "step": 0})]),
-           _rank_data(1, [(0, 0, 3_000, 5_100), (0, 1, 6_500, 7_200)],
-                      spans=[("DataParallel.step", 2_500, 8_100, {"category": "step", "step": 0})])]
+  ranks = [
+    _rank_data(
+      0,
+      [(0, 0, 1_000, 5_000), (0, 1, 6_000, 7_000)],
+      spans=[("DataParallel.step", 500, 8_000, {"category": "step", "step": 0})],
+    ),
+    _rank_data(
+      1,
+      [(0, 0, 3_000, 5_100), (0, 1, 6_500, 7_200)],
+      spans=[("DataParallel.step", 2_500, 8_100, {"category": "step", "step": 0})],
+    ),
+  ]
   ranks = [merge.RankData.from_json(json.loads(json.dumps(r.to_json()))) for r in ranks]
   trace = merge.chrome_trace(ranks, job_ranks=2)
   json.dumps(trace)
@@ -120,16 +153,34 @@ _STEP = {"category": "step"}
 
 def test_render_draws_the_chosen_step(tmp_path):
   pytest.importorskip("matplotlib")
-  ranks = [_rank_data(0, [(0, 0, 1_000, 5_000), (0, 1, 11_000, 14_000)],
-                      spans=[("DataParallel.step", 500, 6_000, _STEP), ("DataParallel.step", 10_500, 15_000, _STEP),
-                             ("jax compile: f", 600, 900, {"category": "compile"})]),
-           _rank_data(1, [(0, 0, 3_000, 5_100), (0, 1, 11_500, 14_100)],
-                      spans=[("DataParallel.step", 2_500, 6_100, _STEP), ("DataParallel.step", 10_900, 15_100, _STEP)])]
+  ranks = [
+    _rank_data(
+      0,
+      [(0, 0, 1_000, 5_000), (0, 1, 11_000, 14_000)],
+      spans=[
+        ("DataParallel.step", 500, 6_000, _STEP),
+        ("DataParallel.step", 10_500, 15_000, _STEP),
+        ("jax compile: f", 600, 900, {"category": "compile"}),
+      ],
+    ),
+    _rank_data(
+      1,
+      [(0, 0, 3_000, 5_100), (0, 1, 11_500, 14_100)],
+      spans=[
+        ("DataParallel.step", 2_500, 6_100, _STEP),
+        ("DataParallel.step", 10_900, 15_100, _STEP),
+      ],
+    ),
+  ]
   trace_path = tmp_path / "t.json"
   trace_path.write_text(json.dumps(merge.chrome_trace(ranks, job_ranks=2)))
   out = tmp_path / "step.png"
   summary = render.render(str(trace_path), str(out), step=0)
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert "step 0 of 2" in summary and "rank 0 waited 2.0 µs, most for rank 1 (2.0 µs)" in summary
+  assert (
+    summary.startswith("step 1 of 2: ")
+    and "rank 0 waited 2.0 µs, most for rank 1 (2.0 µs)" in summary
+  )
+  assert render.render(str(trace_path), str(out)).startswith("step 2 of 2: ")  # the last
   with pytest.raises(ValueError, match="out of range"):
     render.render(str(trace_path), str(out), step=5)

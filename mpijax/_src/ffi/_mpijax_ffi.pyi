@@ -60,6 +60,11 @@ def xla_label(kind: str, dtype: str, elements: int, op: str, label: str) -> None
   """Names one of XLA's collectives of a compiled program (HLO opcode, dtype or
   'bytes', result elements, reduction op or '') in the bridge's reports."""
 
+def xla_program(text: str, collectives: list[tuple[str, str, int, str]]) -> None:
+  """A compiled program (its name and argument shapes) and its collectives as
+  (kind, dtype, elements, op): its first operation on each of XLA's
+  communicators carries its fingerprint in the ranks' check."""
+
 def xla_enable_members(local_devices: int) -> None:
   """Answers XLA's communicator requests with the members xla_prepare_clique
   made (several devices per process)."""

@@ -6,8 +6,9 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from mpijax._src import config
 from mpijax._src.launch.commands import build_command
 from mpijax._src.launch.common import DEVICES_ENV
 from mpijax._src.launch.common import MAX_BACKOFF_SECONDS
@@ -198,11 +199,23 @@ def parse_args(argv: Sequence[str]) -> Options:
   )
 
 
+def check_settings(env: Mapping[str, str]) -> None:
+  """Every ``MPIJAX_*`` variable the ranks will get, checked before any rank starts:
+  a value that does not parse is a :class:`LaunchError`; a name that is no
+  setting, one warning line naming the closest."""
+  bad = config.problems(env)
+  if bad:
+    raise LaunchError("; ".join(bad) + " (docs/configuration.md lists the settings)")
+  for name, closest in config.unknown(env):
+    print(f"{PROG}: warning: {config.unknown_message(name, closest)}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``mpijax-run``; returns the exit status."""
   argv = sys.argv[1:] if argv is None else argv
   opts = parse_args(argv)
   try:
+    check_settings(os.environ)
     if opts.np is None and choose_launcher(opts, dict(os.environ)) != "srun":
       raise LaunchError(
         "give the number of ranks with -n N (e.g. mpijax-run -n 4 -- python train.py)"

@@ -14,6 +14,7 @@ from mpijax._src import heap
 from mpijax._src.launch.common import COORDINATOR_ENV
 from mpijax._src.launch.common import DEVICES_ENV
 from mpijax._src.launch.common import RESTART_ENV
+from mpijax._src.launch.common import RUN_ENV
 from mpijax._src.launch.common import LaunchError
 from mpijax._src.launch.common import Options
 from mpijax._src.launch.common import Plan
@@ -70,6 +71,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# JAX's and XLA's own settings: Open MPI starts the ranks of other hosts with
+# none of the launching shell's variables but the ones it is told to export.
+FORWARDED_PREFIXES = ("MPIJAX_", "JAX_")
+FORWARDED_NAMES = (COORDINATOR_ENV, "XLA_FLAGS")
+
+
+def forwarded(name: str) -> bool:
+  """Whether mpijax-run exports the variable ``name`` of its environment to every rank."""
+  return name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
+
+
 def _exports(
   env: dict[str, str], opts: Options, plan: Plan, master: tuple[str, str], bridge: str | None = None
 ) -> list[tuple[str, str | None]]:
@@ -78,21 +90,20 @@ def _exports(
   if opts.devices_per_process is not None:
     explicit[DEVICES_ENV] = str(opts.devices_per_process)
   explicit[RESTART_ENV] = str(plan.attempt)
+  explicit[RUN_ENV] = "1"
   explicit["MASTER_ADDR"], explicit["MASTER_PORT"] = master
   if plan.job_files:
     explicit[JOB_FILES_ENV] = plan.job_files
   # Every job a compile cache: a restart, and the next run, load what this one compiled.
   cache = compile_cache.job_directory(config.get("compile_cache", env), env)
-  if cache:
+  if cache:  # else the user's own JAX_COMPILATION_CACHE_DIR, forwarded as JAX's variables are
     explicit[compile_cache.JAX_ENV] = cache
-  elif env.get(compile_cache.JAX_ENV):
-    explicit[compile_cache.JAX_ENV] = env[compile_cache.JAX_ENV]
   if "COLUMNS" not in env and sys.stdout.isatty():
     # The ranks' terminal (Open MPI's) is 0 columns wide: rank 0's progress bar takes ours.
     explicit["COLUMNS"] = str(shutil.get_terminal_size().columns)
   pairs: list[tuple[str, str | None]] = list(explicit.items())
   for name in sorted(env):
-    if (name.startswith("MPIJAX_") or name == COORDINATOR_ENV) and name not in explicit:
+    if forwarded(name) and name not in explicit:
       pairs.append((name, None))
   # glibc reads these at process start, before any thread has its own arena.
   pairs.extend(heap.launcher_env(env))

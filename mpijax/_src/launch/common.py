@@ -18,6 +18,10 @@ DEVICES_ENV = "MPIJAX_DEVICES_PER_PROCESS"
 
 RESTART_ENV = "MPIJAX_RESTART_ATTEMPT"
 
+# Tells every rank that mpijax-run prefixes its lines with the rank and
+# checked the MPIJAX_* settings (config.py's "run").
+RUN_ENV = "MPIJAX_RUN"
+
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
 
 # EX_TEMPFAIL (sysexits.h): the program was preempted, saved its state and

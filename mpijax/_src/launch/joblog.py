@@ -4,6 +4,10 @@
 ``[1,3]<stdout>: ``, Hydra ``[3] ``, srun ``3: ``). ``mpijax-run`` reads the
 launcher's stdout and stderr through pipes and
 
+* shows each rank's lines on its own stdout and stderr with one prefix, the
+  rank as PyTorch's distributed jobs name it (``[rank3]: ``), whichever
+  launcher ran the job (the ranks know, ``MPIJAX_RUN``, and leave their own
+  rank tags out);
 * writes each rank's lines, tag removed, to ``DIR/rank_<r>.log``
   (``--log-dir DIR``), on the console too with ``--tee``, and the
   launcher's own lines to ``DIR/mpijax-run.log`` and the console; the logs
@@ -41,6 +45,11 @@ _TAGS = {
 
 _KEEP_LINES = 400  # launcher lines kept for the exit reason
 _READ_BYTES = 1 << 16
+
+
+def rank_prefix(rank: int) -> bytes:
+  """The prefix of rank ``rank``'s lines on mpijax-run's console: ``[rank3]: ``."""
+  return b"[rank%d]: " % rank
 
 
 def split_tag(kind: str, line: bytes) -> tuple[int | None, bytes]:
@@ -196,14 +205,19 @@ class Reasons:
   mpijax: list[str] = dataclasses.field(default_factory=list)
   last_trace: dict[int, str] = dataclasses.field(default_factory=dict)
   _uncaught: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+  _reporting: set[int] = dataclasses.field(default_factory=set)  # ranks in their report
 
-  def rank_line(self, text: str) -> None:
+  def rank_line(self, text: str, rank: int | None = None) -> None:
+    """Notes one line of rank ``rank``'s (None: the rank only its text names)."""
     m = _TRACE_LINE.match(text)
     if m:
       self.last_trace[int(m[1])] = m[2]
+    elif rank in self._reporting and text.strip():
+      self.last_trace[rank] = text  # the report's lines, without a rank tag of their own
     m = _UNCAUGHT.search(text)
     if m:
       self._uncaught.append((int(m[2]), f"{m[1]}: {m[3]}" if m[3] else m[1]))
+      self._reporting.add(int(m[2]))
       return
     for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}")):
       m = pattern.search(text)
@@ -263,7 +277,8 @@ def rank_ranges(ranks: list[int]) -> str:
 # --- one block per failure on the console --------------------------------------
 
 _DASHES = re.compile(r"^\s*-{20,}\s*$")
-_HEADER = re.compile(r"^\[rank (\d+)/\d+\] mpijax: uncaught \S+.* on rank \d+/\d+")
+# (With the rank's own tag under plain mpirun, without it under mpijax-run.)
+_HEADER = re.compile(r"^(\[rank \d+/\d+\] )?mpijax: uncaught \S+.* on rank \d+/\d+")
 # The launchers' messages about an abort or a rank's non-zero exit, which the
 # summary line mpijax-run prints after every failed attempt says better.
 _ABORT_BOXES = re.compile(
@@ -297,7 +312,11 @@ class ConsoleFilter:
   def reset(self) -> None:
     self.failing = False
     self._shown: set[str] = set()  # error reports shown, rank numbers taken out
-    self._quiet: set[int] = set()  # ranks inside a report that repeats one shown
+    # Ranks inside a report that repeats one shown: True where each line of the
+    # report has the rank's own tag, False where none has (every later line
+    # of the rank is the report's: the rank aborts after it).
+    self._quiet: dict[int, bool] = {}
+    self._reporting: set[int] = set()  # ranks whose report is shown
     self._held: dict[int, bytes] = {}  # a rank's dashed line: the start of a box?
     self._in_box: set[int] = set()  # ranks inside Open MPI's MPI_ABORT box
     self._box: list[bytes] | None = None  # the launcher's box being read
@@ -326,18 +345,25 @@ class ConsoleFilter:
       if key in self._shown or self._shown:
         # The same report again: nothing; another one (often the teardown's
         # consequence): its first line. Their tracebacks are in the logs.
-        self._quiet.add(rank)
+        self._quiet[rank] = m.group(1) is not None
         if key not in self._shown:
           self._shown.add(key)
           out.append(raw)
         return out
       self._shown.add(key)
-      self._quiet.discard(rank)
+      self._quiet.pop(rank, None)
+      self._reporting.add(rank)
     elif rank in self._quiet:
-      if text.startswith(f"[rank {rank}/"):
+      if not self._quiet[rank] or text.startswith(f"[rank {rank}/"):
         return out
-      self._quiet.discard(rank)
-    if self.failing and not text.startswith("[rank ") and _TEARDOWN.search(text):
+      del self._quiet[rank]
+    # The shown report's own lines stay, whatever they say (a blank one excepted).
+    if (
+      self.failing
+      and not text.startswith("[rank ")
+      and _TEARDOWN.search(text)
+      and (rank not in self._reporting or not text.strip())
+    ):
       return out
     out.append(raw)
     return out
@@ -525,17 +551,13 @@ class Relay:
           self._write_own(line)
           continue
         if self.log_dir is None or self.tee:
-          if not pieces:  # Hydra: a piece of a line, kept until its newline
-            show += line
-          shown: list[bytes] = []
-          for r, t in pieces:  # several only from Hydra: the raw line once
-            for b in console_filter.rank_line(r, t.decode(errors="replace").rstrip("\r\n"), line):
-              if b is not line or line not in shown:
-                shown.append(b)
-          show += b"".join(shown)
+          show += self._shown_lines(console_filter, pieces)
         self._rank_lines(pieces)
       if final and hydra is not None:
-        self._rank_lines(hydra.flush())
+        rest = hydra.flush()
+        if self.log_dir is None or self.tee:
+          show += self._shown_lines(console_filter, rest)
+        self._rank_lines(rest)
       if final:
         show += b"".join(console_filter.flush())
       for f in self._files.values():
@@ -549,9 +571,29 @@ class Relay:
         except (OSError, ValueError):
           pass
 
+  @staticmethod
+  def _shown_lines(
+    console_filter: ConsoleFilter, pieces: Iterable[tuple[int | None, bytes]]
+  ) -> bytes:
+    """What the console shows of ranks' lines: each with one prefix, ``[rank3]: ``.
+
+    A line a progress bar redrew in place (``\\r``) shows its last state: on
+    a terminal its earlier ones would overwrite the prefix.
+    """
+    out = bytearray()
+    for r, t in pieces:
+      body = t.rstrip(b"\r\n")
+      if b"\r" in body:
+        t = body.rsplit(b"\r", 1)[1] + b"\n"
+      tagged = rank_prefix(r) + t
+      out += b"".join(
+        console_filter.rank_line(r, t.decode(errors="replace").rstrip("\r\n"), tagged)
+      )
+    return bytes(out)
+
   def _rank_lines(self, pieces: Iterable[tuple[int | None, bytes]]) -> None:
     for rank, text in pieces:
-      self.reasons.rank_line(text.decode(errors="replace").rstrip("\r\n"))
+      self.reasons.rank_line(text.decode(errors="replace").rstrip("\r\n"), rank)
       if self.log_dir is not None:
         self._file(rank).write(text)
 

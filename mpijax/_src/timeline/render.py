@@ -43,12 +43,18 @@ def step_window(events: list[dict[str, Any]], step: int | None) -> tuple[float, 
       raise ValueError(f"--step {step} is out of range: the file has {n} steps (0..{n - 1})")
     k %= n
     chosen = [sorted(v, key=lambda e: e["ts"])[k] for v in steps.values()]
-    return (min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen),
-            f"step {k} of {n}")
+    # Counted from 1, as "of n" is: the last of 12 is "step 12 of 12" (--step 11 or -1).
+    return (
+      min(e["ts"] for e in chosen),
+      max(e["ts"] + e["dur"] for e in chosen),
+      f"step {k + 1} of {n}",
+    )
   if step is not None:
-    raise ValueError("the file has no step spans (DataParallel.step, or "
-                     "mpijax.timeline.span(name, step=True)): render without --step to see the "
-                     "whole trace")
+    raise ValueError(
+      "the file has no step spans (DataParallel.step, or "
+      "mpijax.timeline.span(name, step=True)): render without --step to see the "
+      "whole trace"
+    )
   calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "mpijax"]
   if not calls:
     raise ValueError("the file has no mpijax calls")
@@ -96,6 +102,7 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     rank 0 waited 4.10 ms, most for rank 1 (4.10 ms)
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.patches import Patch
@@ -104,8 +111,9 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
   events = trace["traceEvents"]
   start, end, label = step_window(events, step)
   span = max(end - start, 1e-3)
-  rows = sorted({(e["pid"], e["tid"]) for e in events
-                 if e.get("ph") == "X" and e.get("cat") == "mpijax"})
+  rows = sorted(
+    {(e["pid"], e["tid"]) for e in events if e.get("ph") == "X" and e.get("cat") == "mpijax"}
+  )
   ranks = sorted({p for p, _ in rows} | {e["pid"] for e in events if e.get("ph") == "X"})
   # One row per (rank, device), plus the rank's step bar above its devices.
   y: dict[tuple[int, int], float] = {}
@@ -127,6 +135,7 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     pos += 0.4
   fig_h = 1.6 + 0.45 * pos
   fig, ax = plt.subplots(figsize=(11, fig_h))
+
   def clipped(ts: float, dur: float) -> tuple[float, float]:  # ms, within the window
     a, b = max(ts, start), min(ts + dur, end)
     return (a - start) / 1000.0, max(b - a, 0.0) / 1000.0
@@ -157,17 +166,31 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
     text = f"rank {r} waited {_fmt(total)}, most for rank {who} ({_fmt(us)})"
     lines.append(text)
     ys = [v for (p, t), v in y.items() if p == r and t != STEPS_TID]
-    ax.text(1.01, max(ys), f"waited {_fmt(total)},\n{_fmt(us)} for rank {who}",
-            transform=ax.get_yaxis_transform(), va="center", fontsize=8)
+    ax.text(
+      1.01,
+      max(ys),
+      f"waited {_fmt(total)},\n{_fmt(us)} for rank {who}",
+      transform=ax.get_yaxis_transform(),
+      va="center",
+      fontsize=8,
+    )
   ax.set_yticks(ticks, tick_labels, fontsize=8)
   ax.invert_yaxis()
   ax.set_xlim(0, span / 1000.0)
   ax.set_xlabel("ms from the start of the window (clocks aligned to rank 0)")
   ax.set_title(f"mpijax timeline: {label}, {span / 1000:.2f} ms", fontsize=10, pad=22)
-  ax.legend(handles=[Patch(color=_WAIT_COLOR, label="waiting for the other ranks"),
-                     Patch(color=_TRANSFER_COLOR, label="moving / reducing data"),
-                     Patch(color=_STEP_COLOR, label="step (Python)")],
-            loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+  ax.legend(
+    handles=[
+      Patch(color=_WAIT_COLOR, label="waiting for the other ranks"),
+      Patch(color=_TRANSFER_COLOR, label="moving / reducing data"),
+      Patch(color=_STEP_COLOR, label="step (Python)"),
+    ],
+    loc="lower center",
+    bbox_to_anchor=(0.5, 1.0),
+    ncol=3,
+    fontsize=8,
+    frameon=False,
+  )
   fig.subplots_adjust(left=0.12, right=0.8, top=1 - 0.9 / fig_h, bottom=0.6 / fig_h)
   fig.savefig(output, dpi=110)
   plt.close(fig)
@@ -177,16 +200,24 @@ def render(trace_path: str, output: str, *, step: int | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """``python -m mpijax.timeline render TRACE -o PNG [--step N]``."""
-  parser = argparse.ArgumentParser(prog="python -m mpijax.timeline",
-                                   description="Summaries of an mpijax timeline file.")
+  parser = argparse.ArgumentParser(
+    prog="python -m mpijax.timeline", description="Summaries of an mpijax timeline file."
+  )
   sub = parser.add_subparsers(dest="command", required=True)
-  r = sub.add_parser("render", help="a PNG of one training step: per rank and device, each "
-                     "call's wait and transfer, and who waited for whom")
+  r = sub.add_parser(
+    "render",
+    help="a PNG of one training step: per rank and device, each "
+    "call's wait and transfer, and who waited for whom",
+  )
   r.add_argument("trace", help="the JSON file MPIJAX_TIMELINE wrote")
   r.add_argument("-o", "--output", required=True, help="the PNG to write")
-  r.add_argument("--step", type=int, default=None,
-                 help="which step span (0-based, negative counts from the end; default: the "
-                      "last one); without step spans the whole trace")
+  r.add_argument(
+    "--step",
+    type=int,
+    default=None,
+    help="which step span (0-based, negative counts from the end; default: the "
+    "last one); without step spans the whole trace",
+  )
   args = parser.parse_args(argv)
   try:
     summary = render(args.trace, args.output, step=args.step)

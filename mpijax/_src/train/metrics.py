@@ -140,7 +140,9 @@ def progress(
   carriage returns would show nothing until the loop ends (and Open MPI
   gives the rank a terminal 0 columns wide, in which tqdm draws nothing at
   all). A line is written at most every ``mininterval`` seconds (default 5
-  there) and once at the end, as wide as ``COLUMNS`` (else 80).
+  there) and once at the end, as wide as ``COLUMNS`` (else 80). Its rate
+  and time left count from the end of the first item, which holds the
+  compilation of a jitted step; until a second item ends, it shows none.
 
   Args:
     iterable: what to iterate over.
@@ -204,8 +206,21 @@ def _lines(
       total = None
   width = ncols or shutil.get_terminal_size((80, 24)).columns
 
-  def line(n: int, elapsed: float) -> None:
-    bar = tqdm.format_meter(n, total, elapsed, ncols=width, prefix=desc or "", unit=unit)
+  first_done: float | None = None  # when the first item (the compilation) ended
+
+  def line(n: int, now: float) -> None:
+    # The first item's time is mostly compilation: the rate (and so the time
+    # left) is that of the items after it, none until there is one.
+    steady = now - first_done if first_done is not None and n > 1 else 0.0
+    elapsed = now - start
+    if steady > 0 or n == 0:
+      rate = (n - 1) / steady if steady > 0 else None
+      bar = tqdm.format_meter(
+        n, total, elapsed, ncols=width, prefix=desc or "", unit=unit, rate=rate
+      )
+    else:  # tqdm would take the compilation for the rate: "?" until a second item
+      bar = tqdm.format_meter(n, total, 0, ncols=width, prefix=desc or "", unit=unit)
+      bar = bar.replace("[00:00", "[" + tqdm.format_interval(elapsed), 1)
     print(bar, file=file, flush=True)
 
   start = last = time.monotonic()
@@ -214,8 +229,10 @@ def _lines(
     yield item
     n += 1
     now = time.monotonic()
+    if n == 1:
+      first_done = now
     if now - last >= mininterval:
-      line(n, now - start)
+      line(n, now)
       last, shown = now, n
   if shown != n or n == 0:
-    line(n, time.monotonic() - start)
+    line(n, time.monotonic())

@@ -150,7 +150,9 @@ int Free(XlaComm* c) {
 }
 
 int64_t SiteFor(XlaComm& c, uint64_t sig,
-                const std::function<std::string()>& describe) {
+                const std::function<std::string()>& describe,
+                const std::function<std::string()>& key, uint64_t* program,
+                std::string* program_text) {
   // A program repeats its operations: usually the same as last time. The
   // fields are read racily (two threads of one process share a communicator
   // only with several local devices): a torn read misses the cache, or at
@@ -171,6 +173,12 @@ int64_t SiteFor(XlaComm& c, uint64_t sig,
     if (site.id < 0 || text != detail::SiteText(site.id))
       site.id = detail::RegisterSite(text, -1);
     site.generation = generation;
+    // This call is the first of the operation since the newest program
+    // holding it was compiled: its first run (with inline dispatch a rank
+    // compiles a program only after the last one it ran has finished).
+    size_t count = 0;
+    NewestProgramSince(key(), site.programs, &count, program, program_text);
+    site.programs = count;
   }
   c.last_sig.store(0, std::memory_order_release);
   c.last_site.store(site.id, std::memory_order_release);

@@ -43,6 +43,7 @@ struct XlaComm {
   struct Site {
     int64_t id = -1;
     uint64_t generation = 0;  // LabelGeneration() when named
+    size_t programs = 0;      // ProgramCount() then: the newer ones are unseen
   };
   std::mutex sites_mu;
   std::unordered_map<uint64_t, Site> sites;
@@ -82,14 +83,26 @@ int Split(MPI_Comm base, int world_rank, int world_size, double timeout_s,
 // Frees `c` (after MPI is finalized: only forgets it).
 int Free(XlaComm* c);
 
-// Grows with every label added (xla_labels.py names each compiled
-// program's collectives; xla_op.cc).
+// Grows with every label and program added (xla_labels.py names each
+// compiled program's collectives; xla_op.cc).
 uint64_t LabelGeneration();
+
+// Of the programs added after the first `since` (AddProgram), the newest
+// that holds an operation filed under `key`: its fingerprint in *program and
+// its text ("jit_f (f32[2,4])->f32[4]") in *text; false if none does.
+// *count is the number of programs now.
+bool NewestProgramSince(const std::string& key, size_t since, size_t* count,
+                        uint64_t* program, std::string* text);
 
 // The call site of signature `sig` on `c`, named with the text `describe()`
 // makes, and named again once a program compiled since may hold it too.
+// The first call of `sig` on `c` since a program holding it (by `key()`)
+// was compiled gets that program in *program (its fingerprint) and
+// *program_text; every other call leaves them alone.
 int64_t SiteFor(XlaComm& c, uint64_t sig,
-                const std::function<std::string()>& describe);
+                const std::function<std::string()>& describe,
+                const std::function<std::string()>& key, uint64_t* program,
+                std::string* program_text);
 
 }  // namespace mpijax::bridge
 

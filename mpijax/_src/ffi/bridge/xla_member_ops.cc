@@ -26,6 +26,7 @@ struct MemberPost {
   char* dst;        // its output
   int64_t sig;      // its operation, as Op::sig()
   int64_t site;     // ... and as the inspector names it
+  const std::string* program;  // Op::program()
 };
 
 const MemberPost& PostOf(const std::vector<const void*>& posts, size_t i) {
@@ -71,7 +72,9 @@ std::string MemberMismatchText(XlaComm& c, Op& op,
   std::vector<int64_t> head;  // per local member: signature, text length
   std::string blob;
   for (size_t s = 0; s < mine.size(); ++s) {
-    std::string t = detail::SiteText(PostOf(posts, s).site);
+    const MemberPost& post = PostOf(posts, s);
+    std::string t = WithProgramText(detail::SiteText(post.site),
+                                    post.program ? *post.program : "");
     head.push_back(PostOf(posts, s).sig);
     head.push_back(static_cast<int64_t>(t.size()));
     blob += t;
@@ -127,18 +130,25 @@ std::string MemberMismatchText(XlaComm& c, Op& op,
     }
   }
   auto groups = detail::GroupBySignature(q.n, [&](int k) { return sig[k]; });
+  // Each group's operation; with its program only where that is all that differs.
+  std::vector<std::string> whats;
+  for (const auto& g : groups) whats.push_back(text[g[0]]);
+  bool programs = OnlyProgramsDiffer(whats);
+  for (std::string& w : whats)
+    if (!programs) w = WithoutProgramText(w);
   std::ostringstream s;
   s << "mpijax: mismatch in XLA's collectives on " << Where(c) << ", call #"
     << c.dc->status.calls.load(std::memory_order_relaxed) << ": ";
   for (size_t g = 0; g < groups.size(); ++g) {
     if (g) s << (g + 1 == groups.size() ? ", but " : ", ");
     s << MemberNames(q, groups[g]) << (groups[g].size() > 1 ? " run " : " runs ")
-      << text[groups[g][0]];
+      << whats[g];
   }
   s << ". No data was exchanged. Every rank must run the same jitted programs, "
        "in the same order, on arrays of the same shapes and dtypes (a last "
        "batch of another size on some ranks, or a branch on the rank, "
        "breaks this).";
+  if (programs) s << kProgramHint;
   return s.str();
 }
 
@@ -177,7 +187,7 @@ int MemberCompare(XlaComm& c, Op& op, const std::vector<const void*>& posts,
 // members' round words it.
 int MemberMismatch(XlaComm& c, Op& op) {
   XlaClique& q = *c.clique;
-  MemberPost post{nullptr, nullptr, op.sig(), op.info().site};
+  MemberPost post{nullptr, nullptr, op.sig(), op.info().site, &op.program()};
   NodeCaller caller(c, op);
   std::string text;
   q.group.Round(
@@ -196,7 +206,7 @@ int MemberMismatch(XlaComm& c, Op& op) {
 // members: the segments' slots are per process.
 void MemberNodeSetup(XlaComm& c, Op& op) {
   XlaClique& q = *c.clique;
-  MemberPost post{nullptr, nullptr, op.sig(), op.info().site};
+  MemberPost post{nullptr, nullptr, op.sig(), op.info().site, &op.program()};
   NodeCaller caller(c, op);
   q.group.Round(
       c.slot, &post, caller,
@@ -247,7 +257,7 @@ int MemberAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
   size_t bytes = n * static_cast<size_t>(t.bytes);
   bool across = q.members_of.size() > 1;
   if (across) op.info().path |= detail::kPathMpi;
-  MemberPost post{src, dst, op.sig(), op.info().site};
+  MemberPost post{src, dst, op.sig(), op.info().site, &op.program()};
   NodeCaller caller(c, op);
   std::string text;
   int rc = q.group.Round(
@@ -293,7 +303,7 @@ int MemberAllgather(XlaComm& c, Op& op, const char* src, char* dst,
   bool across = q.members_of.size() > 1;
   if (across) op.info().path |= detail::kPathMpi;
   MemberPost post{src != nullptr ? src : dst + c.rank * block, dst, op.sig(),
-                  op.info().site};
+                  op.info().site, &op.program()};
   NodeCaller caller(c, op);
   std::string text;
   int rc = q.group.Round(
@@ -358,7 +368,8 @@ int MemberReduceScatter(XlaComm& c, Op& op, const char* src, char* dst,
   size_t block = count * static_cast<size_t>(t.bytes), total = q.n * block;
   bool across = q.members_of.size() > 1;
   if (across) op.info().path |= detail::kPathMpi;
-  MemberPost post{src != nullptr ? src : dst, dst, op.sig(), op.info().site};
+  MemberPost post{src != nullptr ? src : dst, dst, op.sig(), op.info().site,
+                  &op.program()};
   NodeCaller caller(c, op);
   std::string text;
   int rc = q.group.Round(

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "idle.h"
@@ -99,22 +101,101 @@ int64_t Signature(int kind, int type, int64_t count, int op) {
   return static_cast<int64_t>(h == 0 ? 1 : h);
 }
 
+int64_t WithProgram(int64_t sig, uint64_t program) {
+  uint64_t h = static_cast<uint64_t>(sig) ^ (program * 0x9e3779b97f4a7c15ULL);
+  h ^= h >> 29;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 32;
+  h &= (uint64_t{1} << 63) - 1;
+  return static_cast<int64_t>(h == 0 ? 1 : h);
+}
+
 // --- labels: which jitted program an operation belongs to ---------------------
 
 namespace {
 
 std::mutex g_labels_mu;
 std::unordered_map<std::string, std::vector<std::string>> g_labels;
-// Counts the labels added: a call site named before a program of the same
-// shape was compiled is named again (SiteFor).
+// Counts the labels and programs added: a call site named before a program
+// of the same shape was compiled is named again (SiteFor).
 std::atomic<uint64_t> g_label_generation{1};
+
+// Every program with collectives across processes this process compiled,
+// in order (AddProgram); a program compiled twice is here twice.
+struct Program {
+  uint64_t fingerprint;
+  std::string text;  // "jit_f (f32[2,4])->f32[4]"
+  std::unordered_set<std::string> keys;  // its operations (LabelKey)
+};
+std::vector<Program> g_programs;
+
+// FNV-1a: the same text gives the same fingerprint in every process.
+uint64_t Fingerprint(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : text) {
+    h ^= ch;
+    h *= 0x100000001b3ULL;
+  }
+  return h == 0 ? 1 : h;
+}
+
+}  // namespace
 
 std::string LabelKey(const std::string& kind, const std::string& dtype,
                      int64_t elements, const std::string& op) {
   return kind + "|" + dtype + "|" + std::to_string(elements) + "|" + op;
 }
 
-}  // namespace
+std::string WithoutProgramText(const std::string& text) {
+  size_t mark = text.find(kProgramMark);
+  if (mark == std::string::npos) return text;
+  size_t in = text.find(", in ", mark);
+  return text.substr(0, mark) + (in == std::string::npos ? "" : text.substr(in + 1));
+}
+
+bool OnlyProgramsDiffer(const std::vector<std::string>& texts) {
+  bool programs = false;
+  for (const std::string& t : texts) {
+    programs = programs || t.find(kProgramMark) != std::string::npos;
+    if (WithoutProgramText(t) != WithoutProgramText(texts[0])) return false;
+  }
+  return programs;
+}
+
+std::string WithProgramText(const std::string& text, const std::string& program) {
+  if (program.empty()) return text;
+  // Before the labels (" in jit(f)/psum"), which the exception's text leaves out.
+  size_t in = text.find(" in ");
+  std::string what = ", the first collective of program " + program;
+  if (in == std::string::npos) return text + what;
+  return text.substr(0, in) + what + "," + text.substr(in);
+}
+
+void AddProgram(const std::string& text,
+                const std::vector<std::tuple<std::string, std::string, int64_t,
+                                             std::string>>& collectives) {
+  Program p{Fingerprint(text), text, {}};
+  for (const auto& [kind, dtype, elements, op] : collectives)
+    p.keys.insert(LabelKey(kind, dtype, elements, op));
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  g_programs.push_back(std::move(p));
+  g_label_generation.fetch_add(1, std::memory_order_acq_rel);
+}
+
+bool NewestProgramSince(const std::string& key, size_t since, size_t* count,
+                        uint64_t* program, std::string* text) {
+  std::lock_guard<std::mutex> lock(g_labels_mu);
+  *count = g_programs.size();
+  for (size_t i = g_programs.size(); i > since; --i) {
+    const Program& p = g_programs[i - 1];
+    if (p.keys.count(key)) {
+      *program = p.fingerprint;
+      *text = p.text;
+      return true;
+    }
+  }
+  return false;
+}
 
 std::string LabelOf(int kind, const char* dtype, int64_t elements, int op) {
   std::string key = LabelKey(kHloNames[kind], dtype, elements, OpName(op));
@@ -149,6 +230,14 @@ uint64_t LabelGeneration() {
 // --- errors ----------------------------------------------------------------------
 
 thread_local std::string t_error;
+
+const char* const kProgramMark = ", the first collective of program ";
+const char* const kProgramHint =
+    " The programs are named by their arguments' shapes, each device's part: "
+    "ranks that compiled the same function for other shapes built their "
+    "global arrays from rows of other shapes (pass global_shape to "
+    "jax.make_array_from_process_local_data, and every rank the same number "
+    "of rows).";
 
 int Fail(const XlaComm& c, const std::string& text, bool same_everywhere,
          const std::string& summary) {
@@ -192,6 +281,54 @@ int FailedOp(const XlaComm& c) {
   return kErrXla;
 }
 
+namespace {
+
+// A mismatch of programs (WithProgramText's): "ranks 0,1,2 run program A,
+// but rank 3 runs program B, at XLA all-reduce float32[4] (sum)", the
+// operation once where every rank runs the same one. `head` ends in
+// "call #N", `body` is the groups' text.
+std::string ProgramBrief(const std::string& head, const std::string& body) {
+  // The groups: "ranks 0,1,2 run X", ", but rank 3 runs Y" (a group starts
+  // with "rank"; no operation's or program's text has ", rank").
+  std::vector<std::string> groups;
+  size_t at = 0;
+  while (at != std::string::npos) {
+    size_t next = std::string::npos, skip = 0;
+    for (size_t p = body.find(", ", at); p != std::string::npos;
+         p = body.find(", ", p + 1)) {
+      if (body.compare(p + 2, 4, "rank") == 0) { next = p; skip = 2; break; }
+      if (body.compare(p + 2, 8, "but rank") == 0) { next = p; skip = 6; break; }
+    }
+    groups.push_back(body.substr(at, next == std::string::npos ? next : next - at));
+    at = next == std::string::npos ? next : next + skip;
+  }
+  std::string out = head, op;
+  bool same_op = true;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string& text = groups[g];
+    size_t verb = text.find(" run");
+    if (verb == std::string::npos) return "";
+    size_t what = text.find(' ', verb + 1);
+    std::string who = text.substr(0, what);  // "ranks 0,1,2 run"
+    std::string rest = what == std::string::npos ? "" : text.substr(what + 1);
+    size_t mark = rest.find(kProgramMark);
+    std::string this_op = rest.substr(0, std::min(mark, rest.find(" in ")));
+    std::string program = "another program";
+    if (mark != std::string::npos) {
+      size_t from = mark + std::strlen(kProgramMark);
+      size_t to = rest.find(", in ", from);
+      program = "program " + rest.substr(from, to == std::string::npos ? to : to - from);
+    }
+    if (g == 0) op = this_op;
+    same_op = same_op && this_op == op;
+    out += (g == 0 ? ": " : g + 1 == groups.size() ? ", but " : ", ") + who + " " + program;
+  }
+  if (same_op) out += ", at " + op;
+  return out + " (details on stderr)";
+}
+
+}  // namespace
+
 std::string Brief(const std::string& mismatch) {
   std::string s = mismatch.substr(0, mismatch.find(". No data was exchanged"));
   size_t at = s.find(": ", s.find("call #"));
@@ -201,6 +338,14 @@ std::string Brief(const std::string& mismatch) {
   size_t of = out.find(" of devices ");
   size_t on = of == std::string::npos ? of : out.find(" on ranks ", of);
   if (on != std::string::npos) out.erase(of, on - of);
+  if (s.find(kProgramMark, at) != std::string::npos) {
+    // "XLA communicator #1 (ranks 0-3)": the ranks are in the groups.
+    size_t ranks = out.find(" (ranks ");
+    size_t close = ranks == std::string::npos ? ranks : out.find(')', ranks);
+    if (close != std::string::npos) out.erase(ranks, close + 1 - ranks);
+    std::string brief = ProgramBrief(out, s.substr(at + 2));
+    if (!brief.empty()) return brief;
+  }
   // " ... runs XLA all-reduce float32[4] (sum) in jit(f)/psum, but ...": the
   // program runs from " in " to the next ", ".
   while (at < s.size()) {
@@ -226,7 +371,7 @@ int Mismatch(XlaComm& c, Op& op) {
   if (c.clique != nullptr) return MemberMismatch(c, op);
   detail::DevComm* dc = c.dc;
   int n = CommSize(dc->check);
-  std::string text = detail::SiteText(op.info().site);
+  std::string text = WithProgramText(detail::SiteText(op.info().site), op.program());
   int64_t mine[2] = {op.sig(), static_cast<int64_t>(text.size())};
   std::vector<int64_t> all(2 * n);
   MPI_Request req;
@@ -262,6 +407,12 @@ int Mismatch(XlaComm& c, Op& op) {
     MPI_Group_free(&wg);
   }
   auto members = detail::GroupBySignature(n, [&](int r) { return all[2 * r]; });
+  // Each group's operation; with its program only where that is all that differs.
+  std::vector<std::string> whats;
+  for (const auto& m : members) whats.push_back(texts.substr(displs[m[0]], counts[m[0]]));
+  bool programs = OnlyProgramsDiffer(whats);
+  for (std::string& w : whats)
+    if (!programs) w = WithoutProgramText(w);
   // The whole text on stderr; the exception's (at most 255 bytes) without
   // the programs' names.
   std::ostringstream s, brief;
@@ -275,7 +426,7 @@ int Mismatch(XlaComm& c, Op& op) {
     std::string who = m.size() > 1 ? "ranks " : "rank ";
     for (size_t i = 0; i < m.size(); ++i)
       who += (i ? "," : "") + std::to_string(world[m[i]]);
-    std::string what = texts.substr(displs[m[0]], counts[m[0]]);
+    const std::string& what = whats[g];
     std::string sep = g == 0 ? "" : g + 1 == members.size() ? ", but " : ", ";
     s << sep << who << (m.size() > 1 ? " run " : " runs ") << what;
     brief << sep << who << " " << what.substr(0, what.find(" in "));
@@ -285,7 +436,9 @@ int Mismatch(XlaComm& c, Op& op) {
        "batch of another size on some ranks, or a branch on the rank, "
        "breaks this).";
   brief << " (details on stderr)";
-  return Fail(c, s.str(), true, brief.str());
+  if (!programs) return Fail(c, s.str(), true, brief.str());
+  s << kProgramHint;
+  return Fail(c, s.str(), true, Brief(s.str()));
 }
 
 // Compares this operation across the communicator's ranks before any data

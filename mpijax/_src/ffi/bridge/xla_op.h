@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "bridge_table.h"
 #include "call.h"
@@ -69,13 +70,31 @@ const char* OpName(int code);
 // A 63-bit signature of what every rank must agree on (never 0, never
 // negative: the check compares sig and -sig).
 int64_t Signature(int kind, int type, int64_t count, int op);
+// `sig` with a program's fingerprint folded in (the same properties).
+int64_t WithProgram(int64_t sig, uint64_t program);
 // " in jit(f)/psum", " in jit(f)/psum or jit(g)/psum", or "" (AddLabel's).
 std::string LabelOf(int kind, const char* dtype, int64_t elements, int op);
+// The key AddLabel and AddProgram file an operation under.
+std::string LabelKey(const std::string& kind, const std::string& dtype,
+                     int64_t elements, const std::string& op);
+// An operation's text with the program whose first collective it is:
+// "XLA all-reduce float32[4] (sum), the first collective of program
+// jit_f (f32[2,4])->f32[4], in jit(f)/psum" (unchanged for "").
+std::string WithProgramText(const std::string& text, const std::string& program);
+// ... and back (the text without its program).
+std::string WithoutProgramText(const std::string& text);
+// Whether `texts` (WithProgramText's, of the ranks' operations) differ only
+// in their programs.
+bool OnlyProgramsDiffer(const std::vector<std::string>& texts);
 
 // --- errors ----------------------------------------------------------------------
 
 // The text of the last kErrXla on this thread (ErrorText).
 extern thread_local std::string t_error;
+// What WithProgramText puts in an operation's text, and the hint a mismatch
+// of programs adds.
+extern const char* const kProgramMark;
+extern const char* const kProgramHint;
 
 // A failure mpijax found before any data moved: the whole text on stderr
 // (once per communicator: from its first rank, the text being the same on
@@ -109,9 +128,15 @@ class Op {
                            ffi::Span<const int64_t>(dims_, 1), c.size,
                            c.comm_id, c.device});
     info_->dc = c.dc;
+    uint64_t program = 0;
+    info_->site = SiteFor(
+        c, static_cast<uint64_t>(sig_), [&] { return Describe(); },
+        [&] { return Key(); }, &program, &program_);
+    // The first operation of a newly compiled program on this communicator
+    // also carries the program's fingerprint: ranks that compiled different
+    // programs (other shapes) differ here, in the check every call makes.
+    if (program != 0) sig_ = WithProgram(sig_, program);
     info_->sig = sig_;
-    info_->site = SiteFor(c, static_cast<uint64_t>(sig_),
-                          [&] { return Describe(); });
   }
 
   // Marks the communicator busy and starts the timeline's event.
@@ -127,12 +152,20 @@ class Op {
   int op_code() const { return op_; }
   int64_t count() const { return count_; }
   const Type& type() const { return t_; }
+  // The program this operation is the first of ("jit_f (f32[2,4])->f32[4]"),
+  // else "".
+  const std::string& program() const { return program_; }
+
+  // What AddLabel filed this operation's programs under.
+  std::string Key() const {
+    return LabelKey(kHloNames[kind_], type_ == MJB_BYTE ? "bytes" : t_.name,
+                    Elements(), OpName(op_));
+  }
 
   // "XLA all-reduce float32[1024] (sum) in jit(f)/psum".
   std::string Describe() const {
     std::ostringstream s;
     s << kKindNames[kind_] << " ";
-    int64_t elements = count_;
     if (type_ == MJB_BYTE) {
       s << count_ << " bytes";
     } else {
@@ -140,14 +173,16 @@ class Op {
     }
     const char* who = c_.clique != nullptr ? " devices" : " ranks";
     if (kind_ == kAllGather) s << " from each of " << c_.size << who;
-    if (kind_ == kAllGather) elements = count_ * c_.size;
     if (kind_ == kAllToAll) s << " to each of " << c_.size << who;
     if (OpName(op_)[0] != 0) s << " (" << OpName(op_) << ")";
-    // All-to-all and collective-permute move bytes: Python names them by
-    // the bytes of their result.
-    if (kind_ == kAllToAll) elements = count_ * c_.size;
-    s << LabelOf(kind_, type_ == MJB_BYTE ? "bytes" : t_.name, elements, op_);
+    s << LabelOf(kind_, type_ == MJB_BYTE ? "bytes" : t_.name, Elements(), op_);
     return s.str();
+  }
+
+  // The elements (bytes) of the operation's result, as Python names them:
+  // an all-gather's and an all-to-all's are every rank's block.
+  int64_t Elements() const {
+    return kind_ == kAllGather || kind_ == kAllToAll ? count_ * c_.size : count_;
   }
 
  private:
@@ -158,6 +193,7 @@ class Op {
   Type t_;
   int64_t dims_[1];
   int64_t sig_;
+  std::string program_;
   std::optional<detail::CallInfo> info_;
   std::optional<detail::TimelineScope> timeline_;
   std::optional<detail::CallScope> scope_;

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "xla_comm.h"
 
@@ -55,6 +57,14 @@ int Wait(uint64_t* request, int* status3);
 void AddLabel(const std::string& kind, const std::string& dtype,
               int64_t elements, const std::string& op,
               const std::string& label);
+// A compiled program with collectives across processes, named by `text`
+// (the same on every rank that compiled the same program: its name and the
+// shapes of its arguments), and its collectives as AddLabel takes them. The
+// first operation of it on a communicator carries its fingerprint in the
+// ranks' check (xla_op.h, Op).
+void AddProgram(const std::string& text,
+                const std::vector<std::tuple<std::string, std::string, int64_t,
+                                             std::string>>& collectives);
 
 }  // namespace mpijax::bridge
 

@@ -84,10 +84,16 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int got, int peer,
       static_cast<size_t>(got) == expect)
     return;
   std::ostringstream s;
+  // Only the programs' fingerprints differ: each rank names its own.
+  bool same_op = whole && h->sig != want.sig && h->kind == want.kind &&
+                 h->type == want.type && h->op == want.op &&
+                 h->count == want.count && h->bytes == want.bytes;
   s << "mismatch in XLA's collectives on " << Where(c) << ": this rank runs "
-    << op.Describe() << " and receives from rank " << WorldRank(c, peer)
-    << ", ";
-  if (whole) {
+    << (same_op ? WithProgramText(op.Describe(), op.program()) : op.Describe())
+    << " and receives from rank " << WorldRank(c, peer) << ", ";
+  if (same_op) {
+    s << "which runs the same operation as part of another program";
+  } else if (whole) {
     s << "which runs ";
     if (h->kind < 0 || h->kind >= kKinds) {
       s << "another operation (" << h->bytes << " bytes)";
@@ -104,6 +110,7 @@ void CheckHeader(XlaComm& c, Op& op, const char* message, int got, int peer,
   }
   s << ". Every rank must run the same jitted programs, in the same order, on "
        "arrays of the same shapes and dtypes.";
+  if (same_op) s << kProgramHint;
   Fatal(c, s.str());
 }
 

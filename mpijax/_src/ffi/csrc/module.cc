@@ -21,6 +21,7 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
+#include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
 #include "node_local.h"
 #include "reduce_ops.h"
@@ -248,6 +249,14 @@ NB_MODULE(_mpijax_ffi, m) {
   "('bytes' for all-to-all and collective-permute), the elements (bytes) of "
   "its result, reduction op name ('sum', ... or '') and the label (e.g. "
   "'jit(f)/psum').");
+
+  m.def("xla_program", &mpijax::bridge::AddProgram, nb::arg("text"), nb::arg("collectives"),
+  "A compiled program with collectives across processes: its text (its name and "
+  "the shapes of its arguments, the same on every rank that compiled the same "
+  "program) and its collectives as (kind, dtype, elements, op) of xla_label. The "
+  "first of its operations on each of XLA's communicators carries the program's "
+  "fingerprint in the ranks' check, so ranks that compiled different programs "
+  "stop there.");
 
   m.def("xla_enable_members", &mpijax::bridge::EnableMembers,
         nb::arg("local_devices"),
