@@ -296,6 +296,16 @@ _define("timeline", str, "",
         "merged by rank 0 at exit into one Chrome-trace / Perfetto JSON (see "
         "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
 
+_define("stragglers", _parse_bool, True,
+        "The straggler report (docs/troubleshooting.md): every collective, mpijax's "
+        "and XLA's over the bridge, stamps when each rank entered it; rank 0 finds "
+        "the rank that arrived last and logs one line at the end of the job, and "
+        "one every MPIJAX_STRAGGLER_INTERVAL seconds while one rank is consistently "
+        "late. 0 turns it off.")
+_define("straggler_interval", _parse_seconds, 60.0,
+        "Seconds between the straggler report's exchanges (a line comes only for a "
+        "period with a straggler). 0 (or inf): only the report at the end of the job.")
+
 # --- training ------------------------------------------------------------
 _define("bucket_bytes", int, 64 << 20,
         "Default size of a fused gradient all-reduce bucket.")

@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from mpijax._src.timeline import straggler
+
 # The C++ path bits (csrc/timeline.h) and their names.
 PATHS = ((1, "mpi"), (2, "ring"), (4, "shared memory"), (8, "cross-memory attach"))
 
@@ -93,6 +95,7 @@ class Split:
   exit: int
   waited_for: int | None  # the rank that arrived last, when this one waited
   ranks_seen: int  # how many ranks' events of this collective were found
+  group: int = -1  # the collective it is part of, when every member's events were found
 
   @property
   def wait(self) -> int:
@@ -134,7 +137,7 @@ def split_calls(calls: Sequence[Call], syncs: dict[int, ClockSync]) -> list[Spli
     else:
       groups.append(members)
   out: list[Split | None] = [None] * len(aligned)
-  for members in groups:
+  for g, members in enumerate(groups):
     seen = {(aligned[i][0].rank, aligned[i][0].device) for i in members}
     complete = len(seen) >= aligned[members[0]][0].comm_size
     last_i = max(members, key=lambda i: (aligned[i][1], aligned[i][0].rank))
@@ -143,7 +146,7 @@ def split_calls(calls: Sequence[Call], syncs: dict[int, ClockSync]) -> list[Spli
       c, enter, exit_ = aligned[i]
       ready = min(max(last, enter), exit_) if complete else enter
       waited = last_rank if complete and ready > enter and last_rank != c.rank else None
-      out[i] = Split(c, enter, ready, exit_, waited, len(members))
+      out[i] = Split(c, enter, ready, exit_, waited, len(members), g if complete else -1)
   for i, (c, enter, exit_) in enumerate(aligned):
     if out[i] is None:
       out[i] = Split(c, enter, enter, exit_, None, 1)
@@ -203,6 +206,48 @@ def _flows(splits: Sequence[Split], t0: int) -> list[dict[str, Any]]:
   return out
 
 
+def stragglers(splits: Sequence[Split], steps: dict[int, list[tuple[int, int]]],
+               hostnames: dict[int, str]) -> tuple[dict[int, int], dict[str, Any]]:
+  """Who arrived last at each complete collective, by how much, and the trace's straggler.
+
+  ``steps`` holds each rank's training-step spans (start, end): how much
+  later than the others a rank started its k-th step is its input time
+  (straggler.py). Returns the lateness of the
+  calls of each collective's last rank (by ``id`` of their split) and the
+  ``stragglers`` entry of the file's metadata (straggler.py's thresholds).
+  """
+  members: dict[int, list[Split]] = defaultdict(list)
+  for s in splits:
+    if s.group >= 0:
+      members[s.group].append(s)
+  tally = straggler.Tally()
+  late: dict[int, int] = {}
+  for group in members.values():
+    c = straggler.collective({(s.call.rank, s.call.device): s.enter for s in group})
+    if c is None:
+      continue
+    tally.add(c)
+    for s in group:
+      if s.call.rank == c.last:
+        late[id(s)] = c.late_ns
+  starts = {rank: sorted(a for a, _ in spans) for rank, spans in steps.items()}
+  for k in range(min((len(v) for v in starts.values()), default=0)):
+    tally.add_step({rank: v[k] for rank, v in starts.items()})
+  v = straggler.verdict(tally)
+  hosts = [hostnames.get(r, "?") for r in range(max(hostnames, default=-1) + 1)]
+  summary = {
+      "rank": v.rank,
+      "report": straggler.line(v, hosts, window="in this trace") if tally.collectives else None,
+      "collectives": tally.collectives,
+      "held_up": v.held,
+      "floor_ns": straggler.FLOOR_NS,
+      "by_rank": {str(r): {"arrived_last": tally.last[r], "held_up": tally.held[r],
+                           "late_ns": tally.held_ns[r]}
+                  for r in sorted(tally.took_part)},
+  }
+  return late, summary
+
+
 def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
                  missing: Sequence[int] = ()) -> dict[str, Any]:
   """The merged Chrome trace (Perfetto reads it too) of every rank's data."""
@@ -217,6 +262,11 @@ def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
       a = sync.to_reference(start) if sync else start
       b = sync.to_reference(end) if sync else end
       spans.append((r.rank, name, a, max(a, b), args))
+  step_spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+  for rank, _, a, b, args in spans:
+    if args.get("category") == "step":
+      step_spans[rank].append((a, b))
+  late, straggler_summary = stragglers(splits, step_spans, {r.rank: r.host for r in ranks})
   times = [s.enter for s in splits] + [s[2] for s in spans]
   t0 = min(times) if times else 0
   events: list[dict[str, Any]] = []
@@ -246,6 +296,10 @@ def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
         "duration_ns": s.exit - s.enter, "wait_ns": s.wait, "transfer_ns": s.transfer,
         "waited_for_rank": s.waited_for,
     }
+    if s.group >= 0:
+      args["arrived_last"] = id(s) in late
+      if id(s) in late:
+        args["late_ns"] = late[id(s)]
     if c.seq < 0:
       args["note"] = "point-to-point: no wait computed"
     elif s.ranks_seen < c.comm_size:
@@ -274,6 +328,7 @@ def chrome_trace(ranks: Sequence[RankData], *, job_ranks: int,
               "clock_offsets_ns": {str(r.rank): (r.sync.offset1 if r.sync else None)
                                    for r in ranks},
               "time_zero_ns": t0,
+              "stragglers": straggler_summary,
           },
       },
   }

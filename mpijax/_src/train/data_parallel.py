@@ -18,6 +18,7 @@ from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
 from mpijax._src.timeline import record as _timeline
+from mpijax._src.timeline import straggler_watch as _stragglers
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import communicator
 from mpijax._src.train import data as _data
@@ -382,6 +383,9 @@ class DataParallel:
       of the global batch (``"loss"`` and the ``aux`` keys, or ``"aux"`` for
       an ``aux`` that is not a dict), as jax values.
     """
+    # A rank that calls its step later than the others was still getting the
+    # batch: the straggler report splits its lateness into input and compute.
+    _stragglers.note_step()
     if _timeline.active():
       # The span ends when the step's results are ready: with the timeline
       # on, each step waits for its own before returning.
