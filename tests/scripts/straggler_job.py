@@ -14,10 +14,15 @@ MODE:
            computation; LATE_RANK sleeps 30 ms more before each call.
 
 Rank 0 prints "first straggler line at step N" when the first periodic straggler
-line (MPIJAX_STRAGGLER_INTERVAL) is logged, N being the steps done by then.
+line (MPIJAX_STRAGGLER_INTERVAL) is logged, N being the steps done by then, and
+"job line at T" (wall clock) when it logs the job's line. With STRAGGLER_TEST_HOLD=S
+in the environment, LATE_RANK holds its exit S seconds after the steps (a rank that
+does not come to the end) and prints "hold ended at T", and every rank's report
+waits at most 2 s for the others at the end (instead of 30).
 """
 
 import logging
+import os
 import sys
 import time
 
@@ -28,9 +33,13 @@ import optax
 
 import mpijax
 from mpijax import train
+from mpijax._src.timeline import straggler_watch
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 late = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+hold = float(os.environ.get("STRAGGLER_TEST_HOLD", "0"))
+if hold:
+  straggler_watch.FINISH_TIMEOUT_S = 2.0
 rt = mpijax.init()
 done = 0
 
@@ -48,6 +57,8 @@ class _FirstLine(logging.Handler):
     if not self.seen and "straggler in the last" in text:
       self.seen = True
       print(f"first straggler line at step {done}", flush=True)
+    if "over the job" in text:
+      print(f"job line at {time.time():.3f}", flush=True)
 
 
 logging.getLogger("mpijax").addHandler(_FirstLine())
@@ -119,3 +130,6 @@ elif mode == "xla":
   print(f"rank {rt.rank}: {done} steps, sum {total.tolist()}", flush=True)
 else:
   raise SystemExit(f"unknown mode {mode!r}")
+if hold and rt.rank == late:
+  time.sleep(hold)
+  print(f"hold ended at {time.time():.3f}", flush=True)
