@@ -78,7 +78,7 @@ if mode in ("compute", "input"):
   rng = np.random.default_rng(rt.rank)
   x = rng.normal(size=(B, 8)).astype(np.float32)
   y = (x[:, 0] > 0).astype(np.int32)
-  batch = (x, y, np.full((B,), reps, np.int32), np.ones((B, 128, 160), np.float32))
+  batch = (x, y, np.full((B,), reps, np.int32), np.ones((B, 256, 160), np.float32))
 
   def loss_fn(params, data):
     xb, yb, n, x0 = data

@@ -23,40 +23,89 @@ def test_the_last_arrival_is_late_by_the_time_after_the_one_before_it():
   assert straggler.collective({(2, 0): 5, (2, 1): 9}) is None  # one rank made it all
 
 
+def _pairs(batch):
+  return [(c.last, c.late_ns) for c in batch.collectives()]
+
+
 def test_pairing_waits_for_every_member_and_keeps_communicators_apart():
   p = straggler.Pairing()
   # Two communicators share key 5 (disjoint sub-communicators may): their leaders differ.
-  p.add(straggler.arrivals(0, [_row(0, 10, size=2), _row(0, 50, size=2, leader=2)]))
-  p.add(straggler.arrivals(1, [_row(0, 30, size=2)]))
-  assert [(c.last, c.late_ns) for c in p.complete()] == [(1, 20)]
+  p.add(0, [_row(0, 10, size=2), _row(0, 50, size=2, leader=2)])
+  p.add(1, [_row(0, 30, size=2)])
+  assert _pairs(p.complete()) == [(1, 20)]
   assert len(p) == 1  # the other communicator's rank 3 has not reported
-  p.add(straggler.arrivals(3, [_row(0, 40, size=2, leader=2)], offset_ns=100))
-  assert [(c.last, c.late_ns, c.ranks) for c in p.complete()] == [(3, 90, (0, 3))]
+  p.add(3, [_row(0, 40, size=2, leader=2)], offset_ns=100)
+  assert [(c.last, c.late_ns, c.ranks) for c in p.complete().collectives()] == [(3, 90, (0, 3))]
+  # The same stamp twice (a rank's payloads overlap) counts once.
+  p.add(0, [_row(1, 10, size=2)] * 2)
+  assert _pairs(p.complete()) == [] and len(p) == 1
 
 
 def test_pairing_per_device_and_across_a_process_s_devices():
   p = straggler.Pairing()
   # mpijax's per-device communicators: each device's k-th call is a collective of its own.
   for rank, (t0, t1) in ((0, (0, 20)), (1, (7, 14))):
-    p.add(straggler.arrivals(rank, [_row(0, t0, device=0, size=2), _row(0, t1, device=1, size=2)]))
-  assert sorted((c.last, c.late_ns) for c in p.complete()) == [(0, 6), (1, 7)]
+    p.add(rank, [_row(0, t0, device=0, size=2), _row(0, t1, device=1, size=2)])
+  assert sorted(_pairs(p.complete())) == [(0, 6), (1, 7)]
   # XLA's with several devices per process: one collective of every (rank, device).
-  p.add(straggler.arrivals(0, [_row(3, 10, device=d, per_device=0) for d in (0, 1)]))
-  p.add(straggler.arrivals(1, [_row(3, 12, device=0, per_device=0)]))
-  assert p.complete() == []
-  p.add(straggler.arrivals(1, [_row(3, 30, device=1, per_device=0)]))
-  assert [(c.last, c.late_ns) for c in p.complete()] == [(1, 20)]
+  p.add(0, [_row(3, 10, device=d, per_device=0) for d in (0, 1)])
+  p.add(1, [_row(3, 12, device=0, per_device=0)])
+  assert _pairs(p.complete()) == []
+  p.add(1, [_row(3, 30, device=1, per_device=0)])
+  assert _pairs(p.complete()) == [(1, 20)]
+  # A collective of one rank's devices alone compares no ranks.
+  p.add(2, [_row(4, 10, device=d, per_device=0, size=2, leader=2) for d in (0, 1)])
+  assert _pairs(p.complete()) == [] and len(p) == 0
 
 
 def test_pairing_drops_what_stays_incomplete():
   p = straggler.Pairing(max_age=2)
-  p.add(straggler.arrivals(0, [_row(0, 1, size=2)]))
-  assert p.complete() == [] and len(p) == 1
-  assert p.complete() == [] and len(p) == 0  # its other member's stamps never came
+  p.add(0, [_row(0, 1, size=2)])
+  assert _pairs(p.complete()) == [] and len(p) == 1
+  assert _pairs(p.complete()) == [] and len(p) == 0  # its other member's stamps never came
   p = straggler.Pairing(max_pending=3)
-  p.add(straggler.arrivals(0, [_row(s, s, size=2) for s in range(5)]))
+  p.add(0, [_row(s, s, size=2) for s in range(5)])
   p.complete()
   assert len(p) == 3
+
+
+def test_pairing_in_arrays_agrees_with_one_collective_at_a_time():
+  rng = random.Random(3)
+  ranks, devices, calls = 4, 2, 60
+  stamps = {}  # (rank, device, seq) -> ns
+  for seq in range(calls):
+    for r in range(ranks):
+      for d in range(devices):
+        stamps[(r, d, seq)] = seq * 10 * MS + rng.randrange(4 * MS)
+  p = straggler.Pairing()
+  for r in range(ranks):
+    p.add(
+      r, [_row(seq, ns, device=d, size=ranks) for (rr, d, seq), ns in stamps.items() if rr == r]
+    )
+  batch, one_by_one = straggler.Tally(), straggler.Tally()
+  batch.add_batch(p.complete())
+  for seq in range(calls):
+    for d in range(devices):
+      one_by_one.add(straggler.collective({(r, d): stamps[(r, d, seq)] for r in range(ranks)}))
+  assert batch == one_by_one and batch.collectives == calls * devices
+
+
+def test_steps_pair_by_number_and_compare_each_rank_with_the_others():
+  p = straggler.StepPairing(3)
+  p.add(0, [(0, 100), (1, 200)])
+  p.add(1, [(0, 130), (1, 260)], offset_ns=-10)
+  p.add(2, [(0, 160)])
+  t = straggler.Tally()
+  t.add_steps(*p.complete())  # step 1 waits for rank 2
+  # Step 0 at 100, 120, 160: each against the median of the other two.
+  assert t.call_late_ns == {0: 100 - 140, 1: 120 - 130, 2: 160 - 110} and t.steps == {
+    0: 1,
+    1: 1,
+    2: 1,
+  }
+  p.add(2, [(1, 230)])
+  t.add_steps(*p.complete())
+  assert t.call_late_ns[2] == 50 + 230 - 225 and t.steps == {0: 2, 1: 2, 2: 2}
 
 
 def _tally(lasts, late_ns, *, step_ns=50 * MS, ranks=4):

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 FLOOR_NS = 500_000  # a collective waited for its last rank when it came this much later
 MIN_HELD = 10  # held-up collectives a window needs before a rank is named
@@ -46,26 +47,6 @@ TIME_SHARE = 0.05  # of the window's time, the share spent waiting for it
 
 # The columns of a row from the extension's arrivals_drain().
 COLUMNS = ("key", "leader", "device", "per_device", "comm_size", "seq", "ns")
-
-
-@dataclasses.dataclass(frozen=True)
-class Arrival:
-  """One rank's (or one of its devices') entry into one collective, on rank 0's clock."""
-
-  rank: int
-  device: int
-  group: tuple[int, int, int, int]  # the collective: (key, leader, device or -1, seq)
-  comm_size: int  # the members the collective has
-  ns: int
-
-
-def arrivals(rank: int, rows: Sequence[Sequence[int]], offset_ns: int = 0) -> list[Arrival]:
-  """The extension's rows of ``rank`` (``COLUMNS``), their times moved by ``offset_ns``."""
-  out = []
-  for key, leader, device, per_device, comm_size, seq, ns in rows:
-    group = (int(key), int(leader), int(device) if per_device else -1, int(seq))
-    out.append(Arrival(rank, int(device), group, int(comm_size), int(ns) + offset_ns))
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,69 +76,149 @@ def collective(members: Mapping[tuple[int, int], int]) -> Collective | None:
   return Collective(last, t_last - t_before, tuple(sorted(by_rank)), order[0][1], t_last)
 
 
-def step_calls(members: Mapping[tuple[int, int], int]) -> dict[int, int]:
-  """``{rank: when it called the step}`` of one training step's ``{(rank, 0): ns}``."""
-  return {rank: ns for (rank, _), ns in members.items()}
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Collectives that came complete, as arrays (one entry per collective)."""
+
+  last: np.ndarray  # the rank that arrived last
+  late_ns: np.ndarray  # how much after the latest of the other ranks
+  first_ns: np.ndarray  # the earliest arrival
+  end_ns: np.ndarray  # the latest arrival
+  ranks: np.ndarray  # the ranks that took part, collective after collective
+  counts: np.ndarray  # how many of ``ranks`` each collective has
+
+  def __len__(self) -> int:
+    return len(self.last)
+
+  def collectives(self) -> list[Collective]:
+    ranks = np.split(self.ranks, np.cumsum(self.counts)[:-1]) if len(self) else []
+    return [
+      Collective(int(a), int(b), tuple(sorted(int(r) for r in rs)), int(c), int(d))
+      for a, b, c, d, rs in zip(self.last, self.late_ns, self.first_ns, self.end_ns, ranks)
+    ]
+
+
+def _starts(*cols: np.ndarray) -> np.ndarray:
+  """True where a row of the sorted columns begins a new run of equal values."""
+  new = np.zeros(len(cols[0]), bool)
+  if len(new):
+    new[0] = True
+  for c in cols:
+    new[1:] |= c[1:] != c[:-1]
+  return new
+
+
+# The columns of Pairing's table.
+_KEY, _LEADER, _GROUP, _SEQ, _SIZE, _RANK, _DEVICE, _NS, _BORN = range(9)
 
 
 class Pairing:
-  """Holds what the ranks report of each collective (or training step) until all of it came.
+  """Holds the ranks' arrival stamps until each collective has all of its members.
 
-  Reports come from the ranks at different times; an item is complete when
-  as many (rank, device) members as its size reported, and ``make`` turns
-  it into the result (None: nothing). One that stays incomplete for
-  ``max_age`` rounds (a member's stamps were overwritten before a drain, or
-  the rank never sent them) is dropped, and so is the oldest part once more
-  than ``max_pending`` items wait.
+  The stamps come from the ranks at different times (arrays, as the
+  extension drains them). The k-th collective of a communicator is (its
+  key, its leader, the device where each device's calls are collectives of
+  their own, k); it is complete when as many (rank, device) members as its
+  size reported. A stamp that stays unpaired for ``max_age`` rounds (a
+  member's stamps were overwritten before a drain, or its rank never sent
+  them) is dropped, and so are the oldest once more than ``max_pending``
+  wait. Array operations throughout: rank 0 pairs every rank's stamps
+  without holding Python's lock for long.
   """
 
-  def __init__(
-    self,
-    make: Callable[[dict[tuple[int, int], int]], Any] = collective,
-    *,
-    max_age: int = 3,
-    max_pending: int = 200_000,
-  ) -> None:
-    self.make = make
+  def __init__(self, *, max_age: int = 3, max_pending: int = 1_000_000) -> None:
     self.max_age = max_age
     self.max_pending = max_pending
-    self._members: dict[Hashable, dict[tuple[int, int], int]] = {}
-    self._size: dict[Hashable, int] = {}
-    self._born: dict[Hashable, int] = {}
+    self._table = np.empty((0, 9), np.int64)
+    self._new: list[np.ndarray] = []
     self._round = 0
 
   def __len__(self) -> int:
-    return len(self._members)
+    """The stamps waiting for the rest of their collective."""
+    return len(self._table) + sum(len(t) for t in self._new)
 
-  def add(self, items: Iterable[Arrival]) -> None:
-    for a in items:
-      self.add_one(a.group, (a.rank, a.device), a.comm_size, a.ns)
+  def add(self, rank: int, rows: Any, offset_ns: int = 0) -> None:
+    """Adds ``rank``'s rows (``COLUMNS``), their times moved by ``offset_ns`` (to rank 0's clock)."""
+    rows = np.asarray(rows, np.int64).reshape(-1, len(COLUMNS))
+    t = np.empty((len(rows), 9), np.int64)
+    t[:, _KEY], t[:, _LEADER] = rows[:, 0], rows[:, 1]
+    t[:, _GROUP] = np.where(rows[:, 3] != 0, rows[:, 2], -1)
+    t[:, _SEQ], t[:, _SIZE] = rows[:, 5], rows[:, 4]
+    t[:, _RANK], t[:, _DEVICE], t[:, _NS] = rank, rows[:, 2], rows[:, 6] + offset_ns
+    t[:, _BORN] = self._round
+    self._new.append(t)
 
-  def add_one(self, group: Hashable, member: tuple[int, int], size: int, ns: int) -> None:
-    members = self._members.get(group)
-    if members is None:
-      members = self._members[group] = {}
-      self._size[group] = size
-      self._born[group] = self._round
-    members[member] = ns
-
-  def complete(self) -> list[Any]:
-    """Takes out the complete items (oldest first) as ``make`` builds them, and ages the rest."""
-    done = [g for g, m in self._members.items() if len(m) >= self._size[g]]
-    out = []
-    for g in sorted(done, key=lambda g: min(self._members[g].values())):
-      c = self.make(self._members.pop(g))
-      del self._size[g], self._born[g]
-      if c is not None:
-        out.append(c)
+  def complete(self) -> Batch:
+    """Takes out the collectives whose members have all come, and ages the rest."""
+    t = np.concatenate([self._table, *self._new])
+    self._new = []
     self._round += 1
-    old = [g for g, born in self._born.items() if self._round - born >= self.max_age]
-    if len(self._members) - len(old) > self.max_pending:
-      keep = sorted((g for g in self._born if g not in set(old)), key=self._born.__getitem__)
-      old += keep[: len(keep) - self.max_pending]
-    for g in old:
-      del self._members[g], self._size[g], self._born[g]
-    return out
+    t = t[
+      np.lexsort((t[:, _DEVICE], t[:, _RANK], t[:, _SEQ], t[:, _GROUP], t[:, _LEADER], t[:, _KEY]))
+    ]
+    collective_cols = (t[:, _KEY], t[:, _LEADER], t[:, _GROUP], t[:, _SEQ])
+    t = t[_starts(*collective_cols, t[:, _RANK], t[:, _DEVICE])]  # a member once
+    new = _starts(t[:, _KEY], t[:, _LEADER], t[:, _GROUP], t[:, _SEQ])
+    which = np.cumsum(new) - 1
+    begin = np.flatnonzero(new)
+    members = np.diff(np.append(begin, len(t)))
+    done = (members >= t[begin, _SIZE])[which]
+    rest = t[~done]
+    rest = rest[self._round - rest[:, _BORN] < self.max_age]
+    if len(rest) > self.max_pending:
+      rest = rest[np.argsort(rest[:, _BORN], kind="stable")[len(rest) - self.max_pending :]]
+    self._table = rest
+    t, which = t[done], which[done]
+    # A rank arrives with its last member.
+    first_of_rank = _starts(which, t[:, _RANK])
+    at = np.flatnonzero(first_of_rank)
+    rank_ns = np.maximum.reduceat(t[:, _NS], at) if len(at) else t[:0, _NS]
+    rank, group = t[at, _RANK], which[at]
+    order = np.lexsort((rank, rank_ns, group))
+    rank, rank_ns, group = rank[order], rank_ns[order], group[order]
+    begin = np.flatnonzero(_starts(group))
+    counts = np.diff(np.append(begin, len(group)))
+    several = counts >= 2  # one rank's devices alone compare nothing
+    took = rank[np.repeat(several, counts)]
+    begin, counts = begin[several], counts[several]
+    end = begin + counts - 1
+    return Batch(
+      rank[end], rank_ns[end] - rank_ns[end - 1], rank_ns[begin], rank_ns[end], took, counts
+    )
+
+
+class StepPairing:
+  """Holds the ranks' training-step call times until every rank's of a step came."""
+
+  def __init__(self, ranks: int, *, max_age: int = 3) -> None:
+    self.ranks = ranks
+    self.max_age = max_age
+    self._table = np.empty((0, 4), np.int64)  # step, rank, ns, born
+    self._new: list[np.ndarray] = []
+    self._round = 0
+
+  def add(self, rank: int, steps: Any, offset_ns: int = 0) -> None:
+    """Adds ``rank``'s (step number, call ns) rows, their times moved by ``offset_ns``."""
+    steps = np.asarray(steps, np.int64).reshape(-1, 2)
+    t = np.empty((len(steps), 4), np.int64)
+    t[:, 0], t[:, 1], t[:, 2], t[:, 3] = steps[:, 0], rank, steps[:, 1] + offset_ns, self._round
+    self._new.append(t)
+
+  def complete(self) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, call ns) of the complete steps: two arrays of shape (steps, ranks)."""
+    t = np.concatenate([self._table, *self._new])
+    self._new = []
+    self._round += 1
+    t = t[np.lexsort((t[:, 1], t[:, 0]))]
+    t = t[_starts(t[:, 0], t[:, 1])]
+    new = _starts(t[:, 0])
+    which = np.cumsum(new) - 1
+    members = np.diff(np.append(np.flatnonzero(new), len(t)))
+    done = (members >= self.ranks)[which]
+    rest = t[~done]
+    self._table = rest[self._round - rest[:, 3] < self.max_age]
+    t = t[done].reshape(-1, self.ranks, 4)
+    return t[:, :, 1], t[:, :, 2]
 
 
 @dataclasses.dataclass
@@ -186,16 +247,45 @@ class Tally:
     self.first_ns = c.first_ns if self.first_ns is None else min(self.first_ns, c.first_ns)
     self.end_ns = c.end_ns if self.end_ns is None else max(self.end_ns, c.end_ns)
 
+  def add_batch(self, b: Batch) -> None:
+    if not len(b):
+      return
+    self.collectives += len(b)
+    _count(self.took_part, b.ranks)
+    _count(self.last, b.last)
+    held = b.late_ns >= FLOOR_NS
+    _count(self.held, b.last[held])
+    _count(self.held_ns, b.last[held], b.late_ns[held])
+    first, end = int(b.first_ns.min()), int(b.end_ns.max())
+    self.first_ns = first if self.first_ns is None else min(self.first_ns, first)
+    self.end_ns = end if self.end_ns is None else max(self.end_ns, end)
+
+  def add_steps(self, ranks: np.ndarray, calls: np.ndarray) -> None:
+    """Training steps: ``calls[s, i]`` is when rank ``ranks[s, i]`` called step s (one clock).
+
+    Each rank's call is compared with the median of the other ranks' calls.
+    """
+    steps, n = calls.shape if calls.ndim == 2 else (0, 0)
+    if not steps or n < 2:
+      return
+    order = np.argsort(calls, axis=1, kind="stable")
+    v = np.take_along_axis(calls, order, axis=1).astype(np.float64)
+    who = np.take_along_axis(ranks, order, axis=1)
+    # The median of a sorted row without its i-th element: index k of the
+    # other n - 1 is element k + (k >= i) of the row.
+    i = np.arange(n)
+    m = n - 1
+    if m % 2:
+      median = v[:, m // 2 + (m // 2 >= i)]
+    else:
+      lo, hi = m // 2 - 1, m // 2
+      median = (v[:, lo + (lo >= i)] + v[:, hi + (hi >= i)]) / 2
+    _count(self.call_late_ns, who.ravel(), (v - median).ravel())
+    _count(self.steps, who.ravel())
+
   def add_step(self, calls: Mapping[int, int]) -> None:
     """One training step: when each rank called it (one clock)."""
-    if len(calls) < 2:
-      return
-    times = sorted(calls.values())
-    for rank, ns in calls.items():
-      others = list(times)
-      others.remove(ns)
-      self.call_late_ns[rank] += ns - statistics.median(others)
-      self.steps[rank] += 1
+    self.add_steps(np.array([list(calls)], np.int64), np.array([list(calls.values())], np.int64))
 
   def merge(self, other: Tally) -> None:
     self.collectives += other.collectives
@@ -220,6 +310,18 @@ class Tally:
     if self.first_ns is None or self.end_ns is None:
       return 0
     return self.end_ns - self.first_ns
+
+
+def _count(
+  counter: collections.Counter, keys: np.ndarray, weights: np.ndarray | None = None
+) -> None:
+  """Adds one (or ``weights``) per key to ``counter``."""
+  if not len(keys):
+    return
+  uniq, inverse = np.unique(keys, return_inverse=True)
+  sums = np.bincount(inverse, weights=weights) if weights is not None else np.bincount(inverse)
+  for k, v in zip(uniq.tolist(), sums.tolist()):
+    counter[k] += round(v) if weights is not None else v
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ class _Watch:
     # Rank 0's.
     self.offsets: dict[str, int] = {hostnames[0]: 0}
     self.collectives = straggler.Pairing()
-    self.step_calls = straggler.Pairing(straggler.step_calls)
+    self.step_calls = straggler.StepPairing(self.size)
     self.job = straggler.Tally()
     self.got: dict[int, list[Any]] = {}  # payloads taken, not yet paired
     self.finished = {0}  # the ranks whose last stamps came
@@ -166,7 +166,6 @@ class _Watch:
 
   def tally(self) -> straggler.Tally:
     """Rank 0: this period's collectives and steps, from the payloads taken."""
-    window = straggler.Tally()
     width = len(straggler.COLUMNS)
     got, self.got = self.got, {}
     for r, bufs in got.items():
@@ -174,16 +173,12 @@ class _Watch:
       if offset is None:
         continue  # its host's clock was not measured: not comparable
       for buf in bufs:
-        n_rows, n_steps = int(buf[1]), int(buf[2])
-        rows = buf[_HEADER : _HEADER + n_rows * width].reshape(n_rows, width)
-        self.collectives.add(straggler.arrivals(r, rows.tolist(), offset))
-        steps = buf[_HEADER + n_rows * width :].reshape(n_steps, 2)
-        for step, ns in steps.tolist():
-          self.step_calls.add_one(step, (r, 0), self.size, ns + offset)
-    for c in self.collectives.complete():
-      window.add(c)
-    for calls in self.step_calls.complete():
-      window.add_step(calls)
+        n_rows = int(buf[1])
+        self.collectives.add(r, buf[_HEADER : _HEADER + n_rows * width], offset)
+        self.step_calls.add(r, buf[_HEADER + n_rows * width :], offset)
+    window = straggler.Tally()
+    window.add_batch(self.collectives.complete())
+    window.add_steps(*self.step_calls.complete())
     return window
 
   def report(self, v: straggler.Verdict, window: str, *, always: bool) -> None:
