@@ -436,7 +436,10 @@ def init(
       # the last registered first), or at shutdown().
       atexit.register(timeline_record.finish, _drain_at_exit)
       register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
-    stragglers = my_size > 1 and config.get("stragglers") and _extension_loads()
+    # Off on every rank where one rank cannot run it: starting it is collective.
+    stragglers = my_size > 1 and min(
+      mpi_util.allgather_int(private, int(bool(config.get("stragglers")) and _extension_loads()))
+    )
     if stragglers:
       # At exit after the drain, before the timeline's file (which shows its lines).
       atexit.register(straggler_watch.finish)
