@@ -19,10 +19,11 @@ After ``mpijax.init()`` every program JAX compiles (``jax.jit``, ``.lower().comp
    collective for it reports "compiling", not a stall) and the timeline
    draws it.
 3. **The readers.** Each function given to :func:`add_reader` then sees the
-   program (its HLO text read once): the names of XLA's collectives in
-   reports (``xla_labels``), the communicators they will ask for
-   (``xla_cliques``), the gloo guard. They run on a loaded program as on a
-   compiled one.
+   program (its HLO text read once and its collective instructions parsed
+   once, by ``xla_hlo``): the names of XLA's collectives in reports and the
+   check that every rank runs the same program (``xla_labels``), the
+   communicators they will ask for (``xla_cliques``), the gloo guard. They
+   run on a loaded program as on a compiled one.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 from mpijax._src import compile_cache
 from mpijax._src import config
 from mpijax._src import log
+from mpijax._src import xla_hlo
 
 _lock = threading.Lock()
 _installed = False
@@ -60,9 +62,9 @@ class Program:
   spans_processes: bool  # devices of several processes (XLA's collectives cross ranks)
 
   @functools.cached_property
-  def modules(self) -> list[tuple[str, str]]:
-    """(name, HLO text) of each of the executable's modules, read once."""
-    return [(m.name, m.to_string()) for m in self.executable.hlo_modules()]
+  def hlo(self) -> list[xla_hlo.Module]:
+    """Each of the executable's HLO modules: its text read once, its collectives parsed once."""
+    return [xla_hlo.Module(m.name, m.to_string()) for m in self.executable.hlo_modules()]
 
 
 @dataclasses.dataclass

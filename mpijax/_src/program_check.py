@@ -81,7 +81,7 @@ def arm() -> None:
 
 def note(module_name: str, hlo_text: str, collectives: list[tuple]) -> None:
   """Notes a program with collectives across processes, compiled by this rank;
-  ``collectives``: its (kind, dtype, elements, op, label), as xla_labels finds them."""
+  ``collectives``: its (kind, dtype, elements, op, label), as ``xla_hlo`` reads them."""
   program = describe(module_name, hlo_text)
   if at_first_collective():
     from mpijax._src import ffi as _ffi

@@ -29,39 +29,10 @@ from typing import Any
 import numpy as np
 
 from mpijax._src import compile_hook
-
-# The HLO opcodes that reach XLA's CPU collectives (and their async starts).
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_INSTR = re.compile(
-  r"^\s*(?:ROOT\s+)?%[\w.\-]+ = .*? (?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$"
-)
-
+from mpijax._src import xla_hlo
 
 class UnknownReplicaGroups(ValueError):
   """A collective whose replica groups this module cannot read."""
-
-
-def _attr(rest: str, name: str) -> str | None:
-  """The text of attribute ``name=...`` in an instruction's argument text."""
-  m = re.search(r"(?:^|[\s,])" + re.escape(name) + r"=", rest)
-  if not m:
-    return None
-  i, depth, out = m.end(), 0, []
-  while i < len(rest):
-    ch = rest[i]
-    if ch in "{[(":
-      depth += 1
-    elif ch in "}])":
-      if depth == 0:
-        break
-      depth -= 1
-    elif ch == "," and depth == 0:
-      # mesh['a'=2], device_ids=(...) {'a'}: the mesh's own attribute.
-      if not rest.startswith(" device_ids=", i + 1):
-        break
-    out.append(ch)
-    i += 1
-  return "".join(out).strip()
 
 
 def _ints(text: str) -> list[int]:
@@ -193,7 +164,10 @@ def _participants(
 
 
 def program_cliques(
-  hlo_text: str, device_ids: Sequence[int], num_replicas: int, num_partitions: int
+  collectives: Sequence[xla_hlo.Collective],
+  device_ids: Sequence[int],
+  num_replicas: int,
+  num_partitions: int,
 ) -> list[list[tuple[int, ...]]]:
   """For each collective instruction of an HLO module (in text order), the
   distinct cliques of its devices: a partition of the program's devices.
@@ -203,21 +177,17 @@ def program_cliques(
   """
   assignment = np.asarray(list(device_ids), dtype=np.int64).reshape(num_replicas, num_partitions)
   out: list[list[tuple[int, ...]]] = []
-  for line in hlo_text.splitlines():
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    kind, rest = m.group("kind"), m.group("rest")
-    has_channel = _attr(rest, "channel_id") is not None
-    global_ids = _attr(rest, "use_global_device_ids")
-    if kind == "collective-permute":
+  for c in collectives:
+    has_channel = c.attribute("channel_id") is not None
+    global_ids = c.attribute("use_global_device_ids")
+    if c.kind == "collective-permute":
       groups = None
     else:
-      groups = replica_groups(_attr(rest, "replica_groups"))
+      groups = replica_groups(c.attribute("replica_groups"))
     if not has_channel:
       mode = "cross_replica"
     elif global_ids is None:
-      mode = "cross_partition" if kind != "collective-permute" else "cross_partition"
+      mode = "cross_partition"
     elif global_ids == "true":
       mode = "flattened"
     else:
@@ -313,8 +283,8 @@ def prepare(program: compile_hook.Program) -> None:
     replicas, partitions = 1, len(flat)
   ids = [d.id for d in flat]
   programs = []
-  for _, text in program.modules:
-    programs += program_cliques(text, ids, replicas, partitions)
+  for module in program.hlo:
+    programs += program_cliques(module.collectives, ids, replicas, partitions)
   if not programs:
     return
   ext = ffi.load()

@@ -39,6 +39,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/compile_hook.py",
     "_src/compile_cache.py",
     "_src/bridge_env.py",
+    "_src/xla_hlo.py",
     "_src/xla_labels.py",
     "_src/program_check.py",
     "_src/xla_cliques.py",
