@@ -9,6 +9,7 @@ configures JAX's local devices and gathers the global device table.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import socket
@@ -447,166 +448,221 @@ def init(
     if _runtime is not None:
       _check_same_as_first(_runtime, args)
       return _runtime
-    _check_arguments(coordinator_address, devices_per_process, comm)
-    log.warn_unknown_settings()
-    if coordinator_address is None:  # JAX's convention: JAX_COORDINATOR_ADDRESS
-      coordinator_address = config.get("jax_coordinator_address") or None
-    info = cluster.detect(
-      launcher or config.get("launcher") or None,
-      rank=rank,
-      size=size,
-      local_rank=local_rank,
-      local_size=local_size,
-    )
-    # No launcher's variables: plain MPI (a singleton) or no MPI at all.
-    no_launcher = info.launcher in ("single", "mpi") and info.size == 1
-    if no_launcher and not (launcher or config.get("launcher") or size == 1 or comm is not None):
-      _say_single_rank()
-    MPI = mpi_util.import_mpi()
-    base = comm if comm is not None else MPI.COMM_WORLD
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-      log.warning(
-        f"MPI was initialized with thread level {MPI.Query_thread()} "
-        "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
-        "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE."
-      )
-    if comm is None:
-      _raise_on_every_rank(
-        base,
-        [
-          _check("rank", info.launcher, info.rank, base.Get_rank()),
-          _check("size", info.launcher, info.size, base.Get_size()),
-        ],
-      )
-    my_rank, my_size = base.Get_rank(), base.Get_size()
-    private = base.Clone()
-    private.Set_name("mpijax")
-
-    host = socket.gethostname()
-    hostnames = tuple(mpi_util.allgather_str(private, host))
-    # Order the node's ranks by the launcher's local rank when it gives one (Open MPI
-    # may number them in mapping order, not world order); then MPI's local rank
-    # equals the launcher's exactly when the launcher's numbering is consistent.
-    key = info.local_rank if (info.local_rank is not None and comm is None) else my_rank
-    shared = private.Split_type(MPI.COMM_TYPE_SHARED, key=key)
-    mpi_local_rank, mpi_local_size = shared.Get_rank(), shared.Get_size()
-    node_cpus = xla_pools.count_node_cpus(shared)
-    shared.Free()
-    if comm is None:
-      try:
-        _raise_on_every_rank(
-          private,
-          [
-            _check("local_rank", info.launcher, info.local_rank, mpi_local_rank),
-            _check("local_size", info.launcher, info.local_size, mpi_local_size),
-          ],
-        )
-      except RuntimeError:
-        private.Free()
-        raise
-    node_index, node_count = _node_layout(hostnames, my_rank)
-    address = _pick_coordinator(private, hostnames, coordinator_address)
-
-    n_local = device_setup.configure(devices_per_process, mpi_local_rank, mpi_local_size)
-    if jax_distributed is None:
-      use_dist = my_size > 1 and config.get("jax_distributed")
-    else:
-      use_dist = bool(jax_distributed)
-    import jax
-
-    from mpijax._src import jax_compat
-
-    started = None
-    if use_dist or jax_compat.distributed.global_state.client is not None:
-      try:
-        # Before JAX's runtime spans the ranks: an uneven job stops here, clearly.
-        _check_device_counts(private, n_local)
-        started = jax_runtime.start(
-          private,
-          address=address,
-          rank=my_rank,
-          size=my_size,
-          local_devices=n_local,
-          raise_on_every_rank=_raise_on_every_rank,
-        )
-      except BaseException:
-        private.Free()
-        raise
-    from mpijax._src import multihost
-
-    multihost.install()
-    _start_compile_cache(jax, my_rank, address)
-    local_devices = list(jax.local_devices())
-    _settle_xla_spin(mpi_local_size, local_devices, node_cpus)
-    if started is not None and (jax.process_index(), jax.process_count()) != (my_rank, my_size):
-      raise RuntimeError(
-        f"mpijax.init(): JAX says process {jax.process_index()} of {jax.process_count()}, "
-        f"but MPI says rank {my_rank} of {my_size}."
-      )
-    table = _device_table(private, local_devices, host)
-
-    topology = Topology(
-      rank=my_rank,
-      size=my_size,
-      local_rank=mpi_local_rank,
-      local_size=mpi_local_size,
-      node_index=node_index,
-      node_count=node_count,
-      hostnames=hostnames,
-      coordinator_address=address,
-      launcher=info.launcher,
-    )
-    _runtime = Runtime(
-      topology=topology,
-      comm=private,
-      local_devices=local_devices,
-      device_table=table,
-      jax_distributed=started is not None,
-      xla_collectives=started.collectives if started else "",
-      _world_comm=base,
-      _owns_distributed=bool(started and started.owns_distributed),
-    )
-    abort = config.get("abort_on_exception") if abort_on_exception is None else abort_on_exception
-    _runtime._first_call = dict(
-      abort_on_exception=bool(abort),
-      timeline=timeline if timeline is not None else config.get("timeline"),
-      args={k: v for k, v in args.items() if v is not None},
-    )
-    if abort:
-      failure.install()
-    # The stall inspector's responder answers other ranks' "what are you
-    # doing?" queries; its communicator is cloned here (collective), its thread
-    # starts with the first collective and stops at shutdown() and at exit.
-    inspector.prepare(private, drain=_drain_at_exit)
-    register_shutdown_hook(inspector.stop)
-    if started is not None and started.collectives == "mpi" and jax_runtime.attached():
-      # XLA's collectives run through the bridge under the same guards as
-      # mpijax's own: the settings and the responder are needed from XLA's
-      # first collective on, which may come before any mpijax call.
-      ffi_settings.push_settings()
-      inspector.ensure_started()
-    timeline_path = timeline if timeline is not None else config.get("timeline")
-    if timeline_path:
-      # Written at exit after the drain and before MPI finalizes (atexit runs
-      # the last registered first), or at shutdown().
-      atexit.register(timeline_record.finish, _drain_at_exit)
-      register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
-    # Off on every rank where one rank cannot run it: starting it is collective.
-    stragglers = my_size > 1 and min(
-      mpi_util.allgather_int(private, int(bool(config.get("stragglers")) and _extension_loads()))
-    )
-    if stragglers:
-      # At exit after the drain, before the timeline's file (which shows its lines).
-      atexit.register(straggler_watch.finish)
-      register_shutdown_hook(lambda: straggler_watch.finish(_drain_at_exit))
-    atexit.register(_drain_at_exit)
-    if stragglers:
-      straggler_watch.start(private, hostnames=hostnames, interval=config.get("straggler_interval"))
-    if timeline_path:
-      timeline_record.start(
-        str(timeline_path), private, hostnames=hostnames, devices=len(local_devices)
-      )
+    state = _Start(dict(args))
+    # One cleanup for every step: what a failed step leaves is freed, on every rank.
+    with contextlib.ExitStack() as cleanup:
+      _detect_launcher(state)
+      _join_mpi(state, cleanup)
+      _place_on_nodes(state)
+      _start_jax(state)
+      cleanup.pop_all()
+    _runtime = _make_runtime(state)
+    _start_services(_runtime, state)
     return _runtime
+
+
+@dataclasses.dataclass
+class _Start:
+  """What init()'s steps have found so far, from the launcher to the device table."""
+
+  args: dict[str, Any]
+  info: Any = None  # the launcher's cluster.Info
+  coordinator: str | None = None  # the address asked for, if any
+  base: Any = None  # the job's communicator: COMM_WORLD or the user's
+  private: Any = None  # mpijax's clone of it
+  rank: int = 0
+  size: int = 1
+  hostnames: tuple[str, ...] = ()
+  local_rank: int = 0
+  local_size: int = 1
+  node_cpus: int = 0
+  node_index: int = 0
+  node_count: int = 1
+  address: str = ""
+  started: Any = None  # jax_runtime's start, where JAX's distributed runtime spans the ranks
+  local_devices: list[Any] = dataclasses.field(default_factory=list)
+  table: tuple[DeviceInfo, ...] = ()
+
+  @property
+  def explicit_comm(self) -> bool:
+    return self.args["comm"] is not None
+
+
+def _detect_launcher(state: _Start) -> None:
+  """Checks the arguments and settings, then detects the launcher (nothing collective)."""
+  a = state.args
+  _check_arguments(a["coordinator_address"], a["devices_per_process"], a["comm"])
+  log.warn_unknown_settings()
+  # JAX's convention: JAX_COORDINATOR_ADDRESS
+  state.coordinator = a["coordinator_address"] or config.get("jax_coordinator_address") or None
+  forced = a["launcher"] or config.get("launcher") or None
+  sizes = {k: a[k] for k in ("rank", "size", "local_rank", "local_size")}
+  state.info = cluster.detect(forced, **sizes)
+  # No launcher's variables: plain MPI (a singleton) or no MPI at all.
+  no_launcher = state.info.launcher in ("single", "mpi") and state.info.size == 1
+  if no_launcher and not (forced or a["size"] == 1 or state.explicit_comm):
+    _say_single_rank()
+
+
+def _join_mpi(state: _Start, cleanup: contextlib.ExitStack) -> None:
+  """MPI's view of the job, checked against the launcher's; mpijax's private communicator."""
+  info, MPI = state.info, mpi_util.import_mpi()
+  state.base = state.args["comm"] if state.explicit_comm else MPI.COMM_WORLD
+  if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    log.warning(
+      f"MPI was initialized with thread level {MPI.Query_thread()} "
+      "< MPI_THREAD_MULTIPLE (mpi4py was imported before mpijax.init() with another "
+      "mpi4py.rc.thread_level); several local devices calling MPI at once need MULTIPLE."
+    )
+  if not state.explicit_comm:
+    _raise_on_every_rank(
+      state.base,
+      [
+        _check("rank", info.launcher, info.rank, state.base.Get_rank()),
+        _check("size", info.launcher, info.size, state.base.Get_size()),
+      ],
+    )
+  state.rank, state.size = state.base.Get_rank(), state.base.Get_size()
+  state.private = state.base.Clone()
+  cleanup.callback(state.private.Free)
+  state.private.Set_name("mpijax")
+
+
+def _place_on_nodes(state: _Start) -> None:
+  """Every rank's host, this rank's place on its node (checked against the
+  launcher's), the node's cores, and the coordinator's address (collective)."""
+  info, private, MPI = state.info, state.private, mpi_util.import_mpi()
+  state.hostnames = tuple(mpi_util.allgather_str(private, socket.gethostname()))
+  # Order the node's ranks by the launcher's local rank when it gives one (Open MPI
+  # may number them in mapping order, not world order); then MPI's local rank
+  # equals the launcher's exactly when the launcher's numbering is consistent.
+  key = info.local_rank if (info.local_rank is not None and not state.explicit_comm) else state.rank
+  shared = private.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+  state.local_rank, state.local_size = shared.Get_rank(), shared.Get_size()
+  state.node_cpus = xla_pools.count_node_cpus(shared)
+  shared.Free()
+  if not state.explicit_comm:
+    _raise_on_every_rank(
+      private,
+      [
+        _check("local_rank", info.launcher, info.local_rank, state.local_rank),
+        _check("local_size", info.launcher, info.local_size, state.local_size),
+      ],
+    )
+  state.node_index, state.node_count = _node_layout(state.hostnames, state.rank)
+  state.address = _pick_coordinator(private, state.hostnames, state.coordinator)
+
+
+def _start_jax(state: _Start) -> None:
+  """JAX's local devices, its distributed runtime over the ranks (unless off),
+  the compile hook, XLA's pools, and the global device table (collective)."""
+  import jax
+
+  from mpijax._src import jax_compat
+  from mpijax._src import multihost
+
+  a = state.args
+  n_local = device_setup.configure(a["devices_per_process"], state.local_rank, state.local_size)
+  if a["jax_distributed"] is None:
+    use_dist = state.size > 1 and config.get("jax_distributed")
+  else:
+    use_dist = bool(a["jax_distributed"])
+  if use_dist or jax_compat.distributed.global_state.client is not None:
+    # Before JAX's runtime spans the ranks: an uneven job stops here, clearly.
+    _check_device_counts(state.private, n_local)
+    state.started = jax_runtime.start(
+      state.private,
+      address=state.address,
+      rank=state.rank,
+      size=state.size,
+      local_devices=n_local,
+      raise_on_every_rank=_raise_on_every_rank,
+    )
+  multihost.install()
+  _start_compile_cache(jax, state.rank, state.address)
+  state.local_devices = list(jax.local_devices())
+  _settle_xla_spin(state.local_size, state.local_devices, state.node_cpus)
+  here = (jax.process_index(), jax.process_count())
+  if state.started is not None and here != (state.rank, state.size):
+    raise RuntimeError(
+      f"mpijax.init(): JAX says process {here[0]} of {here[1]}, "
+      f"but MPI says rank {state.rank} of {state.size}."
+    )
+  host = state.hostnames[state.rank]
+  state.table = _device_table(state.private, state.local_devices, host)
+
+
+def _make_runtime(state: _Start) -> Runtime:
+  """The Runtime the steps found, with what the first init() was given."""
+  topology = Topology(
+    rank=state.rank,
+    size=state.size,
+    local_rank=state.local_rank,
+    local_size=state.local_size,
+    node_index=state.node_index,
+    node_count=state.node_count,
+    hostnames=state.hostnames,
+    coordinator_address=state.address,
+    launcher=state.info.launcher,
+  )
+  started, a = state.started, state.args
+  rt = Runtime(
+    topology=topology,
+    comm=state.private,
+    local_devices=state.local_devices,
+    device_table=state.table,
+    jax_distributed=started is not None,
+    xla_collectives=started.collectives if started else "",
+    _world_comm=state.base,
+    _owns_distributed=bool(started and started.owns_distributed),
+  )
+  abort = a["abort_on_exception"]
+  rt._first_call = dict(
+    abort_on_exception=bool(config.get("abort_on_exception") if abort is None else abort),
+    timeline=a["timeline"] if a["timeline"] is not None else config.get("timeline"),
+    args={k: v for k, v in a.items() if v is not None},
+  )
+  return rt
+
+
+def _start_services(rt: Runtime, state: _Start) -> None:
+  """The abort hook, the stall inspector, the timeline and the straggler report."""
+  private, started = rt.comm, state.started
+  if rt._first_call["abort_on_exception"]:
+    failure.install()
+  # The stall inspector's responder answers other ranks' "what are you
+  # doing?" queries; its communicator is cloned here (collective), its thread
+  # starts with the first collective and stops at shutdown() and at exit.
+  inspector.prepare(private, drain=_drain_at_exit)
+  register_shutdown_hook(inspector.stop)
+  if started is not None and started.collectives == "mpi" and jax_runtime.attached():
+    # XLA's collectives run through the bridge under the same guards as
+    # mpijax's own: the settings and the responder are needed from XLA's
+    # first collective on, which may come before any mpijax call.
+    ffi_settings.push_settings()
+    inspector.ensure_started()
+  timeline_path = rt._first_call["timeline"]
+  if timeline_path:
+    # Written at exit after the drain and before MPI finalizes (atexit runs
+    # the last registered first), or at shutdown().
+    atexit.register(timeline_record.finish, _drain_at_exit)
+    register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
+  # Off on every rank where one rank cannot run it: starting it is collective.
+  stragglers = rt.size > 1 and min(
+    mpi_util.allgather_int(private, int(bool(config.get("stragglers")) and _extension_loads()))
+  )
+  if stragglers:
+    # At exit after the drain, before the timeline's file (which shows its lines).
+    atexit.register(straggler_watch.finish)
+    register_shutdown_hook(lambda: straggler_watch.finish(_drain_at_exit))
+  atexit.register(_drain_at_exit)
+  if stragglers:
+    interval = config.get("straggler_interval")
+    straggler_watch.start(private, hostnames=rt.topology.hostnames, interval=interval)
+  if timeline_path:
+    timeline_record.start(
+      str(timeline_path), private, hostnames=rt.topology.hostnames, devices=rt.local_device_count
+    )
 
 
 def _extension_loads() -> bool:
