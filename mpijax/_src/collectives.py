@@ -26,9 +26,9 @@ from mpijax._src.axes import Mesh
 from mpijax._src.axes import axis_env
 from mpijax._src.ops.allgather import allgather as mpi_allgather
 from mpijax._src.ops.allreduce import allreduce as mpi_allreduce
-from mpijax._src.ops.allreduce import device_allreduce as mpi_device_allreduce
 from mpijax._src.ops.alltoall import alltoall as mpi_alltoall
 from mpijax._src.ops.bcast import bcast as mpi_bcast
+from mpijax._src.ops.device_allreduce import device_allreduce as mpi_device_allreduce
 from mpijax._src.ops.ppermute import ppermute as mpi_ppermute
 from mpijax._src.ops.reduce_scatter import reduce_scatter as mpi_reduce_scatter
 

@@ -31,6 +31,7 @@ import numpy as np
 from mpijax._src import compile_hook
 from mpijax._src import xla_hlo
 
+
 class UnknownReplicaGroups(ValueError):
   """A collective whose replica groups this module cannot read."""
 

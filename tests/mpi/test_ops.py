@@ -185,7 +185,7 @@ def test_in_place_on_intermediates_keeps_other_uses():
 def test_allreduce_many_mixed_dtypes_in_one_call(mode):
   # The buckets of mpijax.train's fused all-reduce: any dtypes and shapes,
   # one custom call (one FFI target in the HLO), each result exact.
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   dtypes = ["float32", "bfloat16", "int32", "complex64", "float32"]
   shapes = [(2, 3), (7,), (4,), (3,), ()]
   xs = [rank_input(R, sh, dt) for sh, dt in zip(shapes, dtypes)]
@@ -202,7 +202,7 @@ def test_allreduce_many_mixed_dtypes_in_one_call(mode):
 
 
 def test_allreduce_many_grad_vmap_and_errors():
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   x = jnp.asarray(rank_input(R, (3,)))
   k = jnp.arange(3, dtype=jnp.int32) + R
   # d/dx of sum_r sum(w * allreduce(x)) is sum_r w (the psum convention); the
@@ -584,7 +584,7 @@ def _node_paths(comm=None) -> list[int]:
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_ring_and_mpi_allreduce(allreduce_path, chunked):
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   # Chunked, the ring runs on each 24-byte chunk: blocks of 0 to 2 elements.
   with transport_settings(**({"max_chunk_bytes": 24} if chunked else {})):
     # Sizes that do not split evenly into N blocks, and fewer elements than ranks.
@@ -632,7 +632,7 @@ def test_cross_memory_allreduce_sums_in_rank_order_in_place_or_not():
   whether the outputs are fresh, in place (an intermediate, a donated
   argument) or both in one call: the bits of NumPy's sequential sum, on every
   rank. Values whose sum depends on the order; blocks over 2 chunks."""
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   x_of, want = _order_sensitive_inputs((1 << 19) + 7)
   x = jnp.asarray(x_of[R])
   with transport_settings(cma_min_bytes=1):
@@ -747,7 +747,7 @@ def test_fused_all_reduce_of_many_buffers(count):
   # Up to 224 buffers, one cross-memory all-reduce takes them all (on one node
   # with one device per rank), its chunks spanning several buffers;
   # more run the ring. Out of place and in place (intermediates).
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   sizes = [(i * 7919) % 30000 + 1 for i in range(count)]
   # Made with NumPy and device_put: jnp.full (or jnp.asarray) compiles once per shape.
   xs = [jax.device_put(np.full(n, R + i % 5, np.float32)) for i, n in enumerate(sizes)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpijax import ops
-from mpijax._src.ops.p2p import tagged_sendrecv
+from mpijax._src.ops.sendrecv import tagged_sendrecv
 from tests.mpi.test_ops import tiny_chunks  # noqa: F401 (fixture)
 
 # Set before the first test: importing the module must not start MPI (see conftest.py).

@@ -193,7 +193,7 @@ def test_unsupported_mpi_ops_are_named():
 
 
 def test_mpi_op_in_fused_allreduce():
-  from mpijax._src.ops.allreduce import allreduce_many
+  from mpijax._src.ops.allreduce_many import allreduce_many
   xs = [np.int32([R, 0, 1]), np.float32([R + 1.0])]
   got = allreduce_many(xs, MPI.MAX)
   np.testing.assert_array_equal(got[0], [N - 1, 0, 1])

@@ -66,7 +66,7 @@ ENTRY %main (x: f32[8], y: bf16[2,3]) -> f32[8] {
   %a2a = f32[8]{0} all-to-all(%x), replica_groups={{0,1},{2,3}}, dimensions={0}
   ROOT %out = f32[8]{0} get-tuple-element(%done), index=0
 }
-"""
+"""  # noqa: E501
 
 
 def test_tuples_async_starts_iota_groups_and_instructions_without_metadata():

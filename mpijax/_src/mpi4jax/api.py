@@ -31,10 +31,13 @@ from mpijax._src.ops import bcast as _bcast
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import gather as _gather
-from mpijax._src.ops import p2p
+from mpijax._src.ops import recv as _recv
+from mpijax._src.ops import reduce as _reduce
 from mpijax._src.ops import reduce_ops
 from mpijax._src.ops import scan as _scan
 from mpijax._src.ops import scatter as _scatter
+from mpijax._src.ops import send as _send
+from mpijax._src.ops import sendrecv as _sendrecv
 
 # The mpi4jax API this module matches (for programs that check the version).
 __version__ = "0.9.1"
@@ -310,7 +313,7 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
   op, root = _op("reduce", op), _int("reduce", "root", root)
   comm = _comm("reduce", comm)
   rank, _ = _rank_size(comm, "reduce")
-  res = _bcast.reduce(_nd(x, "reduce"), op, root, comm=comm)
+  res = _reduce.reduce(_nd(x, "reduce"), op, root, comm=comm)
   return res if rank == root else x
 
 
@@ -408,7 +411,7 @@ def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
   """
   _no_token(token)
   dest, tag = _int("send", "dest", dest), _int("send", "tag", tag)
-  p2p.send(_nd(x, "send"), dest, tag=tag, comm=_comm("send", comm))
+  _send.send(_nd(x, "send"), dest, tag=tag, comm=_comm("send", comm))
   return []  # what mpi4jax's send primitive returns
 
 
@@ -449,7 +452,7 @@ def recv(x, source=None, *, tag=None, comm=None, status=None, token=_NOTSET):
   MPI = _mpi()
   source = MPI.ANY_SOURCE if source is None else _int("recv", "source", source)
   tag = MPI.ANY_TAG if tag is None else _int("recv", "tag", tag)
-  return p2p.recv(_nd(x, "recv"), source, tag=tag, comm=_comm("recv", comm), status=status)
+  return _recv.recv(_nd(x, "recv"), source, tag=tag, comm=_comm("recv", comm), status=status)
 
 
 def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=None, comm=None,
@@ -495,7 +498,7 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=None, comm=No
   source, dest = _int("sendrecv", "source", source), _int("sendrecv", "dest", dest)
   sendtag = _int("sendrecv", "sendtag", sendtag)
   recvtag = MPI.ANY_TAG if recvtag is None else _int("sendrecv", "recvtag", recvtag)
-  return p2p.tagged_sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag,
+  return _sendrecv.tagged_sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag,
                              recvtag=recvtag, comm=_comm("sendrecv", comm), status=status,
                              op_name="sendrecv")
 

@@ -15,8 +15,8 @@ from jax.interpreters import batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
+from mpijax._src.ops import peers
 from mpijax._src.ops import primitive
-from mpijax._src.ops.bcast import _check_root
 
 gather_p = primitive.make_primitive("mpijax_gather")
 
@@ -43,7 +43,7 @@ def gather(x, root: int, *, comm: Any = None) -> jax.Array:
   x = dtypes.as_array("mpijax.ops.gather", x)
   dtypes.check_dtype("mpijax.ops.gather", x.dtype)
   info = communicators.resolve_comm(comm, "mpijax.ops.gather")
-  root = _check_root("mpijax.ops.gather", root, info.size)
+  root = peers.check_root("mpijax.ops.gather", root, info.size)
   return gather_p.bind(x, comm_id=info.id, root=root, size=info.size)
 
 

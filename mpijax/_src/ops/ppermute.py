@@ -1,4 +1,4 @@
-"""ppermute / sendrecv: point-to-point exchange by a permutation of ranks.
+"""ppermute: point-to-point exchange by a permutation of ranks.
 
 Semantics of ``jax.lax.ppermute``: ``perm`` is a sequence of ``(src, dst)``
 pairs, each rank appearing at most once as a source and once as a
@@ -26,7 +26,7 @@ from mpijax._src.ops import primitive
 ppermute_p = primitive.make_primitive("mpijax_ppermute")
 
 
-def _normalize_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
+def normalize_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
   try:
     pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
   except (TypeError, ValueError):
@@ -69,58 +69,10 @@ def ppermute(x, perm: Sequence[tuple[int, int]], *, comm: Any = None) -> jax.Arr
   x = dtypes.as_array("mpijax.ops.ppermute", x)
   dtypes.check_dtype("mpijax.ops.ppermute", x.dtype)
   info = communicators.resolve_comm(comm, "mpijax.ops.ppermute")
-  pairs = _normalize_perm(perm, info.size)
+  pairs = normalize_perm(perm, info.size)
   if not pairs:
     return jnp.zeros_like(x)
   return ppermute_p.bind(x, comm_id=info.id, perm=pairs, rank_view=False)
-
-
-def sendrecv(x, source: int | None, dest: int | None, *,
-             comm: Any = None) -> jax.Array:
-  """This rank's step of a point-to-point exchange, like ``MPI_Sendrecv``.
-
-  Sends ``x`` to rank ``dest`` and returns what rank ``source`` sent (zeros
-  when ``source`` is None; nothing is sent when ``dest`` is None). The ranks'
-  arguments must match up (if r sends to d, d receives from r): a receive
-  with no matching send waits until the configured timeout and is reported
-  as a stall; a send that no rank receives is lost, and never taken by a later
-  exchange (each exchange has its own MPI tag). Every rank of the
-  communicator makes the call, also one with neither ``source`` nor ``dest``.
-  It is a ``ppermute`` over the pairs this rank knows about, so it has the
-  same transpose (send back to ``source``, receive from ``dest``).
-
-  Args:
-    x: the array to send, of a supported dtype; what arrives has its shape
-      and dtype, so the peers' ``x`` must agree.
-    source: the rank whose ``x`` this rank receives (a Python int), or None
-      to receive nothing.
-    dest: the rank this rank's ``x`` goes to (a Python int), or None to
-      send nothing.
-    comm: an mpi4py communicator (default: the runtime's).
-
-  Returns:
-    What ``source`` sent (``x``'s shape and dtype), or zeros when ``source``
-    is None.
-
-  Raises:
-    ValueError: ``source`` or ``dest`` is outside the communicator.
-    TypeError: ``x``'s dtype is not supported, or ``source``/``dest`` is not
-      an integer.
-
-  Examples:
-    >>> right = mpijax.ops.sendrecv(x, source=(r - 1) % n, dest=(r + 1) % n)  # doctest: +SKIP
-  """
-  x = dtypes.as_array("mpijax.ops.sendrecv", x)
-  dtypes.check_dtype("mpijax.ops.sendrecv", x.dtype)
-  info = communicators.resolve_comm(comm, "mpijax.ops.sendrecv")
-  pairs = []
-  if dest is not None:
-    pairs.append((info.rank, dest))
-  if source is not None:
-    pairs.append((source, info.rank))
-  pairs = _normalize_perm(list(dict.fromkeys(pairs)), info.size)
-  # Bound even without pairs: every rank counts the exchange (its MPI tag).
-  return ppermute_p.bind(x, comm_id=info.id, perm=pairs, rank_view=True)
 
 
 def _abstract_eval(x, *, comm_id, perm, rank_view):

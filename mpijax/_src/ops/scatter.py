@@ -18,8 +18,8 @@ from jax.interpreters import batching
 from mpijax._src.ops import communicators
 from mpijax._src.ops import dtypes
 from mpijax._src.ops import lowering
+from mpijax._src.ops import peers
 from mpijax._src.ops import primitive
-from mpijax._src.ops.bcast import _check_root
 from mpijax._src.ops.gather import gather_p
 
 scatter_p = primitive.make_primitive("mpijax_scatter")
@@ -50,7 +50,7 @@ def scatter(x, root: int, *, comm: Any = None) -> jax.Array:
   x = dtypes.as_array("mpijax.ops.scatter", x)
   dtypes.check_dtype("mpijax.ops.scatter", x.dtype)
   info = communicators.resolve_comm(comm, "mpijax.ops.scatter")
-  root = _check_root("mpijax.ops.scatter", root, info.size)
+  root = peers.check_root("mpijax.ops.scatter", root, info.size)
   if info.rank == root and (x.ndim == 0 or x.shape[0] != info.size):
     raise ValueError(
         f"mpijax.ops.scatter: root's x must have shape (nproc, ...) = ({info.size}, ...), "

@@ -23,7 +23,7 @@ import optax
 
 from mpijax._src import config
 from mpijax._src.axes import axis_env
-from mpijax._src.ops.allreduce import allreduce_many
+from mpijax._src.ops.allreduce_many import allreduce_many
 from mpijax._src.ops.fence import after_calls
 from mpijax._src.ops.fence import unfused
 from mpijax._src.train import communicator
