@@ -207,8 +207,8 @@ def rank_problems(comm, problem: str) -> list[tuple[int, str]]:
   return [(r, text) for r, text in enumerate(allgather_str(comm, problem)) if text]
 
 
-def _rank_ranges(ranks: list[int]) -> str:
-  """[0, 1, 2, 5] -> '0-2, 5'."""
+def rank_ranges(ranks: Sequence[int]) -> str:
+  """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (ranks in increasing order)."""
   parts, start = [], 0
   for i in range(1, len(ranks) + 1):
     if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
@@ -228,7 +228,7 @@ def rank_lines(bad: list[tuple[int, str]], limit: int = 8) -> str:
   for r, text in bad:
     by_text.setdefault(text, []).append(r)
   lines = [
-    f"  rank{'s' if len(rs) > 1 else ''} {_rank_ranges(rs)}: {text}"
+    f"  rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}: {text}"
     for text, rs in list(by_text.items())[:limit]
   ]
   if len(by_text) > limit:

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO
 
+from mpijax._src import mpi_util
+
 # One regular expression per tag style; group "rank" is the rank.
 _TAGS = {
   "openmpi": re.compile(rb"^\[\d+,(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?"),
@@ -255,23 +257,11 @@ class Reasons:
 
       detail = detail_of(rank, exc)
       alike = sorted({r for r, e in self._uncaught if detail_of(r, e) == detail})
-      also = f" (ranks {rank_ranges(alike)} alike)" if len(alike) > 1 else ""
+      also = f" (ranks {mpi_util.rank_ranges(alike)} alike)" if len(alike) > 1 else ""
       parts.append(f"rank {rank}: uncaught {_shorten(detail)}{also}")
     parts += self.mpijax[:1]
     parts.append(describe_status(status))
     return "; ".join(parts)
-
-
-def rank_ranges(ranks: list[int]) -> str:
-  """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-  parts, start = [], None
-  for i, r in enumerate(ranks):
-    if start is None:
-      start = r
-    if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-      parts.append(str(start) if start == r else f"{start}-{r}")
-      start = None
-  return ",".join(parts)
 
 
 # --- one block per failure on the console --------------------------------------
