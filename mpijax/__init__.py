@@ -29,7 +29,7 @@ try:
   from mpijax._src import jax_runtime as _jax_runtime
 
   # Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
-  # collectives use) once, when it loads. See mpijax/_src/bridge_env.py.
+  # collectives use) once, when it loads. See mpijax/_src/ffi/bridge_env.py.
   _jax_runtime.prepare_environment()
 except ValueError:
   # A malformed MPIJAX_* value: mpijax-run's own process reports it (and every

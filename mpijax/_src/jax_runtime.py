@@ -26,12 +26,12 @@ import socket
 import sys
 import time
 
-from mpijax._src import bridge_env
 from mpijax._src import config
 from mpijax._src import failure
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src import xla_labels
+from mpijax._src.ffi import bridge_env
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather
 # (bfloat16 works: XLA computes it in float32), and the fix.

@@ -38,7 +38,6 @@ LAYERS: dict[str, list[str]] = {
     "_src/jax_runtime.py",
     "_src/compile_hook.py",
     "_src/compile_cache.py",
-    "_src/bridge_env.py",
     "_src/xla_hlo.py",
     "_src/xla_labels.py",
     "_src/program_check.py",
@@ -79,6 +78,13 @@ LAYERS: dict[str, list[str]] = {
 }
 # The private package's empty marker: it holds and imports nothing.
 UNPLACED = {"mpijax._src"}
+# Files that load mpijax modules by path, not by import: scripts that must not run
+# mpijax/__init__.py (the bridge's build check, the interpreter-start hook). Their
+# loads count as imports here; a new one must be listed (test_every_load_by_path_is_known).
+LOADS_BY_PATH: dict[str, list[str]] = {
+  "_src/ffi/bridge/check_bridge.py": ["_src/ffi/bridge_env.py"],
+  "_src/ffi/bridge/_mpijax_startup.py": ["_src/config.py", "_src/ffi/bridge_env.py"],
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -91,10 +97,18 @@ def _modules() -> dict[str, pathlib.Path]:
   return mods
 
 
+def _module_name(rel: str) -> str:
+  """``_src/config.py`` -> ``mpijax._src.config``."""
+  parts = ["mpijax", *pathlib.PurePosixPath(rel).with_suffix("").parts]
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
-  """The mpijax modules whose code ``name`` uses: each module a name is taken from."""
+  """The mpijax modules whose code ``name`` uses: each module a name is taken from,
+  and each it loads by path (LOADS_BY_PATH)."""
   package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-  found = set()
+  rel = path.relative_to(PACKAGE).as_posix()
+  found = {_module_name(p) for p in LOADS_BY_PATH.get(rel, [])}
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
       targets = [a.name for a in node.names]
@@ -233,3 +247,22 @@ def test_the_table_in_the_docs_is_this_one():
   assert list(table) == list(LAYERS), "the docs' layers, in order, are this test's"
   for name, paths in LAYERS.items():
     assert table[name] == paths, f"layer {name!r}: docs/architecture.md has {table[name]}"
+
+
+def test_every_load_by_path_is_known():
+  # A module loaded from a file path is an import no parser of imports sees.
+  loaders = sorted(
+    path.relative_to(PACKAGE).as_posix()
+    for path in PACKAGE.rglob("*.py")
+    if "spec_from_file_location" in path.read_text()
+  )
+  assert loaders == sorted(LOADS_BY_PATH), (
+    "load mpijax modules by import, or list the file and what it loads in LOADS_BY_PATH"
+  )
+  mods = _modules()
+  for loader, loaded in LOADS_BY_PATH.items():
+    text = (PACKAGE / loader).read_text()
+    for rel in loaded:
+      assert _module_name(rel) in mods, f"{loader} loads mpijax/{rel}, which does not exist"
+      # The loader names the file (by its name, joined to a directory it computes).
+      assert pathlib.PurePosixPath(rel).stem in text, f"{loader} does not load mpijax/{rel}"

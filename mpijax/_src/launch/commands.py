@@ -7,10 +7,10 @@ import shutil
 import socket
 import sys
 
-from mpijax._src import bridge_env
 from mpijax._src import compile_cache
 from mpijax._src import config
 from mpijax._src import heap
+from mpijax._src.ffi import bridge_env
 from mpijax._src.launch.common import COORDINATOR_ENV
 from mpijax._src.launch.common import DEVICES_ENV
 from mpijax._src.launch.common import RESTART_ENV

@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 
-from mpijax._src import bridge_env
+from mpijax._src.ffi import bridge_env
 from mpijax._src.launch.common import PROG
 from mpijax._src.launch.common import LaunchError
 from mpijax._src.launch.common import Options

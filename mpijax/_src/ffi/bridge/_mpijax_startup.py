@@ -8,7 +8,7 @@ variable is set, in a single process, or when mpijax is told not to use
 XLA's MPI collectives (MPIJAX_XLA_COLLECTIVES=gloo, MPIJAX_JAX_DISTRIBUTED=0);
 never raises. The bridge links no library and runs no code until XLA's MPI
 collectives are selected, so naming it costs other programs nothing. See
-mpijax/_src/bridge_env.py.
+mpijax/_src/ffi/bridge_env.py.
 """
 
 import os
@@ -27,19 +27,19 @@ def _run() -> None:
     return
   # An editable install lists the installed binaries' directory and the sources'.
   src = next((os.path.join(d, "_src") for d in spec.submodule_search_locations
-              if os.path.exists(os.path.join(d, "_src", "bridge_env.py"))), None)
+              if os.path.exists(os.path.join(d, "_src", "ffi", "bridge_env.py"))), None)
   if src is None:
     return
 
   def load(name):
-    s = importlib.util.spec_from_file_location(f"_mpijax_startup_{name}",
+    s = importlib.util.spec_from_file_location(f"_mpijax_startup_{os.path.basename(name)}",
                                                os.path.join(src, f"{name}.py"))
     module = importlib.util.module_from_spec(s)
     sys.modules[s.name] = module  # dataclasses looks its module up
     s.loader.exec_module(module)
     return module
 
-  config, bridge_env = load("config"), load("bridge_env")
+  config, bridge_env = load("config"), load("ffi/bridge_env")
   here = os.path.dirname(os.path.abspath(__file__))
   bridge_env.select(os.path.join(here, "mpijax", "_src", "ffi", bridge_env.LIB_NAME),
                     collectives=config.get("xla_collectives"),

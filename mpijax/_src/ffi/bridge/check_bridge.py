@@ -1,6 +1,6 @@
 """Build step: does the jaxlib this build sees accept the bridge just built?
 
-Runs MPItrampoline's own checks (mpijax/_src/bridge_env.py, probe) and
+Runs MPItrampoline's own checks (mpijax/_src/ffi/bridge_env.py, probe) and
 writes the answer beside the library, keyed by the (bridge, jaxlib) pair, so
 mpijax need not check again at run time for that jaxlib. A refusal is a
 warning, not a build error: mpijax then uses gloo for XLA's collectives and
@@ -18,7 +18,7 @@ import sys
 def main() -> int:
   library, out = sys.argv[1], sys.argv[2]
   here = os.path.dirname(os.path.abspath(__file__))
-  path = os.path.join(here, "..", "..", "bridge_env.py")
+  path = os.path.join(here, "..", "bridge_env.py")
   spec = importlib.util.spec_from_file_location("_mpijax_bridge_env", path)
   bridge_env = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bridge_env)

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
       "#define EXPORT __attribute__((visibility(\"default\")))",
       "__attribute__((noreturn)) void mpijax_bridge_unimplemented(const char *mpi_name);",
       "",
-      "/* Read from the file by mpijax/_src/bridge_env.py. */",
+      "/* Read from the file by mpijax/_src/ffi/bridge_env.py. */",
       f"__attribute__((used)) const char mpijax_bridge_id[] = \"{ID_MARKER}{build_id}\";",
       "",
   ]
