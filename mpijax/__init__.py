@@ -48,8 +48,8 @@ if not _as_launcher:
   from mpijax._src.array_checkpoint import load as load
   from mpijax._src.array_checkpoint import save as save
   from mpijax._src.global_array import GlobalArray as GlobalArray
-  from mpijax._src.mapping import pmap as pmap
-  from mpijax._src.mapping import shard_map as shard_map
+  from mpijax._src.pmap import pmap as pmap
+  from mpijax._src.shard_map import shard_map as shard_map
   from mpijax._src.mesh import GlobalMesh as GlobalMesh
   from mpijax._src.mesh import make_mesh as make_mesh
   from mpijax._src.ops import jax_rules as _jax_rules

@@ -14,8 +14,8 @@ from mpijax._src.geometry import check_divisible
 from mpijax._src.geometry import normalize_spec
 from mpijax._src.geometry import spec_axes
 from mpijax._src.global_array import GlobalArray
-from mpijax._src.mapping import shard_map
 from mpijax._src.mesh import GlobalMesh
+from mpijax._src.shard_map import shard_map
 
 
 def reshard(array: GlobalArray, spec) -> GlobalArray:

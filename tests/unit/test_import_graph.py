@@ -53,7 +53,9 @@ LAYERS: dict[str, list[str]] = {
   "mapping and arrays": [
     "_src/mesh.py",
     "_src/geometry.py",
-    "_src/mapping.py",
+    "_src/map_io.py",
+    "_src/shard_map.py",
+    "_src/pmap.py",
     "_src/replication.py",
     "_src/global_array.py",
     "_src/part_checks.py",
