@@ -56,7 +56,7 @@ def job(die_after_first_step: bool) -> None:
 
   import mpijax
   from mpijax import train
-  from mpijax._src import compile_hook
+  from mpijax._src.xla import compile_hook
   from mpijax.examples import digits
 
   rt = mpijax.init()

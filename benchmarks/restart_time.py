@@ -109,7 +109,7 @@ def job(state_dir: str, steps: int, ckpt_every: int) -> None:
       if first:  # seconds in JAX's compile function up to here, slowest rank
         from mpi4py import MPI
 
-        from mpijax._src import compile_hook
+        from mpijax._src.xla import compile_hook
 
         event("compiled", f"{rt.comm.allreduce(compile_hook.stats().seconds, op=MPI.MAX):.6f}")
         first = False

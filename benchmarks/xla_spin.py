@@ -4,8 +4,8 @@ One ``mpijax-run -n 2 --devices-per-process 2`` job (``MPIJAX_XLA_SPIN=on``:
 init() leaves the pools as jaxlib built them) runs a jitted ``x.sum(0)`` over
 rows of SIZE bytes on every device (XLA's all-reduce, over MPI through
 mpijax's bridge). In each of ``--rounds`` rounds every rank first gives its
-pools their spinning back (``xla_pools.spin()``) and times ``--calls`` single
-blocking calls, then turns it off (``xla_pools.quiet()``, what
+pools their spinning back (``mpijax._src.xla.pools.spin()``) and times ``--calls`` single
+blocking calls, then turns it off (``pools.quiet()``, what
 ``MPIJAX_XLA_SPIN=auto`` does on such a node) and times as many: the two
 rows share the job and every period of the machine's drift. A figure is the
 median µs per call over all of a rank's calls in that state, max over ranks;
@@ -52,7 +52,7 @@ def parse_args(argv=None):
 
 
 def _switch(state: str) -> None:
-  from mpijax._src import xla_pools
+  from mpijax._src.xla import pools as xla_pools
 
   report = xla_pools.spin() if state == "spinning" else xla_pools.quiet()
   if report.reason or not report.pools:

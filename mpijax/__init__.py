@@ -8,11 +8,11 @@ whose named axis spans every device of every rank.
 import sys as _sys
 
 from mpijax._src import config as config
-from mpijax._src import cpu_bind as _cpu_bind
+from mpijax._src.run import cpu_bind as _cpu_bind
 from mpijax._src.ffi import settings as _ffi_settings
 from mpijax._src import heap as _heap
 from mpijax._src import log as _log
-from mpijax._src.launch import common as _launch_common
+from mpijax._src.run import common as _launch_common
 
 _as_launcher = _launch_common.started_as_launcher(getattr(_sys, "orig_argv", []))
 try:
@@ -21,12 +21,12 @@ try:
   _log.install()
 
   # Before MPI and JAX start their threads: see mpijax/_src/heap.py and
-  # mpijax/_src/cpu_bind.py.
+  # mpijax/_src/run/cpu_bind.py.
   _heap.configure()
   _cpu_bind.configure()
   _ffi_settings.set_oversubscribed(_cpu_bind.oversubscribed())
 
-  from mpijax._src import jax_runtime as _jax_runtime
+  from mpijax._src.xla import distributed as _jax_runtime
 
   # Before JAX is imported: jaxlib reads MPITRAMPOLINE_LIB (which MPI library XLA's
   # collectives use) once, when it loads. See mpijax/_src/ffi/bridge_env.py.
@@ -45,27 +45,27 @@ if not _as_launcher:
   # with a TypeError from deep inside them.
   from mpijax._src import jax_compat as _jax_compat  # noqa: E402, F401
 
-  from mpijax._src.array_checkpoint import load as load
-  from mpijax._src.array_checkpoint import save as save
-  from mpijax._src.global_array import GlobalArray as GlobalArray
-  from mpijax._src.pmap import pmap as pmap
-  from mpijax._src.shard_map import shard_map as shard_map
-  from mpijax._src.mesh import GlobalMesh as GlobalMesh
-  from mpijax._src.mesh import make_mesh as make_mesh
+  from mpijax._src.sharding.sharded_checkpoint import load as load
+  from mpijax._src.sharding.sharded_checkpoint import save as save
+  from mpijax._src.sharding.global_array import GlobalArray as GlobalArray
+  from mpijax._src.sharding.pmap import pmap as pmap
+  from mpijax._src.sharding.shard_map import shard_map as shard_map
+  from mpijax._src.sharding.mesh import GlobalMesh as GlobalMesh
+  from mpijax._src.sharding.mesh import make_mesh as make_mesh
   from mpijax._src.ops import jax_rules as _jax_rules
-  from mpijax._src.reshard import reshard as reshard
-  from mpijax._src.runtime import DeviceInfo as DeviceInfo
-  from mpijax._src.runtime import Runtime as Runtime
-  from mpijax._src.runtime import Topology as Topology
-  from mpijax._src.runtime import devices as devices
-  from mpijax._src.runtime import init as init
-  from mpijax._src.runtime import is_initialized as is_initialized
-  from mpijax._src.runtime import local_device_count as local_device_count
-  from mpijax._src.runtime import local_devices as local_devices
-  from mpijax._src.runtime import process_count as process_count
-  from mpijax._src.runtime import process_index as process_index
-  from mpijax._src.runtime import shutdown as shutdown
-  from mpijax._src.visualize import visualize_sharding as visualize_sharding
+  from mpijax._src.sharding.reshard import reshard as reshard
+  from mpijax._src.runtime.state import DeviceInfo as DeviceInfo
+  from mpijax._src.runtime.state import Runtime as Runtime
+  from mpijax._src.runtime.state import Topology as Topology
+  from mpijax._src.runtime.state import devices as devices
+  from mpijax._src.runtime.state import init as init
+  from mpijax._src.runtime.state import is_initialized as is_initialized
+  from mpijax._src.runtime.state import local_device_count as local_device_count
+  from mpijax._src.runtime.state import local_devices as local_devices
+  from mpijax._src.runtime.state import process_count as process_count
+  from mpijax._src.runtime.state import process_index as process_index
+  from mpijax._src.runtime.state import shutdown as shutdown
+  from mpijax._src.sharding.visualize import visualize_sharding as visualize_sharding
 
   # The public submodules, after the names they use.
   from mpijax import lax as lax

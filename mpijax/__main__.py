@@ -11,7 +11,7 @@ python -m mpijax train.py``.
 
 import sys
 
-from mpijax._src.rank_env import main as _main
+from mpijax._src.run.rank import main as _main
 
 if __name__ == "__main__":
   _main(sys.argv[1:])

@@ -7,12 +7,12 @@ Usage::
              [--dry-run] -- PROGRAM ARGS
 
 The console script calls ``sys.exit(main())``; :func:`main` returns the job's
-exit status. See :mod:`mpijax._src.launch` for what the command adds and why.
+exit status. See :mod:`mpijax._src.run` for what the command adds and why.
 """
 
 from __future__ import annotations
 
-from mpijax._src.launch.cli import main as main
+from mpijax._src.run.cli import main as main
 
 __all__ = ["main"]
 

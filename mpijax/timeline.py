@@ -12,8 +12,8 @@ Command line::
 
 from __future__ import annotations
 
-from mpijax._src.runtime import finish_timeline as finish
-from mpijax._src.runtime import start_timeline as start
+from mpijax._src.runtime.state import finish_timeline as finish
+from mpijax._src.runtime.state import start_timeline as start
 from mpijax._src.timeline.record import active as active
 from mpijax._src.timeline.record import span as span
 from mpijax._src.timeline.render import main as main

@@ -9,11 +9,6 @@ restart, stop cleanly on preemption, and log on rank 0. See
 """
 
 from mpijax._src.train.broadcast import broadcast as broadcast
-from mpijax._src.train.checkpoint import CheckpointError as CheckpointError
-from mpijax._src.train.checkpoint import CheckpointMismatch as CheckpointMismatch
-from mpijax._src.train.checkpoint import checkpoint_metadata as checkpoint_metadata
-from mpijax._src.train.checkpoint import restore_checkpoint as restore_checkpoint
-from mpijax._src.train.checkpoint import save_checkpoint as save_checkpoint
 from mpijax._src.train.data import Batch as Batch
 from mpijax._src.train.data import ShardedBatches as ShardedBatches
 from mpijax._src.train.data import shard_batches as shard_batches
@@ -35,6 +30,11 @@ from mpijax._src.train.preemption import stop_requested as stop_requested
 from mpijax._src.train.preemption import (
     uninstall_preemption_handler as uninstall_preemption_handler,
 )
+from mpijax._src.train.replicated_checkpoint import CheckpointError as CheckpointError
+from mpijax._src.train.replicated_checkpoint import CheckpointMismatch as CheckpointMismatch
+from mpijax._src.train.replicated_checkpoint import checkpoint_metadata as checkpoint_metadata
+from mpijax._src.train.replicated_checkpoint import restore_checkpoint as restore_checkpoint
+from mpijax._src.train.replicated_checkpoint import save_checkpoint as save_checkpoint
 from mpijax._src.train.resume import checkpoint_path as checkpoint_path
 from mpijax._src.train.resume import latest_checkpoint as latest_checkpoint
 from mpijax._src.train.resume import list_checkpoints as list_checkpoints

@@ -138,7 +138,7 @@ INNER_RUNS = pytest.StashKey[list]()
 
 def inner_counts(out: str) -> dict[int, str]:
   """Each rank's pytest summary ("310 passed, 2 skipped") from a job's rank-tagged output."""
-  from mpijax._src.launch.joblog import split_tag
+  from mpijax._src.run.joblog import split_tag
 
   found = {}
   for line in out.splitlines():

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from mpijax._src import compile_cache
+from mpijax._src.xla import compile_cache
 from tests._launch import REPO
 from tests._launch import mpirun_command
 from tests._launch import run_mpi

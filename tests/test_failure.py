@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mpijax._src.launch import session_dirs
+from mpijax._src.run import session_dirs
 from tests._launch import REPO
 from tests._launch import assert_failed_without_hanging
 from tests._launch import run_mpi

@@ -164,7 +164,7 @@ def _train(tmp, name, fault=""):
 @pytest.mark.skipif(os.environ.get("MPIJAX_TEST_SLOW") != "1",
                     reason="covered by tests/test_restart.py: set MPIJAX_TEST_SLOW=1")
 def test_sigkill_mid_training_ends_the_job_and_a_restart_resumes(tmp_path):
-  from mpijax._src.train.checkpoint import read_checkpoint
+  from mpijax._src.train.replicated_checkpoint import read_checkpoint
 
   rc, out, _, _, ref_file = _train(tmp_path, "reference")
   assert rc == 0 and ref_file.exists(), tail(out)
@@ -197,7 +197,7 @@ def test_rank_raising_inside_a_jitted_step_ends_the_job_with_its_traceback(tmp_p
 
 
 def test_sigterm_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
-  from mpijax._src.train.checkpoint import read_checkpoint
+  from mpijax._src.train.replicated_checkpoint import read_checkpoint
 
   path = tmp_path / "state.ckpt"
   script = "fault_ckpt_sigterm.py"

@@ -125,7 +125,7 @@ def _job_to_jax() -> None:
 def _job_save_crash(path: str) -> None:
   """Rank 1 dies after writing its first shard file, in the middle of mpijax.save."""
   import mpijax
-  from mpijax._src import array_checkpoint
+  from mpijax._src.sharding import sharded_checkpoint as array_checkpoint
   mpijax.init()
   if mpijax.process_index() == 1:
     real = array_checkpoint._write_atomic
@@ -145,7 +145,7 @@ def _job_refuse(path: str) -> None:
   from jax.sharding import PartitionSpec as P
 
   import mpijax
-  from mpijax._src.train.checkpoint import CheckpointError
+  from mpijax._src.train.replicated_checkpoint import CheckpointError
   mpijax.init()
   mesh = mpijax.make_mesh((mpijax.process_count() * mpijax.local_device_count(),), ("x",))
   like = {"w": mpijax.GlobalArray.zeros((8, 6), mesh=mesh, spec=P()),

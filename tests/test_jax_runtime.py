@@ -26,7 +26,7 @@ GLOO_WARNING = "XLA's cross-process collectives (jit over global jax.Arrays) use
 def _plain_mpirun(n: int, argv: list[str], env: dict[str, str] | None = None,
                   timeout: float = 240) -> subprocess.CompletedProcess:
   """``mpirun -n N argv`` itself (no mpijax-run, no python -m mpijax wrapper), bounded."""
-  from mpijax._src.launch import mpi_probe
+  from mpijax._src.run import mpi_probe
   info = mpi_probe.probe_mpi()
   if info.flavor != "openmpi":
     pytest.skip(f"plain-mpirun tests use Open MPI's flags; mpi4py runs on {info.flavor}")

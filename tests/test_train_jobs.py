@@ -71,7 +71,7 @@ def _digests(out: str, ranks: int) -> set[str]:
 
 def _preempt(tmp_path: Path, name: str, ranks: int, sig: int, victims: str) -> tuple[Path, int]:
   """Starts a paced run, signals one rank or all, and checks the stop; returns (dir, step)."""
-  from mpijax._src.train.checkpoint import read_checkpoint
+  from mpijax._src.train.replicated_checkpoint import read_checkpoint
 
   directory = tmp_path / name
   proc = _start(ranks, directory, pace=0.1)
@@ -128,7 +128,7 @@ def _digits_flax(out: Path, ranks: int, *extra: str) -> str:
 
 def test_flax_batchnorm_example_4_ranks_equal_1_rank(tmp_path):
   from mpijax._src import tree_codec
-  from mpijax._src.train.checkpoint import read_checkpoint
+  from mpijax._src.train.replicated_checkpoint import read_checkpoint
 
   out = _digits_flax(tmp_path / "four", 4, "--min-accuracy", "0.97")
   assert re.search(r"params sha256 [0-9a-f]{64} \(step 69\)", out), tail(out)

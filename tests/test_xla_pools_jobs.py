@@ -54,7 +54,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 180) -> tuple[dic
 
 def _bound_job(devices: int, cache: str) -> tuple[dict, str]:
   """2 ranks, each bound by Open MPI to a core of its own, ``devices`` CPU devices each."""
-  from mpijax._src.launch import mpi_probe
+  from mpijax._src.run import mpi_probe
 
   info = mpi_probe.probe_mpi()
   if info.flavor != "openmpi":

@@ -54,7 +54,7 @@ def import_mpi():
 
 # The MPIs' shared-memory files a rank maps while it runs: Open MPI's above,
 # and MPICH's /dev/shm/mpich_shm_<id>_<n> (one per node, unlinked at its
-# finalize, so a killed job leaves it). launch/shm.py removes the same names.
+# finalize, so a killed job leaves it). run/shm.py removes the same names.
 SEGMENT_PREFIXES = ("sm_segment.", "mpich_shm_")
 
 _segments_lock = threading.Lock()

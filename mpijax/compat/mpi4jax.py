@@ -7,22 +7,22 @@ default communicator and ``MPI.COMM_WORLD`` on every rank. See
 docs/mpi4jax.md for the deviations and their reasons.
 """
 
-from mpijax._src.mpi4jax.api import __version__ as __version__
-from mpijax._src.mpi4jax.api import allgather as allgather
-from mpijax._src.mpi4jax.api import allreduce as allreduce
-from mpijax._src.mpi4jax.api import alltoall as alltoall
-from mpijax._src.mpi4jax.api import barrier as barrier
-from mpijax._src.mpi4jax.api import bcast as bcast
-from mpijax._src.mpi4jax.api import gather as gather
-from mpijax._src.mpi4jax.api import has_cuda_support as has_cuda_support
-from mpijax._src.mpi4jax.api import has_sycl_support as has_sycl_support
-from mpijax._src.mpi4jax.api import recv as recv
-from mpijax._src.mpi4jax.api import reduce as reduce
-from mpijax._src.mpi4jax.api import scan as scan
-from mpijax._src.mpi4jax.api import scatter as scatter
-from mpijax._src.mpi4jax.api import send as send
-from mpijax._src.mpi4jax.api import sendrecv as sendrecv
-from mpijax._src.mpi4jax.api import start as _start
+from mpijax._src.compat.api import __version__ as __version__
+from mpijax._src.compat.api import allgather as allgather
+from mpijax._src.compat.api import allreduce as allreduce
+from mpijax._src.compat.api import alltoall as alltoall
+from mpijax._src.compat.api import barrier as barrier
+from mpijax._src.compat.api import bcast as bcast
+from mpijax._src.compat.api import gather as gather
+from mpijax._src.compat.api import has_cuda_support as has_cuda_support
+from mpijax._src.compat.api import has_sycl_support as has_sycl_support
+from mpijax._src.compat.api import recv as recv
+from mpijax._src.compat.api import reduce as reduce
+from mpijax._src.compat.api import scan as scan
+from mpijax._src.compat.api import scatter as scatter
+from mpijax._src.compat.api import send as send
+from mpijax._src.compat.api import sendrecv as sendrecv
+from mpijax._src.compat.api import start as _start
 
 __all__ = [
     "allgather",

@@ -224,7 +224,7 @@ def test_replicated_batches_unusable_on_one_rank_raise_on_every_rank(rt):
 
 
 def test_a_problem_found_on_one_rank_raises_on_every_rank(rt):
-  from mpijax._src import runtime
+  from mpijax._src.runtime import state as runtime
 
   problem = "mpijax.init(): something is off here" if rt.rank == rt.size - 1 else ""
   with pytest.raises(RuntimeError, match=rf"something is off here \(found on rank {rt.size - 1}\)"):

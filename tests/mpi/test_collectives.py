@@ -332,7 +332,7 @@ def test_jax_lax_inside_mpijax_maps_spans_every_rank():
                          in_specs=P(("p", "l")), out_specs=P())(_mine(g[:, 0]))
   np.testing.assert_allclose(np.asarray(out), g[:, 0].sum(0), rtol=1e-5)
   # ... and jax.lax is JAX's own again outside the maps.
-  from mpijax._src import lax_routing
+  from mpijax._src.collectives import routing as lax_routing
   assert jax.lax.psum is lax_routing.original("psum")
 
 

@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 import mpijax
 from mpijax import lax as mlax
 from mpijax._src import mpi_util
-from mpijax._src import runtime
-from mpijax._src.train.checkpoint import CheckpointError
+from mpijax._src.runtime import state as runtime
+from mpijax._src.train.replicated_checkpoint import CheckpointError
 
 GlobalArray = mpijax.GlobalArray
 

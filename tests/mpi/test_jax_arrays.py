@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpijax
 from mpijax import lax as mlax
-from mpijax._src.global_array import jax_mesh
+from mpijax._src.sharding.global_array import jax_mesh
 
 pytestmark = pytest.mark.usefixtures("jax_multiprocess")
 

@@ -81,5 +81,5 @@ def test_mixed_transports_in_one_program_keep_a_consistent_order(rt):
       np.testing.assert_array_equal(np.asarray(got.addressable_shards[0].data), want)
   jax.block_until_ready(results)
   if rt.xla_collectives == "mpi":
-    from mpijax._src import jax_runtime
+    from mpijax._src.xla import distributed as jax_runtime
     assert jax_runtime.bridge_stats()["allreduce"] >= 60 * 4  # 3 outside + psum inside

@@ -510,8 +510,8 @@ def transport_settings(**values):
 
 def test_waits_know_whether_the_node_has_more_ranks_than_cores():
   # There a polled wait yields the core after every poll (idle.h).
-  from mpijax._src import rank_env
   from mpijax._src.ffi import settings
+  from mpijax._src.run import rank as rank_env
   settings.push_settings()
   info = rank_env.launch_info()
   assert info is not None and info.local_size is not None

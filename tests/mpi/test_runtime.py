@@ -101,7 +101,7 @@ def test_partitioner_collectives_cross_ranks(rt):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from mpijax._src import jax_runtime
+  from mpijax._src.xla import distributed as jax_runtime
 
   before = jax_runtime.bridge_stats().get("allreduce", 0)
   n = jax.device_count()
@@ -122,7 +122,7 @@ def test_xla_pools_are_as_inits_report_says(rt):
   and left them as its report says (which jobs need it, and a jaxlib off the
   allow-list: tests/test_xla_pools_jobs.py)."""
   from mpijax._src import config
-  from mpijax._src import xla_pools
+  from mpijax._src.xla import pools as xla_pools
 
   report = xla_pools.last
   assert report is not None, "init() did not settle XLA's pools"

@@ -20,7 +20,7 @@ from mpijax import ops
 from mpijax._src import config
 from mpijax._src import ffi
 from mpijax._src import mpi_util
-from mpijax._src import runtime
+from mpijax._src.runtime import state as runtime
 from mpijax._src.timeline import straggler
 from mpijax._src.timeline import straggler_watch
 

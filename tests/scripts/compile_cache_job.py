@@ -34,7 +34,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from mpijax._src import compile_hook  # noqa: E402
+from mpijax._src.xla import compile_hook  # noqa: E402
 
 
 def layers(x, n):

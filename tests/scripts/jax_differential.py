@@ -97,7 +97,7 @@ else:
   import jax
 
   import mpijax
-  from mpijax._src import jax_runtime
+  from mpijax._src.xla import distributed as jax_runtime
 
   RT = mpijax.init()
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mpijax._src import jax_runtime
+from mpijax._src.xla import distributed as jax_runtime
 
 rt = mpijax.init()
 expect = sys.argv[sys.argv.index("--expect") + 1] if "--expect" in sys.argv else None

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from mpijax._src import xla_pools
+from mpijax._src.xla import pools as xla_pools
 
 verified = dict(xla_pools.VERIFIED)
 if "--mismatched-hash" in sys.argv:

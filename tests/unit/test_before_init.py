@@ -47,7 +47,7 @@ def test_collective_before_init_says_call_init(call):
 
 
 def test_init_argument_errors_name_the_value_and_the_fix():
-  from mpijax._src import runtime
+  from mpijax._src.runtime import state as runtime
 
   with pytest.raises(ValueError, match=r"coordinator_address='127.0.0.1:abc'.*'host:port'"):
     runtime._check_arguments("127.0.0.1:abc", None, None)
@@ -60,7 +60,7 @@ def test_init_argument_errors_name_the_value_and_the_fix():
 
 def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
   """XLA's CPU client needs 2 threads per device for back-to-back multi-device calls."""
-  from mpijax._src import device_setup
+  from mpijax._src.runtime import devices as device_setup
 
   for var in ("PJRT_NPROC", "NPROC"):
     monkeypatch.delenv(var, raising=False)
@@ -78,7 +78,7 @@ def test_cpu_thread_pool_gets_two_threads_per_local_device(monkeypatch):
 def test_ranks_sharing_a_node_unbound_each_get_their_share_of_its_cores(monkeypatch):
   """XLA's CPU pool (and how far its compiler splits a loop) is the rank's share of the
   node's cores where the node's ranks all run on all of them."""
-  from mpijax._src import device_setup
+  from mpijax._src.runtime import devices as device_setup
 
   def pool(devices, local_size, cpus, online):
     for var in ("PJRT_NPROC", "NPROC"):
@@ -99,7 +99,7 @@ def test_ranks_sharing_a_node_unbound_each_get_their_share_of_its_cores(monkeypa
 
 
 def test_users_small_cpu_thread_pool_wins_with_a_warning(monkeypatch, caplog):
-  from mpijax._src import device_setup
+  from mpijax._src.runtime import devices as device_setup
 
   monkeypatch.delenv("NPROC", raising=False)
   monkeypatch.setenv("PJRT_NPROC", "3")
@@ -166,7 +166,7 @@ def test_a_second_init_with_other_arguments_raises_naming_both(tmp_path):
 
 
 def test_a_second_init_compares_with_what_the_runtime_chose():
-  from mpijax._src import runtime
+  from mpijax._src.runtime import state as runtime
 
   topology = runtime.Topology(
     rank=1,

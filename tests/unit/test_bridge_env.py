@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mpijax._src import jax_runtime
 from mpijax._src.ffi import bridge_env
+from mpijax._src.xla import distributed as jax_runtime
 
 BRIDGE_SRC = Path(__file__).resolve().parents[2] / "mpijax" / "_src" / "ffi" / "bridge"
 

@@ -1,4 +1,4 @@
-"""The compile cache's entries and claims (mpijax/_src/compile_cache.py), with real
+"""The compile cache's entries and claims (mpijax/_src/xla/compile_cache.py), with real
 files and real processes: one compiles, the others wait and load; a dead or stopped
 owner is passed over; a bad entry is recompiled; an unwritable directory is said."""
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mpijax._src import compile_cache as cc
+from mpijax._src.xla import compile_cache as cc
 
 JAXLIB = "0.10.2"
 KEY = "jit_step-0123abcd"

@@ -19,7 +19,7 @@ import jax, jax.numpy as jnp
 if os.environ.get("FAKE_JAXLIB"):
   import jaxlib
   jaxlib.__version__ = os.environ["FAKE_JAXLIB"]  # as if another jaxlib had compiled it
-from mpijax._src import compile_hook
+from mpijax._src.xla import compile_hook
 compile_hook.install(0, "key-test")
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 f = jax.jit(lambda x: jnp.tanh(x @ x) + 1, device=jax.devices()[0])

@@ -1,4 +1,4 @@
-"""One core per rank where a node has more ranks than cores (mpijax/_src/cpu_bind.py)."""
+"""One core per rank where a node has more ranks than cores (mpijax/_src/run/cpu_bind.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mpijax._src import cpu_bind
+from mpijax._src.run import cpu_bind
 
 
 def test_round_robin_only_where_ranks_exceed_cores():
@@ -24,7 +24,7 @@ def test_round_robin_only_where_ranks_exceed_cores():
 
 _PROBE = "import json, os, mpijax; print(json.dumps(sorted(os.sched_getaffinity(0))))"
 # Whether the import found the node oversubscribed, and what the transport's settings got.
-_WAITS = ("import json, mpijax; from mpijax._src import cpu_bind; "
+_WAITS = ("import json, mpijax; from mpijax._src.run import cpu_bind; "
           "from mpijax._src.ffi import settings; "
           "print(json.dumps([cpu_bind.oversubscribed(), settings._oversubscribed]))")
 

@@ -112,7 +112,7 @@ def test_the_documented_init_signature_is_inits():
   import re
   from pathlib import Path
 
-  from mpijax._src import runtime
+  from mpijax._src.runtime import state as runtime
 
   text = (Path(__file__).resolve().parents[2] / "docs" / "collectives.md").read_text()
   documented = re.search(r"^\| `init\((.*?)\)` \|", text, re.M).group(1)

@@ -32,40 +32,13 @@ LAYERS: dict[str, list[str]] = {
   ],
   "environment": ["_src/cluster/"],
   "extension": ["_src/ffi/"],
-  "runtime": [
-    "_src/runtime.py",
-    "_src/device_setup.py",
-    "_src/jax_runtime.py",
-    "_src/compile_hook.py",
-    "_src/compile_cache.py",
-    "_src/xla_hlo.py",
-    "_src/xla_labels.py",
-    "_src/program_check.py",
-    "_src/xla_cliques.py",
-    "_src/xla_pools.py",
-    "_src/multihost.py",
-    "_src/inspector.py",
-    "_src/failure.py",
-    "_src/timeline/",
-  ],
+  "runtime": ["_src/runtime/", "_src/xla/", "_src/timeline/"],
   "transport": ["_src/ops/"],
-  "collectives": ["_src/collectives.py", "_src/axes.py", "_src/lax_routing.py"],
-  "mapping and arrays": [
-    "_src/mesh.py",
-    "_src/geometry.py",
-    "_src/map_io.py",
-    "_src/shard_map.py",
-    "_src/pmap.py",
-    "_src/replication.py",
-    "_src/global_array.py",
-    "_src/part_checks.py",
-    "_src/reshard.py",
-    "_src/visualize.py",
-    "_src/array_checkpoint.py",
-  ],
+  "collectives": ["_src/collectives/"],
+  "sharding": ["_src/sharding/"],
   "training": ["_src/train/"],
-  "mpi4jax's API": ["_src/mpi4jax/"],
-  "entry points": ["_src/launch/", "_src/rank_env.py", "_src/cpu_bind.py"],
+  "mpi4jax's API": ["_src/compat/"],
+  "entry points": ["_src/run/"],
   "public API": [
     "__init__.py",
     "lax.py",
@@ -80,6 +53,9 @@ LAYERS: dict[str, list[str]] = {
 }
 # The private package's empty marker: it holds and imports nothing.
 UNPLACED = {"mpijax._src"}
+# At most this many modules directly in _src/ (the base layer): the rest live in
+# one folder per layer (or per part of one).
+FLAT_AT_MOST = 10
 # Files that load mpijax modules by path, not by import: scripts that must not run
 # mpijax/__init__.py (the bridge's build check, the interpreter-start hook). Their
 # loads count as imports here; a new one must be listed (test_every_load_by_path_is_known).
@@ -160,7 +136,7 @@ def test_the_checker_finds_a_cycle():
 
 def test_mpijax_has_no_import_cycle():
   mods = _modules()
-  assert "mpijax._src.runtime" in mods, sorted(mods)
+  assert "mpijax._src.runtime.state" in mods, sorted(mods)
   graph = {name: _imports(name, path, mods) for name, path in mods.items()}
   cycle = _cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -268,3 +244,11 @@ def test_every_load_by_path_is_known():
       assert _module_name(rel) in mods, f"{loader} loads mpijax/{rel}, which does not exist"
       # The loader names the file (by its name, joined to a directory it computes).
       assert pathlib.PurePosixPath(rel).stem in text, f"{loader} does not load mpijax/{rel}"
+
+
+def test_src_keeps_only_the_base_layer_flat():
+  flat = sorted(p.name for p in (PACKAGE / "_src").glob("*.py") if p.name != "__init__.py")
+  assert len(flat) <= FLAT_AT_MOST, f"{len(flat)} modules directly in mpijax/_src: {flat}"
+  assert [f"_src/{name}" for name in flat] == sorted(LAYERS["base"]), (
+    "a module directly in mpijax/_src belongs to the base layer; others go in their layer's folder"
+  )

@@ -17,16 +17,16 @@ import pytest
 
 from mpijax._src import cluster
 from mpijax._src import config
-from mpijax._src import rank_env
-from mpijax._src.launch import cli
-from mpijax._src.launch import commands
-from mpijax._src.launch import common
-from mpijax._src.launch import hosts
-from mpijax._src.launch import joblog
-from mpijax._src.launch import process_group
-from mpijax._src.launch import restarts
-from mpijax._src.launch.mpi_probe import MPIInfo
-from mpijax._src.launch.situation import Situation
+from mpijax._src.run import cli
+from mpijax._src.run import commands
+from mpijax._src.run import common
+from mpijax._src.run import hosts
+from mpijax._src.run import joblog
+from mpijax._src.run import process_group
+from mpijax._src.run import rank as rank_env
+from mpijax._src.run import restarts
+from mpijax._src.run.mpi_probe import MPIInfo
+from mpijax._src.run.situation import Situation
 
 DATA = pathlib.Path(__file__).parent / "data"
 LAUNCHER_PREFIXES = (

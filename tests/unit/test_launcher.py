@@ -15,16 +15,16 @@ import uuid
 
 import pytest
 
-from mpijax._src.launch import cli
-from mpijax._src.launch import commands
-from mpijax._src.launch import common
-from mpijax._src.launch import hosts
-from mpijax._src.launch import mpi_probe
-from mpijax._src.launch import program
-from mpijax._src.launch import session_dirs
-from mpijax._src.launch import situation
-from mpijax._src.launch.mpi_probe import MPIInfo
-from mpijax._src.launch.situation import Situation
+from mpijax._src.run import cli
+from mpijax._src.run import commands
+from mpijax._src.run import common
+from mpijax._src.run import hosts
+from mpijax._src.run import mpi_probe
+from mpijax._src.run import program
+from mpijax._src.run import session_dirs
+from mpijax._src.run import situation
+from mpijax._src.run.mpi_probe import MPIInfo
+from mpijax._src.run.situation import Situation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI5 = MPIInfo("openmpi", (5, 0), "Open MPI v5.0.11, package: ...", "/p/lib/libmpi.so.40")
@@ -432,8 +432,8 @@ def test_other_programs_get_the_rank_variables_from_the_wrappers_exec():
 
 
 def test_rank_wrapper_goes_before_the_wrapped_program():
-  got = cmd(["-n", "2", "--rank-wrapper", "launch/gpu-per-rank.sh", "--", "python", "x.py"])
-  assert got[-5:] == ["launch/gpu-per-rank.sh", "python", "-m", "mpijax", "x.py"]
+  got = cmd(["-n", "2", "--rank-wrapper", "recipes/gpu-per-rank.sh", "--", "python", "x.py"])
+  assert got[-5:] == ["recipes/gpu-per-rank.sh", "python", "-m", "mpijax", "x.py"]
 
 
 @pytest.mark.parametrize(
@@ -548,8 +548,8 @@ def test_the_launcher_loads_neither_jax_nor_numpy():
   )
   assert out.returncode == 0, out.stderr
   loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-  assert "mpijax._src.launch.cli" in loaded, out.stderr[-2000:]
-  assert not {"jax", "jaxlib", "numpy", "mpijax._src.runtime"} & loaded, sorted(loaded)
+  assert "mpijax._src.run.cli" in loaded, out.stderr[-2000:]
+  assert not {"jax", "jaxlib", "numpy", "mpijax._src.runtime.state"} & loaded, sorted(loaded)
 
 
 def test_a_bad_setting_stops_mpijax_run_before_any_rank_starts(tmp_path):

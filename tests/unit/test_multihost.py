@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mpijax._src import multihost
+from mpijax._src.runtime import multihost
 
 
 def test_host_values_are_compared_as_jax_stores_them():

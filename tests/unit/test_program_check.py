@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpijax._src import program_check
+from mpijax._src.xla import program_check
 
 
 def test_layout_is_read_from_the_module_header_without_dimension_orders():

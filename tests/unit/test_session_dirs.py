@@ -1,5 +1,5 @@
 """Open MPI's session directories that mpijax-run removes: only those whose launcher is
-provably gone (mpijax/_src/launch/session_dirs.py).
+provably gone (mpijax/_src/run/session_dirs.py).
 
 Real processes throughout: "launchers" are Python processes named prterun, and
 the PID namespaces are real ones (``unshare --pid``, root only), as when
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from mpijax._src.launch import session_dirs
+from mpijax._src.run import session_dirs
 
 MODULE = session_dirs.__file__
 ROOT = pytest.mark.skipif(

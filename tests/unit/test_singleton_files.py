@@ -82,7 +82,7 @@ def test_mpijax_run_removes_the_mpi_files_its_ranks_noted(tmp_path):
   import json
   import socket
 
-  from mpijax._src.launch.shm import JobFiles
+  from mpijax._src.run.shm import JobFiles
 
   tag = f"{os.getpid()}-test"
   noted = [f"/dev/shm/mpich_shm_{tag}_0", f"/dev/shm/sm_segment.host.0.{tag}.0"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpijax._src.train import checkpoint as ckpt_mod
+from mpijax._src.train import replicated_checkpoint as ckpt_mod
 from mpijax.train import CheckpointError
 from mpijax.train import checkpoint_metadata
 from mpijax.train import restore_checkpoint

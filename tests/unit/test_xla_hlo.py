@@ -8,8 +8,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mpijax._src import xla_cliques
-from mpijax._src import xla_hlo
+from mpijax._src.xla import cliques as xla_cliques
+from mpijax._src.xla import hlo as xla_hlo
 
 
 def _compiled_text() -> tuple[str, str]:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mpijax._src import config
-from mpijax._src import xla_pools
+from mpijax._src.xla import pools as xla_pools
 
 LAYOUT = xla_pools.Layout(vtable=0, num_threads=0x48, allow_spinning=0x4C, spin_count=0x50)
 
@@ -28,7 +28,7 @@ LAYOUT = xla_pools.Layout(vtable=0, num_threads=0x48, allow_spinning=0x4C, spin_
 # pools after, spin(), and a jitted sum over both devices (on XLA's pools).
 _PROBE = r"""
 import json, jax, jax.numpy as jnp, numpy as np
-from mpijax._src import xla_pools
+from mpijax._src.xla import pools as xla_pools
 jax.devices()
 before = xla_pools.pools()
 first, second = xla_pools.quiet(), xla_pools.quiet()

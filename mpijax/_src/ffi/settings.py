@@ -14,7 +14,7 @@ _oversubscribed = False
 
 def set_oversubscribed(value: bool) -> None:
   """Notes whether this rank's node runs more ranks than it has cores (mpijax's
-  import finds out; see mpijax/_src/cpu_bind.py): waits then yield the core
+  import finds out; see mpijax/_src/run/cpu_bind.py): waits then yield the core
   after every poll."""
   global _oversubscribed
   _oversubscribed = bool(value)

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from mpijax._src import ffi as _ffi
-from mpijax._src import inspector
 from mpijax._src import mpi_util
-from mpijax._src import runtime
 from mpijax._src.ffi.settings import push_settings
+from mpijax._src.runtime import inspector
+from mpijax._src.runtime import state as runtime
 
 
 @dataclasses.dataclass(frozen=True)

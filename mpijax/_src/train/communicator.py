@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpijax._src import runtime
+from mpijax._src.runtime import state as runtime
 
 
 def get_comm(comm: Any | None, what: str) -> Any:

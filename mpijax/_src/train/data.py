@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from mpijax._src import mpi_util
-from mpijax._src import runtime
+from mpijax._src.runtime import state as runtime
 from mpijax._src.train import communicator
 
 

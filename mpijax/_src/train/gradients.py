@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from mpijax._src import config
-from mpijax._src.axes import axis_env
+from mpijax._src.collectives.axes import axis_env
 from mpijax._src.ops.allreduce_many import allreduce_many
 from mpijax._src.ops.fence import after_calls
 from mpijax._src.ops.fence import unfused

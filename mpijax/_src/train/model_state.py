@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpijax._src import lax_routing
+from mpijax._src.collectives import routing as lax_routing
 from mpijax._src.ops.allgather import allgather
 from mpijax._src.ops.allreduce import allreduce
 
@@ -243,7 +243,7 @@ def bind_data_axis(name: Any, comm: Any):
   """While tracing: ``jax.lax`` collectives on ``name`` reduce over every rank of ``comm``.
 
   ``jax.lax.psum/pmean/pmax/pmin/all_gather/axis_index/axis_size`` look the
-  name up in a per-thread table first (:mod:`mpijax._src.lax_routing`) and
+  name up in a per-thread table first (:mod:`mpijax._src.collectives.routing`) and
   hand every other name to JAX unchanged, so code that names the axis (Flax's ``BatchNorm(axis_name=...)``,
   a hand-written ``jax.lax.pmean(x, name)``) sees one axis spanning the ranks,
   each rank one position along it, as under ``jax.pmap`` over one device per

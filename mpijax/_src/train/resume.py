@@ -22,8 +22,8 @@ import numpy as np
 from mpijax._src import config
 from mpijax._src import log
 from mpijax._src import mpi_util
-from mpijax._src.train import checkpoint as _ckpt
 from mpijax._src.train import communicator
+from mpijax._src.train import replicated_checkpoint as _ckpt
 
 _NAME = re.compile(r"step_(\d+)\.ckpt")
 

@@ -1,0 +1,1 @@
+"""The jax.lax-shaped collectives over named axes that span ranks."""

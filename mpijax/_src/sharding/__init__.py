@@ -1,0 +1,1 @@
+"""Meshes over ranks and devices, the maps over them, and global arrays."""
