@@ -241,7 +241,8 @@ _define("jax_coordinator_address", _parse_address, "",
 # --- transport and safety (layers 3 and 8) -----------------------------------
 _define("timeout", _parse_seconds, 300.0,
         "Seconds a collective may wait before the stall inspector reports "
-        "the missing ranks. 0 (or inf) disables the inspector.")
+        "the missing ranks, and init() for the ranks that have not called it "
+        "(docs/troubleshooting.md). 0 (or inf) disables both.")
 _define("stall_action", _parse_stall_action, "abort",
         "What a stall does after reporting: 'abort' the job or only 'warn'.")
 _define("check", _parse_bool, False,
@@ -353,6 +354,11 @@ _define("job_files", str, "",
         "rank notes its process id and the shared-memory files it maps, so that "
         "mpijax-run removes what a job that ended abnormally leaves in /dev/shm. "
         "Unset: nothing is noted.")
+_define("arrivals", str, "",
+        "Set by mpijax-run on every rank: where mpijax-run listens for each rank's word "
+        "that it started and entered init(), so that ranks waiting in init() for one "
+        "that never calls it name that rank and say where it is (its Python stack). "
+        "Unset: init() reports such a wait without the names.")
 _define("restart_attempt", _parse_count, 0,
         "Which run of a restarted job this is: 0 on the first run, 1 on the first "
         "restart, ... Set on every rank by mpijax-run --max-restarts; read with "

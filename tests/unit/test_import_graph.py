@@ -45,6 +45,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/xla_pools.py",
     "_src/multihost.py",
     "_src/inspector.py",
+    "_src/arrival.py",
     "_src/failure.py",
     "_src/timeline/",
   ],

@@ -91,3 +91,4 @@ class Plan:
   hosts: tuple[tuple[str, int], ...] | None = None
   master_port: int | None = None
   job_files: str | None = None  # where the ranks note their shared-memory files (shm.py)
+  arrivals: bool = False  # the ranks get MPIJAX_ARRIVALS from the launcher's environment
