@@ -79,6 +79,21 @@ def _parse_count(text: str) -> int:
   return value
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 1 << 10, "k": 1 << 10,
+               "mib": 1 << 20, "mb": 1 << 20, "m": 1 << 20}
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+  out = []
+  for part in text.replace(" ", "").split(","):
+    digits = part.rstrip("bBkKmMiI")
+    unit = part[len(digits):].lower()
+    if not digits.isdigit() or unit not in _SIZE_UNITS or int(digits) * _SIZE_UNITS[unit] < 4:
+      raise ValueError("expected sizes of 4 bytes or more, comma-separated, e.g. 8,4KiB,4MiB")
+    out.append(int(digits) * _SIZE_UNITS[unit] // 4 * 4)
+  return tuple(sorted(set(out)))
+
+
 def _parse_collectives(text: str) -> str:
   value = text.strip().lower()
   if value not in ("auto", "mpi", "gloo"):
@@ -368,6 +383,16 @@ _define("run", _parse_bool, False,
         "output with [rankN]: and has checked the MPIJAX_* settings before the launch, "
         "so mpijax's own messages leave out their rank tag and init() does not check "
         "the settings' names again.")
+
+# --- the doctor (mpijax-run --doctor, python -m mpijax doctor) ----------------
+_define("doctor_sizes", _parse_sizes, (8, 4096, 262144, 4194304),
+        "Bytes per rank of the doctor's all-reduce sweep, comma-separated (KiB and MiB "
+        "suffixes allowed), within a node and across nodes: the smallest gives the "
+        "latency, the largest the bandwidth compared with the expected figure.")
+_define("doctor_shm_bytes", _parse_count, 0,
+        "The /dev/shm space the doctor requires on each node, in bytes. 0: what the "
+        "job's ranks need there (Open MPI's 16 MiB per rank, mpijax's node-local "
+        "segments at MPIJAX_SHM_MAX_BYTES per rank and device).")
 
 # --- building ----------------------------------------------------------------
 _define("mpicc", str, "",

@@ -15,6 +15,7 @@ from mpijax._src.launch import joblog
 from mpijax._src.launch import session_dirs
 from mpijax._src.launch.commands import build_command
 from mpijax._src.launch.commands import output_kind
+from mpijax._src.launch.common import DOCTOR_FAILED
 from mpijax._src.launch.common import GRACE_SECONDS
 from mpijax._src.launch.common import MAX_BACKOFF_SECONDS
 from mpijax._src.launch.common import PREEMPTED_EXIT_CODE
@@ -206,7 +207,8 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
           break
         more = plan.attempt < opts.max_restarts
         if kind != "failed" or signals.forwarded or not more:
-          relay.note(f"{PROG}: {attempt.line()}")
+          if not (opts.doctor and status == DOCTOR_FAILED):  # its report says it all
+            relay.note(f"{PROG}: {attempt.line()}")
           if kind == "failed" and signals.forwarded:
             relay.note(
               f"{PROG}: not restarting: the job was sent "
