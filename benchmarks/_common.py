@@ -90,18 +90,35 @@ def under_mpi_launcher() -> bool:
   return any(k in os.environ for k in keys)
 
 
-def import_mpi():
+def import_mpi(*, plain: bool = False):
   """mpi4py's MPI, initialized with MPI_THREAD_MULTIPLE as mpijax.init() would
-  (and, in a one-process world, with its Open MPI segment file unlinked at exit)."""
+  (and, in a one-process world, with its Open MPI segment file unlinked at exit).
+
+  ``plain``: mpi4py alone (its default is MPI_THREAD_MULTIPLE too), for a job
+  that must not load mpijax (:func:`without_mpijax`).
+  """
+  if plain:
+    from mpi4py import MPI
+    return MPI
   from mpijax._src import mpi_util
   return mpi_util.import_mpi()
+
+
+def without_mpijax(rows: Sequence[Row]) -> list[Row]:
+  """The rows of a job that times a peer (mpi4jax) as its users run it: in a process
+  that never loaded mpijax, whose import replaces some of JAX's lowering rules. If
+  this one did, every figure is replaced by that reason."""
+  if "mpijax" in sys.modules:
+    for r in rows:
+      r.cells = {s: "not measured: mpijax was loaded in this process" for s in r.cells}
+  return list(rows)
 
 
 class HarnessComm:
   """Barrier and reductions for the harness, on its own duplicate of COMM_WORLD."""
 
-  def __init__(self):
-    MPI = import_mpi()
+  def __init__(self, *, plain: bool = False):
+    MPI = import_mpi(plain=plain)
     self.MPI = MPI
     self.comm = MPI.COMM_WORLD.Dup()
     self.rank = self.comm.Get_rank()
@@ -301,7 +318,6 @@ class Row:
 
 
 def environment_info() -> dict[str, Any]:
-  from mpijax._src import heap
   info: dict[str, Any] = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "host": socket.gethostname(),
@@ -310,9 +326,12 @@ def environment_info() -> dict[str, Any]:
       "cpus": os.cpu_count(),
       # Other jobs on the machine inflate every figure; keep the evidence.
       "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-      "glibc_env": {k: os.environ.get(k) for k in ("GLIBC_TUNABLES",) + heap.MALLOC_ENV_NAMES},
+      # Read without importing mpijax: a peer's job must not load it.
+      "glibc_env": {k: v for k, v in os.environ.items()
+                    if k == "GLIBC_TUNABLES" or k.startswith("MALLOC_")},
+      "mpijax_loaded": "mpijax" in sys.modules,
   }
-  for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax"):
+  for mod in ("jax", "jaxlib", "numpy", "mpi4py", "mpi4jax", "mpijax"):
     try:
       from importlib import metadata
       info[mod] = metadata.version(mod)
@@ -447,6 +466,37 @@ class Targets:
 
   def line(self, ok: bool | None, text: str) -> None:
     self.lines.append(("N/A " if ok is None else "PASS" if ok else "FAIL") + f"  {text}")
+
+  def ratio(self, what: str, num: float | None, den: float | None, limit: float, *,
+            at_least: bool = False, extra: str = "") -> float | None:
+    """The line of a target on ``num / den`` (µs each): both figures and the ratio, judged
+    as printed (:func:`judged`). Returns the ratio, or None if a figure is missing."""
+    if num is None or den is None or not den:
+      self.line(None, f"{what}: missing")
+      return None
+    ok, shown = judged(num / den, limit, at_least=at_least)
+    self.line(ok, f"{what}: {num:.1f} / {den:.1f} us = {shown}x{extra}")
+    return num / den
+
+  def at_most(self, what: str, value: float | None, limit: float, unit: str = "us") -> None:
+    """The line of a target on one figure, judged as printed."""
+    if value is None:
+      self.line(None, f"{what}: missing")
+      return
+    ok, shown = judged(value, limit, decimals=2)
+    self.line(ok, f"{what}: {shown} {unit}")
+
+
+def judged(value: float, limit: float, *, at_least: bool = False,
+           decimals: int = 3) -> tuple[bool, str]:
+  """(whether ``value`` meets ``limit``, ``value`` as printed with ``decimals`` decimals).
+
+  The verdict is taken on the printed figure, so the two cannot disagree (a
+  ratio of 1.1019 against a 1.1 limit prints as 1.102, FAIL; never "1.10 FAIL").
+  """
+  shown = f"{value:.{decimals}f}"
+  printed = float(shown)
+  return (printed >= limit if at_least else printed <= limit), shown
 
 
 def write_phase_output(path: str, rows: Sequence[Row], meta: dict[str, Any]) -> None:

@@ -16,7 +16,10 @@ Rows (median µs per operation, max over ranks):
   job shows what a fresh output buffer costs XLA's own op.
 * ``mpijax.ops.allreduce`` in jit: one per jitted call; ten chained in one
   call (time per all-reduce); the input donated (in place, >= 256 KiB).
-* ``mpi4jax.allreduce`` in jit, one per call and ten chained, if importable.
+* ``mpi4jax.allreduce`` in jit, one per call and ten chained, if importable,
+  in a job of its own that never loads mpijax (its import replaces some of
+  JAX's lowering rules), with the raw and ``jax.jit(x + 1)`` rows timed again
+  there to show how far the machine drifted between the jobs.
 * JAX's own ``psum`` across processes (gloo, ``jax.distributed``), in its own
   phase: ``shard_map`` over a 1-D mesh of the P global CPU devices. That job
   also times the mpijax one-per-call row, interleaved with gloo's trials, and
@@ -59,6 +62,8 @@ LABELS = {
     "mpijax_donated": "mpijax allreduce in jit, donated (in place)",
     "mpi4jax_1": "mpi4jax allreduce in jit, 1 per call",
     "mpi4jax_10": f"mpi4jax allreduce in jit, {CHAIN} chained (per op)",
+    "raw_oop_mpi4jaxjob": "mpi4py Allreduce, NumPy, out of place [mpi4jax job]",
+    "jit_floor_mpi4jaxjob": "jax.jit(x + 1) (dispatch floor) [mpi4jax job]",
     "gloo_psum": "JAX psum over gloo (jax.distributed)",
     "mpijax_1_gloojob": "mpijax allreduce in jit, 1 per call [gloo job]",
     "jit_floor_gloojob": "jax.jit(x + 1) (dispatch floor) [gloo job]",
@@ -327,11 +332,23 @@ def phase_main(args, sizes: list[int], *, only_mpijax: bool = False, suffix: str
   add("mpijax_1", mpijax_factory())
   add("mpijax_10", mpijax_factory(chained=CHAIN))
   add("mpijax_donated", mpijax_factory(donate=True))
-  if not only_mpijax:
-    add("mpi4jax_1", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce"))
-    add("mpi4jax_10", lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce",
-                                                chained=CHAIN))
   return _measure(hc, specs, sizes, args)
+
+
+def phase_mpi4jax(args, sizes: list[int]) -> list[Row]:
+  """mpi4jax's rows, in a process that never loads mpijax, as mpi4jax's users run it."""
+  hc = HarnessComm(plain=True)
+  specs = [
+      ("mpi4jax_1", LABELS["mpi4jax_1"], "mpi4jax",
+       lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce")),
+      ("mpi4jax_10", LABELS["mpi4jax_10"], "mpi4jax",
+       lambda: _jitted_allreduce(hc, _mpi4jax_fn(hc), "mpi4jax allreduce", chained=CHAIN)),
+      ("raw_oop_mpi4jaxjob", LABELS["raw_oop_mpi4jaxjob"], "mpi4jax",
+       lambda: _raw(hc, in_place=False)),
+      ("jit_floor_mpi4jaxjob", LABELS["jit_floor_mpi4jaxjob"], "mpi4jax",
+       lambda: _jit_floor(hc)),
+  ]
+  return _common.without_mpijax(_measure(hc, specs, sizes, args))
 
 
 def start_jax_distributed() -> tuple[HarnessComm, str | None]:
@@ -436,7 +453,7 @@ def _phase_args(args, sizes: list[int]) -> list[str]:
 
 def _subphases(args) -> list[tuple[str, dict[str, str]]]:
   """(phase name, environment) of every phase that needs its own mpirun job."""
-  phases = []
+  phases = [("mpi4jax", {})]
   if not args.no_gloo:
     # A gloo job from its start, as a user's: mpijax binds no rank to a core then.
     phases.append(("gloo", {"MPIJAX_XLA_COLLECTIVES": "gloo"}))
@@ -455,6 +472,9 @@ def run_sub(args, sizes, nprocs, phase, env) -> list[Row] | str:
 def _failed_rows(phase: str, reason: str, sizes) -> list[Row]:
   if phase == "gloo":
     return [Row("gloo_psum", LABELS["gloo_psum"], "gloo", {s: reason for s in sizes})]
+  if phase == "mpi4jax":
+    return [Row(k, LABELS[k], "mpi4jax", {s: reason for s in sizes})
+            for k in ("mpi4jax_1", "mpi4jax_10")]
   spec = phase.split(":", 1)[1]
   return [Row(k + "@" + spec, LABELS[k] + f" [{spec}]", "main@" + spec, {s: reason for s in sizes})
           for k in ("mpijax_1", "mpijax_10", "mpijax_donated")]
@@ -467,27 +487,21 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
 
   if 4 in sizes:
     m1, m4j, m10 = get("mpijax_1", 4), get("mpi4jax_1", 4), get("mpijax_10", 4)
-    line(None if m1 is None else m1 <= 20, f"4 B, 1 per call <= 20 us: "
-         f"{'missing' if m1 is None else f'{m1:.2f} us'}")
-    if m1 is not None and m4j is not None:
-      line(m1 <= 0.1 * m4j, f"4 B, 1 per call <= 0.1x mpi4jax: {m1:.2f} / {m4j:.2f} us = "
-           f"{m1 / m4j:.3f}x")
-    else:
-      line(None, "4 B, 1 per call <= 0.1x mpi4jax: "
-           + ("mpi4jax row missing" if m4j is None else "mpijax row missing"))
-    line(None if m10 is None else m10 <= 6, f"4 B, {CHAIN} chained <= 6 us per op: "
-         f"{'missing' if m10 is None else f'{m10:.2f} us'}")
+    t.at_most("4 B, 1 per call <= 20 us", m1, 20)
+    t.ratio("4 B, 1 per call <= 0.1x mpi4jax (its own job)", m1, m4j, 0.1)
+    # The jobs ran one after the other: how far the machine drifted between them.
+    for key, what in (("raw_oop", "mpi4py out of place"), ("jit_floor", "jax.jit(x + 1)")):
+      a, b = get(f"{key}_mpi4jaxjob", 4), get(key, 4)
+      if a is not None and b is not None:
+        out.append(f"info  4 B {what}, mpi4jax job / main job: {a:.2f} / {b:.2f} us = "
+                   f"{a / b:.3f}x")
+    t.at_most(f"4 B, {CHAIN} chained <= 6 us per op", m10, 6)
   for s in sizes:
     if s < 256 << 10:
       continue
     for key, base, name in (("mpijax_1", "raw_oop", "out of place"),
                             ("mpijax_donated", "raw_inplace", "in place (donated)")):
-      v, b = get(key, s), get(base, s)
-      if v is None or b is None:
-        line(None, f"{_common.fmt_size(s)} {name} <= 1.2x raw: missing")
-      else:
-        line(v <= 1.2 * b, f"{_common.fmt_size(s)} {name} <= 1.2x raw: {v:.1f} / {b:.1f} us "
-             f"= {v / b:.2f}x")
+      t.ratio(f"{_common.fmt_size(s)} {name} <= 1.2x raw", get(key, s), get(base, s), 1.2)
   # Without donation XLA gives the all-reduce a fresh output buffer on every
   # call; a NumPy user reduces one hot buffer in place. The target holds the
   # out-of-place jitted call to that in-place floor at 4 MiB (64 MiB: info),
@@ -501,14 +515,12 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     if v is None or b is None:
       line(None, f"{name}: missing")
       continue
-    text = f"{name}: {v:.1f} / {b:.1f} us = {v / b:.2f}x"
     vb, bb = t.by["mpijax_1"].us(s, "best"), t.by["raw_inplace"].us(s, "best")
-    if vb is not None and bb:
-      text += f" (fastest trials {vb:.1f} / {bb:.1f} us = {vb / bb:.2f}x)"
+    fastest = f" (fastest trials {vb:.1f} / {bb:.1f} us = {vb / bb:.3f}x)" if vb and bb else ""
     if s == 4 << 20:
-      line(v <= 1.1 * b, text)
+      t.ratio(name, v, b, 1.1, extra=fastest)
     else:
-      out.append(f"info  {text}")
+      out.append(f"info  {name}: {v:.1f} / {b:.1f} us = {v / b:.3f}x{fastest}")
     # The floor of any out-of-place jitted op on these bytes: it reads the
     # input and writes a fresh output, as jit(x + 1) does.
     floor = get("jit_floor", s)
@@ -533,11 +545,9 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     where = "same job"
     if v is None:
       v, where = main, "main job"
-    if v is None or g is None:
-      line(None, f"{_common.fmt_size(s)} >= 10x faster than gloo psum: missing")
+    if t.ratio(f"{_common.fmt_size(s)} >= 10x faster than gloo psum", g, v, 10, at_least=True,
+               extra=f" ({where})") is None:
       continue
-    line(g >= 10 * v, f"{_common.fmt_size(s)} >= 10x faster than gloo psum: "
-         f"{g:.1f} / {v:.1f} us = {g / v:.1f}x ({where})")
     if where == "same job" and main is not None:
       out.append(f"info  {_common.fmt_size(s)} gloo psum / mpijax of the main job: "
                  f"{g:.1f} / {main:.1f} us = {g / main:.1f}x")
@@ -622,6 +632,8 @@ def main(argv=None) -> int:
       rows = phase_main(args, sizes)
     elif args.phase == "gloo":
       rows = phase_gloo(args, sizes)
+    elif args.phase == "mpi4jax":
+      rows = phase_mpi4jax(args, sizes)
     elif args.phase.startswith("mpijax-env:"):
       rows = phase_main(args, sizes, only_mpijax=True, suffix=args.phase.split(":", 1)[1])
     else:

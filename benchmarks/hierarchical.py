@@ -207,13 +207,15 @@ def targets(rows: list[Row], sizes: list[int]) -> tuple[str, bool]:
       m, loc, mpi, jx = (us(k, mode, s) for k in ("mpijax", "local", "mpi", "jax"))
       parts = None if None in (m, loc, mpi) else m / (loc + mpi)
       vs_jax = None if None in (m, jx) else m / jx
-      v1 = "N/A" if parts is None else ("PASS" if parts <= TARGET else "FAIL")
-      v2 = "N/A" if vs_jax is None else ("PASS" if vs_jax <= 1 else "FAIL")
+      # Each verdict is taken on the ratio as printed (3 decimals).
+      (v1, r1), (v2, r2) = (
+          ("N/A", "–") if q is None else
+          (lambda okq: ("PASS" if okq[0] else "FAIL", okq[1] + "×"))(_common.judged(q, lim))
+          for q, lim in ((parts, TARGET), (vs_jax, 1)))
       ok = ok and v1 == "PASS" and v2 == "PASS"
       lines.append(f"| {_common.fmt_size(s)} | {mode_label} | {fmt(m)} | "
                    f"{fmt(None if parts is None else loc + mpi)} | "
-                   f"{_common._fmt_ratio(parts)} | {v1} | {fmt(jx)} | "
-                   f"{_common._fmt_ratio(vs_jax)} | {v2} |")
+                   f"{r1} | {v1} | {fmt(jx)} | {r2} | {v2} |")
   return "\n".join(lines), ok
 
 

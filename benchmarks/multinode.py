@@ -399,7 +399,7 @@ def check_targets(rows: list[Row], sizes: list[int]) -> list[str]:
       elif xla is None or ref is None:
         t.line(None, f"{what}: missing")
       else:
-        t.line(xla <= TARGET_RATIO * ref, f"{what}: {xla:.1f} / {ref:.1f} us = {xla / ref:.2f}x")
+        t.ratio(what, xla, ref, TARGET_RATIO)
         # Where a row's calls fall into modes (Open MPI's large all-reduce on this link), the
         # median follows whichever mode got more calls; the fast mode's p10 is steadier.
         xp, rp = t.by["xla"].us(s, "p10"), t.by[key].us(s, "p10")

@@ -21,10 +21,10 @@ whose collectives XLA runs itself. Rows (µs per blocking call: p10 / median
 ``--devices L`` gives every rank L CPU devices
 (``--xla_force_host_platform_device_count``): the rows then span every
 device of every rank, each (rank, local device) a member of XLA's
-communicators, and references join them: XLA's all-reduce between the L
-devices of one process (1 rank, JAX not distributed), the same run by P such
-processes at once (the device threads of the P x L job on the same cores),
-and the all-reduce of the same rows at 1 device per rank over MPI (``P`` x 1).
+communicators, and the target's two references join them in the same job,
+their calls interleaved with the rest: XLA's all-reduce between the L
+devices of each rank alone (every rank at once), and the all-reduce of the
+same rows over one device of each rank (MPI, P members).
 
 Every row's result is checked against NumPy before it is timed; the script
 exits 1 if any result is wrong.
@@ -78,12 +78,8 @@ LABELS = {
   "mpijax_psum_gloojob": "mpijax.shard_map + mpijax.lax.psum [gloo job]",
   "xla_mpi_check": "jit x.sum(0) over MPI, MPIJAX_CHECK=1",
   "mpijax_psum_checkjob": "mpijax.shard_map + mpijax.lax.psum [MPIJAX_CHECK=1 job]",
-  "xla_local": "jit x.sum(0): XLA's all-reduce between one process's devices (1 rank)",
-  "xla_local_shared": (
-    "jit x.sum(0): XLA's all-reduce between one process's devices, every rank's process at once "
-    "(JAX not distributed)"
-  ),
-  "xla_mpi_flat": "jit x.sum(0) over MPI at 1 device per rank",
+  "xla_local": "jit x.sum(0) between each rank's own devices, every rank at once (same job)",
+  "xla_mpi_flat": "jit x.sum(0) over MPI, one device of each rank (same job)",
   "xla_add1": "jit x + 1 over the same rows: reads and writes what any all-reduce must",
 }
 # phase -> (its rows, its environment)
@@ -101,29 +97,17 @@ PHASES = {
   # What comparing every call in a message of its own would cost, against
   # the default, which compares the ranks' operations inside the exchange.
   "check": (("xla_mpi_check", "mpijax_psum_checkjob"), {"MPIJAX_CHECK": "1"}),
-  # With --devices L: the references (1 rank x L devices; P ranks x 1).
-  "local": (("xla_local",), {}),
-  "local_shared": (("xla_local_shared",), {"MPIJAX_JAX_DISTRIBUTED": "0"}),
-  "flat": (("xla_mpi_flat",), {}),
 }
+# With --devices L, in the MPI phase: the target's references and the floor.
+DEVICES_KEYS = ("xla_local", "xla_mpi_flat", "xla_add1")
 
 
 def phase_plan(nprocs: int, devices: int) -> dict[str, tuple[int, dict[str, str]]]:
   """phase -> (ranks, environment) of a run at ``nprocs`` x ``devices``."""
   if devices == 1:
-    return {
-      p: (nprocs, env)
-      for p, (_, env) in PHASES.items()
-      if p not in ("local", "local_shared", "flat")
-    }
+    return {p: (nprocs, env) for p, (_, env) in PHASES.items()}
   dev = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return {
-    "mpi": (nprocs, dev),
-    "gloo": (nprocs, {**PHASES["gloo"][1], **dev}),
-    "local": (1, dev),
-    "local_shared": (nprocs, {**PHASES["local_shared"][1], **dev}),
-    "flat": (nprocs, {}),
-  }
+  return {"mpi": (nprocs, dev), "gloo": (nprocs, {**PHASES["gloo"][1], **dev})}
 
 
 def _check(got, want: float, what: str) -> None:
@@ -176,25 +160,38 @@ def _body(lax, kind: str, n: int):
   return lambda b: lax.ppermute(b, "x", ring)
 
 
-def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
+def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum", over: str = "all"):
+  """XLA's ``kind`` over the rows of every device (``over="all"``), of this rank's devices
+  alone (``"local"``) or of the first device of every rank (``"flat"``)."""
   import jax
   import numpy as np
+  from jax.sharding import Mesh
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import mpijax
 
   rt = mpijax.init()
-  if transport == "local":
-    if jax.process_count() != 1 or jax.local_device_count() < 2:
-      raise ar.Skip("the local reference wants 1 rank with several devices")
-  elif rt.xla_collectives != transport:
+  if rt.xla_collectives != transport:
     raise ar.Skip(
       f"XLA's collectives run over {rt.xla_collectives or 'nothing'} in this job, "
       f"not {transport} (see mpijax's warning above)"
     )
-  n = jax.device_count()
-  mesh = jax.make_mesh((n,), ("x",))
+  if over == "local":  # this rank's devices alone
+    mine = list(jax.local_devices())
+  elif over == "flat":  # the first device of every rank
+    mine = [
+      min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+      for p in range(jax.process_count())
+    ]
+  else:
+    mine = None
+  if mine is None:
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("x",))
+  else:
+    n = len(mine)
+    mesh = Mesh(np.array(mine), ("x",))
   rows = NamedSharding(mesh, P("x", None))
   if kind == "sum":
     f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
@@ -210,12 +207,21 @@ def _xla_factory(hc: HarnessComm, transport: str, kind: str = "sum"):
   def build(nbytes: int):
     if kind in ("sum", "add1"):
       host = _rows(n, nbytes)
-      shards = [jax.device_put(host[i : i + 1], d) for i, d in enumerate(jax.local_devices())]
+      if over == "local":  # device g of the job holds g + 1: this rank's rows
+        want = sum(float(v) for v in host[:, 0])
+      elif over == "flat":  # one row per rank: rank r's first device, g = r * L
+        L = jax.local_device_count()
+        host = host[:1]
+        want = sum(p * L + 1 for p in range(n))
+      else:
+        want = n * (n + 1) / 2
+      local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+      shards = [jax.device_put(host[i : i + 1], d) for i, d in enumerate(local)]
       x = jax.make_array_from_single_device_arrays((n, host.shape[1]), rows, shards)
       if kind == "add1":
         _check(f(x).addressable_shards[0].data, host[0, 0] + 1, "jit x + 1")
       else:
-        _check(f(x).addressable_shards[0].data, n * (n + 1) / 2, f"jit x.sum(0) over {transport}")
+        _check(f(x).addressable_shards[0].data, want, f"jit x.sum(0) over {transport} ({over})")
     else:
       full = _full(n, _elements(n, nbytes))
       x = jax.make_array_from_callback(full.shape, rows, lambda i: full[i])
@@ -306,7 +312,7 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
 
   keys = PHASES[phase][0]
   if phase == "mpi" and not init_error and mpijax.local_device_count() > 1:
-    keys += ("xla_add1",)  # the floor of the all-reduce at several devices per rank
+    keys += DEVICES_KEYS
   factories = {
     "xla_mpi": lambda: _xla_factory(hc, "mpi"),
     "xla_gloo": lambda: _xla_factory(hc, "gloo"),
@@ -314,9 +320,8 @@ def phase_rows(phase: str, args, sizes: list[int]) -> list[Row]:
     "mpijax_psum_gloojob": lambda: _mpijax_factory(hc),
     "xla_mpi_check": lambda: _xla_factory(hc, "mpi"),
     "mpijax_psum_checkjob": lambda: _mpijax_factory(hc),
-    "xla_local": lambda: _xla_factory(hc, "local"),
-    "xla_local_shared": lambda: _xla_factory(hc, "local"),
-    "xla_mpi_flat": lambda: _xla_factory(hc, "mpi"),
+    "xla_local": lambda: _xla_factory(hc, "mpi", over="local"),
+    "xla_mpi_flat": lambda: _xla_factory(hc, "mpi", over="flat"),
     "xla_add1": lambda: _xla_factory(hc, "mpi", "add1"),
   }
   for k in KINDS:
@@ -338,62 +343,38 @@ def _per_job(t: _common.Targets, s: int, key: str, parts: tuple[str, ...]) -> st
   if not num or any(not d or len(d) != len(num) for d in dens):
     return ""
   ratios = [n / sum(d[j] for d in dens) for j, n in enumerate(num)]
-  return " (each job: " + ", ".join(f"{r:.2f}x" for r in ratios) + ")"
+  return " (each job: " + ", ".join(f"{r:.3f}x" for r in ratios) + ")"
 
 
 def check_devices_targets(rows: list[Row], sizes: list[int], devices: int) -> list[str]:
   """The targets at several devices per rank, as PASS / FAIL / N/A lines."""
   t = _common.Targets(rows)
-  get, line, out = t.get, t.line, t.lines
+  get, out = t.get, t.lines
   for s in sizes:
     size = _common.fmt_size(s)
     mpi, gloo, own = get("xla_mpi", s), get("xla_gloo", s), get("mpijax_psum", s)
     local, flat = get("xla_local", s), get("xla_mpi_flat", s)
-    shared = get("xla_local_shared", s)
     if s in (4 << 10, 1 << 20):
-      if mpi is None or gloo is None:
-        line(None, f"{size} all-reduce over MPI >= 3x faster than gloo: missing")
-      else:
-        line(
-          gloo >= 3 * mpi,
-          f"{size} all-reduce over MPI >= 3x faster than gloo: "
-          f"{gloo:.1f} / {mpi:.1f} us = {gloo / mpi:.1f}x",
-        )
-    if mpi is None or local is None or flat is None:
-      line(None, f"{size} all-reduce <= 1.3x (local + 1 device per rank): missing")
-    else:
-      ref = local + flat
-      line(
-        mpi <= 1.3 * ref,
-        f"{size} all-reduce <= 1.3x (local + 1 device per rank): "
-        f"{mpi:.1f} / ({local:.1f} + {flat:.1f}) us = {mpi / ref:.2f}x"
-        + _per_job(t, s, "xla_mpi", ("xla_local", "xla_mpi_flat")),
+      t.ratio(f"{size} all-reduce over MPI >= 3x faster than gloo", gloo, mpi, 3, at_least=True)
+    # Both parts timed in this job, their calls interleaved with the whole's.
+    t.ratio(
+      f"{size} all-reduce <= 1.3x (local + 1 device per rank, same job)",
+      mpi,
+      None if local is None or flat is None else local + flat,
+      1.3,
+      extra=""
+      if local is None or flat is None
+      else f" ({local:.1f} + {flat:.1f})"
+      + _per_job(t, s, "xla_mpi", ("xla_local", "xla_mpi_flat")),
+    )
+    floor = get("xla_add1", s)
+    if floor is not None and mpi is not None:
+      out.append(
+        f"info  {size} floor, jit x + 1 over the same rows: {floor:.1f} us; all-reduce / floor "
+        f"= {mpi / floor:.3f}x"
       )
-      floor = get("xla_add1", s)
-      if floor is not None:
-        # The local reference ran alone on the machine; here every rank's
-        # devices share its cores, and no all-reduce moves less than x + 1.
-        out.append(
-          f"info  {size} floor, jit x + 1 over the same rows: {floor:.1f} us = "
-          f"{floor / ref:.2f}x (local + 1 device per rank); all-reduce / floor "
-          f"= {mpi / floor:.2f}x"
-        )
-      if shared is not None:
-        # The same reference with its local part timed under the job's load:
-        # every rank's device threads on the same cores at once.
-        out.append(
-          f"info  {size} all-reduce / (local, every rank's process at once + 1 device per "
-          f"rank): {mpi:.1f} / ({shared:.1f} + {flat:.1f}) us = {mpi / (shared + flat):.2f}x"
-        )
     if s >= 256 << 10:
-      if mpi is None or own is None:
-        line(None, f"{size} all-reduce no slower than mpijax's psum: missing")
-      else:
-        line(
-          mpi <= own,
-          f"{size} all-reduce no slower than mpijax's psum over the same devices: "
-          f"{mpi:.1f} / {own:.1f} us = {mpi / own:.2f}x",
-        )
+      t.ratio(f"{size} all-reduce no slower than mpijax's psum over the same devices", mpi, own, 1)
     for k in KINDS:
       km, kg, mine = get(f"xla_{k}_mpi", s), get(f"xla_{k}_gloo", s), get(f"mpijax_{k}", s)
       if km is not None and kg is not None:
@@ -422,22 +403,10 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     if mpi is None or ref is None:
       line(None, f"{size} all-reduce against mpijax's psum: missing")
     elif s <= 64 << 10:
-      line(
-        mpi <= 1.5 * ref,
-        f"{size} all-reduce median <= 1.5x mpijax's psum: "
-        f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x",
-      )
-      p90 = stat("xla_mpi", s, "p90")
-      line(
-        p90 is not None and p90 <= 2 * mpi,
-        f"{size} all-reduce p90 <= 2x its median: {p90:.1f} / {mpi:.1f} us = {p90 / mpi:.2f}x",
-      )
+      t.ratio(f"{size} all-reduce median <= 1.5x mpijax's psum", mpi, ref, 1.5)
+      t.ratio(f"{size} all-reduce p90 <= 2x its median", stat("xla_mpi", s, "p90"), mpi, 2)
     else:
-      line(
-        mpi <= 1.2 * ref,
-        f"{size} all-reduce median <= 1.2x mpijax's psum: "
-        f"{mpi:.1f} / {ref:.1f} us = {mpi / ref:.2f}x",
-      )
+      t.ratio(f"{size} all-reduce median <= 1.2x mpijax's psum", mpi, ref, 1.2)
     gloo = get("xla_gloo", s)
     if mpi is not None and gloo is not None:
       out.append(
@@ -446,13 +415,7 @@ def check_targets(rows: list[Row], sizes: list[int], nprocs: int) -> list[str]:
     for k in KINDS:
       km, kg, own = get(f"xla_{k}_mpi", s), get(f"xla_{k}_gloo", s), get(f"mpijax_{k}", s)
       if 4 << 10 <= s <= 256 << 10:
-        if km is None or kg is None:
-          line(None, f"{size} {k} over MPI >= 5x faster than gloo: missing")
-        else:
-          line(
-            kg >= 5 * km,
-            f"{size} {k} over MPI >= 5x faster than gloo: {kg:.1f} / {km:.1f} us = {kg / km:.1f}x",
-          )
+        t.ratio(f"{size} {k} over MPI >= 5x faster than gloo", kg, km, 5, at_least=True)
       if km is not None and own is not None:
         out.append(
           f"info  {size} {k}, XLA over MPI / mpijax.lax: {km:.1f} / {own:.1f} us = {km / own:.2f}x"
@@ -592,7 +555,7 @@ def parse_args(argv=None):
     type=int,
     default=1,
     help="run every phase this many times, in round robin, and report the medians over "
-    "the jobs (default 1): the targets of --devices compare rows of separate jobs",
+    "the jobs (default 1); the targets' lines give each job's ratio too",
   )
   p.add_argument("--out", default=_common.default_out_dir(), help="output directory")
   p.add_argument("--phase-timeout", type=float, default=900, help="seconds per sub-job")

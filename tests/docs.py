@@ -20,8 +20,8 @@ comment on the line right before its fence says otherwise:
     order, in rank 0's output of the Python blocks.
 
 Python blocks run as programs, statement by statement, twice in the same
-directory; a ``print(...)`` with a comment beside it must print the value the
-comment starts with (:func:`comment_matches`). Shell blocks run line by line
+directory, the second time in a new MPI job; a ``print(...)`` with a comment
+beside it must print the value the comment starts with (:func:`comment_matches`). Shell blocks run line by line
 (``bash -c``), twice, all in one directory as a reader of the docs would.
 """
 

@@ -2,12 +2,15 @@
 
 The blocks are read from the docs at test time (tests/docs.py; its markers say
 which blocks are not run, and why). Python blocks and the twins of blocks with
-placeholders run in two MPI jobs, 2 ranks x 1 device and 2 x 2, each block
-twice in one directory shared by all of them (tests/scripts/docs_python.py);
-shell blocks run command by command, the docs twice over, all in one directory,
-as a reader who follows the docs would (a command runs once when its first run
-added or removed no file there, or when a later command ran the same program
-with what it left in place: a second run would meet nothing new).
+placeholders run at 2 ranks x 1 device and at 2 x 2, in one directory per
+configuration: every block and twin once in one MPI job, then each a second
+time in a new job (tests/scripts/docs_python.py), so that a second run is a
+new process that meets only the files the first left. Every rank's runs must
+succeed, and every twin must exit with the status its docs give, on every
+rank. Shell blocks run command by command, the docs twice over, all in one
+directory, as a reader who follows the docs would: every command runs twice
+(the README's main job once more, after the run of it that
+tests/conftest.py's fixture made).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from tests.conftest import MAIN_JOB
 BLOCKS = docs.blocks()
 
 # Twins that show a resume: the first run is stopped by a signal, the second resumes.
+# Others run with no arguments both times.
 TWIN_ARGVS = {
   "mpijax/examples/resumable.py": [["--preempt-at", "30"], []],
   "mpijax/examples/preemption.py": [["--preempt-at", "121"], []],
 }
-# What each run of a twin must end with: (exit status, a pattern its rank-0 output matches).
+# What each run of a twin must end with: (exit status on every rank, a pattern its rank-0
+# output matches). Every twin the docs name must be here.
 TWIN_RESULTS = {
   "mpijax/examples/data_parallel.py": [(0, r"\n9 \{'accuracy': 0\.(8[5-9]|9)\d*.*\noverlapped: ")]
   * 2,
@@ -74,41 +79,51 @@ def _python_spec(config: str, work: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def python_runs(tmp_path_factory) -> dict[str, tuple]:
-  """config -> (the job's result, {rank: its results}, the spec)."""
+  """config -> (the two jobs' results, {rank: its results of both}, the spec)."""
   runs = {}
   for config, (ranks, devices) in docs.CONFIGS.items():
     base = tmp_path_factory.mktemp(f"docs-{config}")
     spec = _python_spec(config, base / "work")
     (base / "spec.json").write_text(json.dumps(spec))
-    result, _ = run_mpi(
-      ranks,
-      [
-        sys.executable,
-        str(REPO / "tests" / "scripts" / "docs_python.py"),
-        str(base / "spec.json"),
-        str(base / "results"),
-      ],
-      devices_per_process=devices,
-      timeout=600,
-      env={"MPIJAX_TIMEOUT": "120"},
-    )
-    per_rank = {}
-    for r in range(ranks):
-      path = base / "results" / f"rank_{r}.json"
-      per_rank[r] = json.loads(path.read_text()) if path.exists() else None
-    runs[config] = (result, per_rank, spec)
+    results, per_rank = [], {r: [] for r in range(ranks)}
+    for attempt in (1, 2):  # the second run of each in a new job, in the same directory
+      out = base / f"results-{attempt}"
+      result, _ = run_mpi(
+        ranks,
+        [
+          sys.executable,
+          str(REPO / "tests" / "scripts" / "docs_python.py"),
+          str(base / "spec.json"),
+          str(out),
+          str(attempt),
+        ],
+        devices_per_process=devices,
+        timeout=600,
+        env={"MPIJAX_TIMEOUT": "120"},
+      )
+      results.append(result)
+      for r in range(ranks):
+        path = out / f"rank_{r}.json"
+        if path.exists() and per_rank[r] is not None:
+          per_rank[r] += json.loads(path.read_text())
+        else:
+          per_rank[r] = None
+    runs[config] = (results, per_rank, spec)
   return runs
 
 
 @pytest.mark.parametrize("config", list(docs.CONFIGS))
 def test_python_blocks_run_twice_in_one_directory(python_runs, config):
-  result, per_rank, spec = python_runs[config]
-  assert result.returncode == 0, f"the {config} job failed:\n{tail(result.stdout, 150)}"
+  results, per_rank, spec = python_runs[config]
+  for k, result in enumerate(results, start=1):
+    assert result.returncode == 0, (
+      f"the {config} job of run {k} failed:\n{tail(result.stdout, 150)}"
+    )
   problems = []
   for r, entries in per_rank.items():
-    assert entries is not None, f"rank {r} wrote no results:\n{tail(result.stdout)}"
+    assert entries is not None, f"rank {r} wrote no results:\n{tail(results[-1].stdout)}"
     assert [(e["id"], e["attempt"]) for e in entries] == [
-      (item["id"], k) for item in spec for k in (1, 2)
+      (item["id"], k) for k in (1, 2) for item in spec
     ]
     problems += [
       f"{e['id']} (run {e['attempt']}, rank {r}):\n{e['error']}"
@@ -150,8 +165,9 @@ def test_printed_values_match_the_comments_beside_them(python_runs):
 
 
 def _rank0_output(python_runs, config: str) -> str:
-  result, per_rank, _ = python_runs[config]
-  raw = [m[1] for m in re.finditer(r"^\[rank0\]: ?(.*)$", result.stdout, re.M)]
+  results, per_rank, _ = python_runs[config]
+  stdout = "\n".join(result.stdout for result in results)
+  raw = [m[1] for m in re.finditer(r"^\[rank0\]: ?(.*)$", stdout, re.M)]
   printed = [e["output"] for e in per_rank[0] or []]
   return "\n".join(line.rstrip() for line in "\n".join(printed + raw).splitlines())
 
@@ -164,21 +180,35 @@ def test_output_blocks_are_what_rank_0_prints(python_runs, block):
 
 
 def test_twins_do_what_their_docs_say(python_runs):
-  problems = []
+  twins = {
+    item["id"] for _, (_, _, spec) in python_runs.items() for item in spec if "module" in item
+  }
+  assert twins == set(TWIN_RESULTS), (twins - set(TWIN_RESULTS), set(TWIN_RESULTS) - twins)
+  problems, checked = [], 0
   for config in docs.CONFIGS:
     _, per_rank, spec = python_runs[config]
-    for e in per_rank[0] or []:
-      if e["id"] not in TWIN_RESULTS or e["error"] is not None:
-        continue
-      code, pattern = TWIN_RESULTS[e["id"]][e["attempt"] - 1]
-      if e["exit"] != code or not re.search(pattern, e["output"], re.S | re.M):
-        problems.append(
-          f"{e['id']} run {e['attempt']} at {config}: exit {e['exit']} (expected "
-          f"{code}), printed:\n{e['output'][-3000:]}"
-        )
+    for r, entries in per_rank.items():
+      for e in entries or []:
+        if e["id"] not in twins:
+          continue
+        checked += 1
+        code, pattern = TWIN_RESULTS[e["id"]][e["attempt"] - 1]
+        if e["error"] is not None or e["exit"] != code:
+          problems.append(
+            f"{e['id']} run {e['attempt']} at {config}, rank {r}: exit {e['exit']} (expected "
+            f"{code}), printed:\n{e['output'][-3000:]}\n{e['error'] or ''}"
+          )
+        elif r == 0 and not re.search(pattern, e["output"], re.S | re.M):
+          problems.append(
+            f"{e['id']} run {e['attempt']} at {config}, rank 0: printed what the docs do not "
+            f"say ({pattern!r}):\n{e['output'][-3000:]}"
+          )
   assert not problems, "\n".join(problems)
-  ran = {item["id"] for _, (_, _, spec) in python_runs.items() for item in spec}
-  assert set(TWIN_RESULTS) <= ran, set(TWIN_RESULTS) - ran
+  # Both runs of every twin, on every rank of both configurations.
+  assert checked == sum(
+    2 * ranks * sum(1 for item in python_runs[c][2] if "module" in item)
+    for c, (ranks, _) in docs.CONFIGS.items()
+  ), checked
 
 
 # --- shell blocks ---------------------------------------------------------------------------
@@ -186,17 +216,6 @@ def test_twins_do_what_their_docs_say(python_runs):
 # What a command's output must (not) show besides its exit status 0.
 _DIGITS = re.compile(r"python -m mpijax\.examples\.digits")
 _ACCURACY = re.compile(r"final test accuracy ([0-9.]+)")
-
-
-def _paths(root: Path) -> set[Path]:
-  return {p.relative_to(root) for p in root.rglob("*")}
-
-
-def _program(command: str) -> str:
-  """What a command runs, with its arguments but without the launcher and its options:
-  `python train.py --epochs 3` for `mpijax-run -n 4 --log-dir logs -- python train.py --epochs 3`."""
-  words = command.split()
-  return " ".join(words[words.index("python") :]) if "python" in words else command
 
 
 def test_shell_blocks_run_twice_in_one_directory(tmp_path, digits_4_ranks):
@@ -210,14 +229,6 @@ def test_shell_blocks_run_twice_in_one_directory(tmp_path, digits_4_ranks):
   assert first.returncode == 0, tail(first.stdout)
   shutil.copytree(out.parent, work / "runs")
   done = {MAIN_JOB: 1}
-  # The docs run twice, in order, in this one directory. The second pass runs
-  # a command again when its first run added or removed files or directories
-  # here, so that the rerun meets what it left; unless a later command of the
-  # first pass ran the same program, arguments and all, with those paths in
-  # place (the checkpoint that `mpijax-run ... -- python train.py` with other
-  # launcher options meets). One that changed no path (it rewrote files that
-  # were here before) met that directory already.
-  first_runs = []  # (command, program, paths before, paths added, paths removed)
   problems = []
 
   def run(block, attempt, command):
@@ -245,29 +256,12 @@ def test_shell_blocks_run_twice_in_one_directory(tmp_path, digits_4_ranks):
     for command, runs in docs.commands(block)
     if runs  # else the block's marker says why not
   ]
-  for block, command in shell:
-    if command in done and command != MAIN_JOB or done.get(command, 0) >= 2:
-      continue  # the same command in an earlier block
-    before = _paths(work)
-    run(block, 1, command)
-    after = _paths(work)
-    first_runs.append((command, _program(command), before, after - before, before - after))
-
-  met_later, unchanged = set(), set()
-  for i, (command, program, _, added, removed) in enumerate(first_runs):
-    if not added and not removed:
-      unchanged.add(command)
-    elif any(
-      p == program and added <= seen and not removed & seen
-      for _, p, seen, _, _ in first_runs[i + 1 :]
-    ):
-      met_later.add(command)
-  for block, command in shell:
-    if done[command] < 2 and command not in unchanged | met_later:
-      run(block, 2, command)
+  # The docs twice over, in order, in this one directory. A command that an
+  # earlier block (or the fixture) ran already counts that run.
+  for attempt in (1, 2):
+    for block, command in shell:
+      if done.get(command, 0) < attempt:
+        run(block, attempt, command)
   assert not problems, "\n\n".join(problems)
-  assert all(n == 2 or c in unchanged | met_later for c, n in done.items()), done
-  print(
-    f"{sum(done.values())} runs of {len(done)} commands; once: {len(unchanged)} that changed "
-    f"no path, {len(met_later)} whose paths a later run of their program met"
-  )
+  assert all(n == 2 for n in done.values()), done
+  print(f"{sum(done.values())} runs of {len(done)} commands")

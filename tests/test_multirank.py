@@ -41,6 +41,7 @@ DEVICES = [
   "tests/mpi/test_train_state.py",
   "tests/mpi/test_train_overlap.py",
   "tests/mpi/test_timeline.py",
+  "tests/mpi/test_stragglers.py",
 ]
 # At 4 x 1, all but these: their 2 x 2 run covers them, and mpijax's own
 # rank-level ops (test_ops.py) run at 3 x 1, the uneven case, on more ranks

@@ -92,18 +92,19 @@ def test_a_rank_that_never_arrives_is_reported_and_the_job_ends(n):
     + r"\)\)",
     out,
   ), tail(out)
-  assert re.search(
-    rf"Not arrived: rank {n - 1} \(idle since [\d.]+ s; last: XLA all-reduce "
-    r"float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, call #1; Python: "
-    r"xla_faults.py:\d+ in <module>: time.sleep\(600\)\)",
+  # Every report: only the last rank has not arrived, and every other rank but
+  # the one reporting waits in the same call (none at 2 ranks).
+  reports = re.findall(
+    r"mpijax: stall: rank (\d+) waited [^\n]*?\. Not arrived: rank (\d+) \(idle since "
+    r"[\d.]+ s; last: XLA all-reduce float32\[1024\] \(sum\) in jit\(<lambda>\)/reduce_sum, "
+    r"call #1; Python: xla_faults.py:\d+ in <module>: time.sleep\(600\)\)\.( Waiting in the "
+    r"same call: ranks? ([\d,]+)\.)? Every rank must",
     out,
-  ), tail(out)
-  if n > 2:
-    assert (
-      "Waiting in the same call: ranks 1,2" in out
-      or "Waiting in the same call: ranks 0,1,2" in out
-      or re.search(r"Waiting in the same call: ranks? [\d,]+", out)
-    ), tail(out)
+  )
+  assert reports, tail(out)
+  for reporter, missing, _, waiting in reports:
+    others = ",".join(str(r) for r in range(n - 1) if r != int(reporter))
+    assert int(reporter) < n - 1 and int(missing) == n - 1 and waiting == others, reports
 
 
 def test_a_rank_inside_mpijax_own_collective_is_named_with_it():

@@ -46,6 +46,13 @@ def _parse_seconds(text: str) -> float:
   return 0.0 if value == float("inf") else value
 
 
+def _parse_interval(text: str) -> float:
+  value = _parse_seconds(text)
+  if 0 < value < 1:
+    raise ValueError("expected 0 (no periodic report) or a period of at least 1 second")
+  return value
+
+
 def _parse_address(text: str) -> str:
   text = text.strip()
   host, sep, port = text.rpartition(":")
@@ -347,6 +354,17 @@ _define("timeline", str, "",
         "into waiting for the other ranks and moving data) and training steps, "
         "merged by rank 0 at exit into one Chrome-trace / Perfetto JSON (see "
         "docs/timeline.md). init(timeline=...) beats it. Unset: off.")
+
+_define("stragglers", _parse_bool, True,
+        "The straggler report (docs/troubleshooting.md): every collective, mpijax's "
+        "and XLA's over the bridge, stamps when each rank entered it; rank 0 finds "
+        "the rank that arrived last and logs one line at the end of the job, and "
+        "one every MPIJAX_STRAGGLER_INTERVAL seconds while one rank is consistently "
+        "late. 0 turns it off.")
+_define("straggler_interval", _parse_interval, 60.0,
+        "Seconds between the straggler report's exchanges, at least 1 (a line comes "
+        "only for a period with a straggler). 0 (or inf): only the report at the end "
+        "of the job.")
 
 # --- training ------------------------------------------------------------
 _define("bucket_bytes", _parse_int, 64 << 20,

@@ -24,6 +24,7 @@ from mpijax._src import compile_hook
 from mpijax._src import config
 from mpijax._src import device_setup
 from mpijax._src import failure
+from mpijax._src import ffi
 from mpijax._src import inspector
 from mpijax._src import jax_runtime
 from mpijax._src import log
@@ -32,6 +33,7 @@ from mpijax._src import program_check
 from mpijax._src import xla_pools
 from mpijax._src.ffi import settings as ffi_settings
 from mpijax._src.timeline import record as timeline_record
+from mpijax._src.timeline import straggler_watch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,12 +596,33 @@ def init(
       # the last registered first), or at shutdown().
       atexit.register(timeline_record.finish, _drain_at_exit)
       register_shutdown_hook(lambda: timeline_record.finish(_drain_at_exit))
+    # Off on every rank where one rank cannot run it: starting it is collective.
+    stragglers = my_size > 1 and min(
+      mpi_util.allgather_int(private, int(bool(config.get("stragglers")) and _extension_loads()))
+    )
+    if stragglers:
+      # At exit after the drain, before the timeline's file (which shows its lines).
+      atexit.register(straggler_watch.finish)
+      register_shutdown_hook(lambda: straggler_watch.finish(_drain_at_exit))
     atexit.register(_drain_at_exit)
+    if stragglers:
+      straggler_watch.start(private, hostnames=hostnames, interval=config.get("straggler_interval"))
     if timeline_path:
       timeline_record.start(
         str(timeline_path), private, hostnames=hostnames, devices=len(local_devices)
       )
     return _runtime
+
+
+def _extension_loads() -> bool:
+  """Whether the C++ extension loads (the straggler report needs it; mpijax's own
+  collectives say why it does not when they need it)."""
+  try:
+    ffi.load()
+  except ImportError as e:
+    log.LOGGER.debug("%s: no straggler report: %s", log.rank_label(), e)
+    return False
+  return True
 
 
 def _start_compile_cache(jax, rank: int, job: str) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 # The mpi4jax release whose suite runs; its API is what the compat module matches.
 MPI4JAX_VERSION = "0.9.1.post2"
+# The sha256 of that release's sdist, as PyPI publishes it: a cached or downloaded
+# file with another hash is not run.
+MPI4JAX_SDIST_SHA256 = "1089ab81b22edf7273e5c94cfac4dadb4fc4b2d691af87d6eff85479c8f15a0a"
 
 DEVIATIONS: dict[str, str] = {
     "tests/test_validation.py":

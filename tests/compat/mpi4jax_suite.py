@@ -4,9 +4,11 @@
     python tests/compat/mpi4jax_suite.py --ranks 2 --sdist mpi4jax-0.9.1.post2.tar.gz
 
 Takes the tests and examples of mpi4jax's source distribution (downloaded with
-``pip download --no-binary :all: --no-deps``, or given), and runs them under
-``mpijax-run`` with mpijax's shim first on PYTHONPATH (``mpijax.compat.shim``,
-installed with mpijax) in which ``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
+``pip download --no-binary :all: --no-deps``, or given; either way its sha256
+must be the one pinned in mpi4jax_deviations.py, and a cached download with
+another is downloaded again), and runs them under ``mpijax-run`` with mpijax's
+shim first on PYTHONPATH (``mpijax.compat.shim``, installed with mpijax) in
+which ``import mpi4jax`` is ``mpijax.compat.mpi4jax``. The tests listed in
 mpi4jax_deviations.py are left out, each with its reason; every other test
 must pass on every rank, except the ones the suite itself skips at that rank
 and rank count (:func:`expected_skips`): a skip more or less is a failure.
@@ -16,6 +18,7 @@ Each job is bounded by a timeout. Exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -31,38 +34,86 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from mpi4jax_deviations import DEVIATIONS  # noqa: E402
+from mpi4jax_deviations import MPI4JAX_SDIST_SHA256  # noqa: E402
 from mpi4jax_deviations import MPI4JAX_VERSION  # noqa: E402
 
 
-def download(version: str, dest: Path) -> Path:
-  """mpi4jax's sdist, from the package registry through pip (cached in ``dest``)."""
-  found = sorted(dest.glob(f"mpi4jax-{version}.tar.gz"))
-  if found:
-    return found[0]
-  # --no-build-isolation: pip reads the sdist's metadata with this environment's
-  # setuptools and wheel instead of installing mpi4jax's build requirements.
-  cmd = [
-    sys.executable,
-    "-m",
-    "pip",
-    "download",
-    "--no-binary",
-    ":all:",
-    "--no-deps",
-    "--no-build-isolation",
-    "-q",
-    "-d",
-    str(dest),
-    f"mpi4jax=={version}",
-  ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-  found = sorted(dest.glob(f"mpi4jax-{version}.tar.gz"))
-  if proc.returncode != 0 or not found:
-    sys.exit(
-      f"mpi4jax_suite: could not download mpi4jax {version}: {' '.join(cmd)}\n"
-      f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nGive a local copy with --sdist."
+def sha256_of(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def download(version: str, dest: Path, sha256: str) -> Path:
+  """mpi4jax's sdist, from the package registry through pip, with the sha256 ``sha256``.
+
+  A copy cached in ``dest`` is used when its hash is right, else downloaded
+  again; a download with another hash is an error (nothing of it runs).
+  """
+  name = f"mpi4jax-{version}.tar.gz"
+  cached = dest / name
+  if cached.is_file():
+    got = sha256_of(cached)
+    if got == sha256:
+      return cached
+    print(
+      f"mpi4jax_suite: the cached {cached} has sha256 {got}, not {sha256}: downloading it again",
+      flush=True,
     )
-  return found[0]
+    cached.unlink()
+  fresh = Path(tempfile.mkdtemp(prefix="download-", dir=dest))
+  try:
+    # --no-build-isolation: pip reads the sdist's metadata with this environment's
+    # setuptools and wheel instead of installing mpi4jax's build requirements.
+    cmd = [
+      sys.executable,
+      "-m",
+      "pip",
+      "download",
+      "--no-binary",
+      ":all:",
+      "--no-deps",
+      "--no-build-isolation",
+      "--no-cache-dir",
+      "-q",
+      "-d",
+      str(fresh),
+      f"mpi4jax=={version}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    got_file = fresh / name
+    if proc.returncode != 0 or not got_file.is_file():
+      sys.exit(
+        f"mpi4jax_suite: could not download mpi4jax {version}: {' '.join(cmd)}\n"
+        f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nGive a local copy with --sdist."
+      )
+    got = sha256_of(got_file)
+    if got != sha256:
+      sys.exit(
+        f"mpi4jax_suite: the registry gave {name} with sha256 {got}, not the pinned {sha256} "
+        "(tests/compat/mpi4jax_deviations.py); not running it. Check the file's origin "
+        "(pip's index settings), or pass --sha256 with the hash the release publishes."
+      )
+    os.replace(got_file, cached)
+  finally:
+    shutil.rmtree(fresh, ignore_errors=True)
+  return cached
+
+
+def checked_sdist(path: Path, sha256: str) -> Path:
+  """A local sdist (--sdist), if its hash is ``sha256``; else exits naming both hashes."""
+  if not path.is_file():
+    sys.exit(f"mpi4jax_suite: --sdist {path}: no such file")
+  got = sha256_of(path)
+  if got != sha256:
+    sys.exit(
+      f"mpi4jax_suite: --sdist {path} has sha256 {got}, not {sha256}; give mpi4jax "
+      f"{MPI4JAX_VERSION}'s sdist as PyPI publishes it, or pass --sha256 {got} (and --version) "
+      "for another release"
+    )
+  return path
 
 
 def unpack(sdist: Path, dest: Path) -> Path:
@@ -259,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--ranks", default="1,2,4", help="rank counts, e.g. 1,2,4")
   ap.add_argument("--version", default=MPI4JAX_VERSION, help="mpi4jax release to download")
+  ap.add_argument(
+    "--sha256",
+    help=f"the sdist's sha256 (default: the pinned one of {MPI4JAX_VERSION}; needed with "
+    "another --version)",
+  )
   ap.add_argument("--sdist", type=Path, help="a local mpi4jax sdist instead of downloading")
   ap.add_argument(
     "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mpijax-mpi4jax-suite"
@@ -266,8 +322,17 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--timeout", type=float, default=420, help="seconds per job")
   args = ap.parse_args(argv)
 
+  sha256 = args.sha256 or (MPI4JAX_SDIST_SHA256 if args.version == MPI4JAX_VERSION else None)
+  if sha256 is None:
+    ap.error(
+      f"--version {args.version}: no sha256 is pinned for it (only for {MPI4JAX_VERSION}); "
+      "pass --sha256 with the hash PyPI publishes for its sdist"
+    )
   args.workdir.mkdir(parents=True, exist_ok=True)
-  sdist = args.sdist or download(args.version, args.workdir)
+  if args.sdist:
+    sdist = checked_sdist(args.sdist, sha256)
+  else:
+    sdist = download(args.version, args.workdir, sha256)
   suite = unpack(sdist, args.workdir)
   print(
     f"mpi4jax's suite from {sdist.name}: every test but the {len(DEVIATIONS)} "

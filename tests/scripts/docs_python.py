@@ -1,13 +1,16 @@
-"""Runs the docs' Python blocks and their twins on every rank of one MPI job.
+"""Runs the docs' Python blocks and their twins, each once, on every rank of one MPI job.
 
-usage: docs_python.py SPEC.json RESULTS_DIR
+usage: docs_python.py SPEC.json RESULTS_DIR ATTEMPT
 
 SPEC lists the runs: {"id", "dir", and "source" (a block) or "module" and
-"argv" (a twin)}. Each runs twice in its own directory (the same one both
-times), as a reader runs a program twice: a block statement by statement in
-a fresh ``__main__`` namespace, a twin as ``python -m module argv``. What
-each statement prints is kept (for the comments beside it); every rank
-writes RESULTS_DIR/rank_<r>.json. tests/test_docs.py checks them.
+"argvs" (a twin: its arguments in the first and in the second run)}. Each
+runs once in its own directory; tests/test_docs.py starts this job twice,
+ATTEMPT 1 and 2, so that the second run of each is a new process in the
+directory the first left, as a reader runs a program twice. A block runs
+statement by statement in a fresh ``__main__`` namespace, a twin as
+``python -m module argv``. What each statement prints is kept (for the
+comments beside it); every rank writes RESULTS_DIR/rank_<r>.json.
+tests/test_docs.py checks them.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def run_twin(module: str, argv: list[str]) -> tuple[int, str]:
 
 
 def main() -> None:
-  spec_path, results_dir = sys.argv[1], sys.argv[2]
+  spec_path, results_dir, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
   MPI = mpi_util.import_mpi()
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
@@ -73,30 +76,26 @@ def main() -> None:
       os.makedirs(item["dir"], exist_ok=True)
     comm.Barrier()
     os.chdir(item["dir"])
-    runs = item.get("argvs", [item.get("argv", [])] * 2) if "module" in item else [None, None]
-    for attempt, argv in enumerate(runs, start=1):
-      t0 = time.monotonic()
-      entry = {
-        "id": item["id"],
-        "attempt": attempt,
-        "error": None,
-        "printed": [],
-        "output": "",
-        "exit": 0,
-      }
-      try:
-        if "source" in item:
-          entry["printed"], entry["output"] = run_block(item["source"], item["id"])
-        else:
-          entry["exit"], entry["output"] = run_twin(item["module"], argv)
-      except BaseException:  # noqa: BLE001 - recorded, and the next run goes on
-        entry["error"] = traceback.format_exc()
-      results.append(entry)
-      status = "ok" if entry["error"] is None else "FAILED"
-      print(
-        f"docs: {item['id']} run {attempt}: {status} ({time.monotonic() - t0:.1f} s)", flush=True
-      )
-      comm.Barrier()
+    t0 = time.monotonic()
+    entry = {
+      "id": item["id"],
+      "attempt": attempt,
+      "error": None,
+      "printed": [],
+      "output": "",
+      "exit": 0,
+    }
+    try:
+      if "source" in item:
+        entry["printed"], entry["output"] = run_block(item["source"], item["id"])
+      else:
+        entry["exit"], entry["output"] = run_twin(item["module"], item["argvs"][attempt - 1])
+    except BaseException:  # noqa: BLE001 - recorded, and the next run goes on
+      entry["error"] = traceback.format_exc()
+    results.append(entry)
+    status = "ok" if entry["error"] is None else "FAILED"
+    print(f"docs: {item['id']} run {attempt}: {status} ({time.monotonic() - t0:.1f} s)", flush=True)
+    comm.Barrier()
   os.makedirs(results_dir, exist_ok=True)
   with open(os.path.join(results_dir, f"rank_{rank}.json"), "w") as f:
     json.dump(results, f)

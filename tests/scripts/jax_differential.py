@@ -33,10 +33,14 @@ sums, MPI and one process may sum in another order, and the tolerance is
 ``|got - ref| <= 1e-5 * max(1, max|ref|)`` (reordering changes ~1e-7 of
 that; a lost or doubled contribution ~1).
 
-Each rank prints ``DIFF rank R: C cases, M mismatches [...]``; rank 0 prints
-``DIFF TOTAL``, the cases by collective and replica-group kind
-(``DIFF COVERAGE``) and the collectives in the compiled programs
-(``DIFF HLO``). A mismatch prints the case in full, the first differing
+Each rank prints ``DIFF rank R: C cases, M mismatches [...]``, the
+collectives in its compiled programs (``DIFF HLO rank R``) and the calls XLA
+made through mpijax's bridge while they ran, by kind (``DIFF BRIDGE rank
+R``); rank 0 prints ``DIFF TOTAL``, the cases by collective and
+replica-group kind (``DIFF COVERAGE``), the collectives of every program
+(``DIFF HLO``) and the ones the cases' shard_map steps must produce
+(``DIFF EXPECT``: in the HLO, and through the bridge where a step's groups
+span ranks). A mismatch prints the case in full, the first differing
 elements and the commands that rerun it alone; any mismatch makes every rank
 exit 1.
 """
@@ -93,6 +97,7 @@ else:
   import jax
 
   import mpijax
+  from mpijax._src import jax_runtime
 
   RT = mpijax.init()
 
@@ -397,6 +402,35 @@ def group_kind(c: dict, orders: dict, L: int) -> list[str]:
   return kinds
 
 
+# The HLO collective each shard_map step lowers to.
+STEP_HLO = {
+  "psum": "all-reduce",
+  "pmean": "all-reduce",
+  "pmax": "all-reduce",
+  "pmin": "all-reduce",
+  "all_gather": "all-gather",
+  "psum_scatter": "reduce-scatter",
+  "all_to_all": "all-to-all",
+  "ppermute": "collective-permute",
+}
+
+
+def expected_collectives(cases: list[dict], orders: dict, L: int) -> dict[str, list[str]]:
+  """The collectives the cases' shard_map steps must put into the programs: every step
+  over more than one device ("hlo"), and those whose groups span ranks ("across"), which
+  must reach MPI through the bridge. A ppermute counts only if some device sends to
+  another."""
+  hlo, across = set(), set()
+  for c in cases:
+    for st, kind in zip(c.get("steps", []), group_kind(c, orders, L)):
+      if kind == "single" or (st["op"] == "ppermute" and all(a == b for a, b in st["perm"])):
+        continue
+      hlo.add(STEP_HLO[st["op"]])
+      if kind != "within-rank":
+        across.add(STEP_HLO[st["op"]])
+  return {"hlo": sorted(hlo), "across": sorted(across)}
+
+
 # ---------------------------------------------------------------------------
 # Building and running the programs
 
@@ -623,6 +657,7 @@ def main() -> int:
   mismatches = []
   emitted = Counter()
   calls = 0
+  bridge_before = jax_runtime.bridge_stats()
   for batch in progs:
     try:
       compiled, inputs, hlo = compile_batch(batch, devices, orders, args.seed, P, L)
@@ -645,6 +680,12 @@ def main() -> int:
         print("  " + describe(c, orders, L), flush=True)
       raise
   seconds = time.monotonic() - start
+  bridge = Counter(jax_runtime.bridge_stats())
+  bridge.subtract(bridge_before)
+  # What this rank's programs hold and what XLA called the bridge for while they ran
+  # (tests/test_jax_differential.py compares them with EXPECT below).
+  print(f"DIFF HLO rank {rank}: {json.dumps(dict(sorted(emitted.items())))}", flush=True)
+  print(f"DIFF BRIDGE rank {rank}: {json.dumps(dict(sorted(bridge.items())))}", flush=True)
   bad = sorted({c["idx"] for c, _, _ in mismatches})
   for c, shard, diff in mismatches[:SHOW]:
     print(
@@ -677,6 +718,7 @@ def main() -> int:
     )
     print("DIFF COVERAGE " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.items())), flush=True)
     print("DIFF HLO " + ", ".join(f"{k}: {v}" for k, v in sorted(emitted.items())), flush=True)
+    print(f"DIFF EXPECT {json.dumps(expected_collectives(cases, orders, L))}", flush=True)
   comm.Barrier()  # rank 0 has printed the totals before any rank exits (and may abort the job)
   return 1 if all_bad else 0
 

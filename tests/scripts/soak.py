@@ -1,14 +1,17 @@
 """Soak: many small collectives and jitted training steps in one job.
 
-Prints one JSON line per rank: resident memory and open file descriptors
-before and after, the mean time per call over the first and the last 10 %,
-and whether the results were right: the collectives' values stay finite and
-exact (a wrong sum anywhere on the way shows in the last value), and the
-training run ends with the parameters of the same steps computed in one
-process, the same on every rank.
+Prints one JSON line per rank: how much resident memory (KiB), malloc's
+bytes in use, Python's allocated blocks and open file descriptors grew over
+each loop, the time per call in the first and
+in the second half of each loop (:func:`halves`; state that grows with
+every call makes the later calls slower), and whether the results were right: the
+collectives' values stay finite and exact (a wrong sum anywhere on the way
+shows in the last value), and the training run ends with the parameters of
+the same steps computed in one process, the same on every rank.
 usage: soak.py [N_COLLECTIVES] [N_STEPS]
 """
 
+import ctypes
 import json
 import os
 import sys
@@ -28,12 +31,46 @@ n_calls = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
 n_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 1_000
 
 
-def rss_mb() -> float:
+def rss_kib() -> int:
   with open("/proc/self/status") as f:
     for line in f:
       if line.startswith("VmRSS:"):
-        return int(line.split()[1]) / 1024
-  return float("nan")
+        return int(line.split()[1])
+  raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class _Mallinfo2(ctypes.Structure):
+  _fields_ = [
+    (name, ctypes.c_size_t)
+    for name in (
+      "arena",
+      "ordblks",
+      "smblks",
+      "hblks",
+      "hblkhd",
+      "usmblks",
+      "fsmblks",
+      "uordblks",
+      "fordblks",
+      "keepcost",
+    )
+  ]
+
+
+_mallinfo2 = ctypes.CDLL(None).mallinfo2
+_mallinfo2.restype = _Mallinfo2
+
+
+def heap_bytes() -> int:
+  """Bytes malloc has handed out and not had back, in every arena (glibc's mallinfo2):
+  a leak shows here even where it reuses memory that is resident already."""
+  m = _mallinfo2()
+  return m.uordblks + m.hblkhd
+
+
+def usage() -> tuple[int, int, int, int]:
+  """(resident KiB, malloc's bytes in use, Python's allocated blocks, open files)."""
+  return rss_kib(), heap_bytes(), sys.getallocatedblocks(), fds()
 
 
 def fds() -> int:
@@ -51,16 +88,14 @@ x = jnp.full(1, float(rt.rank), jnp.float32)
 for _ in range(warmup):  # warm up: compile, first-run checks, allocator pools
   x = small(x)
 x.block_until_ready()
-rss0, fd0 = rss_mb(), fds()
-
-times = np.empty(n_calls)
+times = np.empty(n_calls)  # before the count: its own bytes are no leak
+before_calls = usage()
 for i in range(n_calls):
   t = time.perf_counter()
   x = small(x)
   x.block_until_ready()
   times[i] = time.perf_counter() - t
-k = n_calls // 10
-rss1, fd1 = rss_mb(), fds()  # after the collectives
+after_calls = usage()
 calls_value = float(np.asarray(x)[0])
 calls_ok = calls_value == warmup + n_calls + rt.rank
 
@@ -88,14 +123,14 @@ def step(params, opt_state):
 for _ in range(10):  # warm up: compile the step, optimizer state buffers
   params, opt_state, loss = step(params, opt_state)
 loss.block_until_ready()
-rss2, fd2 = rss_mb(), fds()
 step_times = np.empty(n_steps)
+before_steps = usage()
 for i in range(n_steps):
   t = time.perf_counter()
   params, opt_state, loss = step(params, opt_state)
   loss.block_until_ready()
   step_times[i] = time.perf_counter() - t
-ks = max(n_steps // 10, 1)
+after_steps = usage()
 
 # The same steps in this process: every rank's batch is known here, and the
 # fused all-reduce gives the mean of the ranks' gradients.
@@ -115,22 +150,47 @@ for _ in range(10 + n_steps):
   ref, ref_state = ref_step(ref, ref_state)
 leaves = [np.asarray(v) for v in jax.tree.leaves(params)]
 finite = all(np.isfinite(v).all() for v in leaves) and bool(np.isfinite(np.asarray(loss)))
-matches = all(np.allclose(a, np.asarray(b), rtol=1e-4, atol=1e-6)
-              for a, b in zip(leaves, jax.tree.leaves(ref)))
+matches = all(
+  np.allclose(a, np.asarray(b), rtol=1e-4, atol=1e-6) for a, b in zip(leaves, jax.tree.leaves(ref))
+)
 digest = b"".join(v.tobytes() for v in leaves)
 same_everywhere = all(d == digest for d in rt.comm.allgather(digest))
 
-print("SOAK " + json.dumps({
-    "rank": rt.rank, "collectives": n_calls, "steps": n_steps,
-    # Growth over each loop, measured from after its warm-up.
-    "calls_rss_growth_mb": round(rss1 - rss0, 1), "calls_fd_growth": fd1 - fd0,
-    "steps_rss_growth_mb": round(rss_mb() - rss2, 1), "steps_fd_growth": fds() - fd2,
-    "rss_end_mb": round(rss_mb(), 1),
-    "call_us_first10": round(1e6 * float(np.median(times[:k])), 1),
-    "call_us_last10": round(1e6 * float(np.median(times[-k:])), 1),
-    "step_us_first10": round(1e6 * float(np.median(step_times[:ks])), 1),
-    "step_us_last10": round(1e6 * float(np.median(step_times[-ks:])), 1),
-    "calls_value": calls_value, "calls_ok": bool(calls_ok),
-    "steps_finite": bool(finite), "steps_match_reference": bool(matches),
-    "steps_same_on_every_rank": bool(same_everywhere),
-}), flush=True)
+
+def halves(t: np.ndarray, blocks: int = 5) -> list[float]:
+  """µs per call in the first and in the second half: the median of the half's quietest
+  stretch (the least of the medians of its ``blocks`` blocks). Other work on the machine
+  slows some stretches; state that grows with every call slows every later one."""
+  k = len(t) // (2 * blocks)
+  medians = np.median(t[: 2 * blocks * k].reshape(2, blocks, k), axis=2)
+  return [round(1e6 * float(v), 2) for v in medians.min(axis=1)]
+
+
+print(
+  "SOAK "
+  + json.dumps(
+    {
+      "rank": rt.rank,
+      "collectives": n_calls,
+      "steps": n_steps,
+      # Growth over each loop, measured from after its warm-up.
+      **{
+        f"{loop}_{what}_growth": b - a
+        for loop, before, after in (
+          ("calls", before_calls, after_calls),
+          ("steps", before_steps, after_steps),
+        )
+        for what, a, b in zip(("rss_kib", "heap_bytes", "py_blocks", "fd"), before, after)
+      },
+      "rss_end_mb": round(rss_kib() / 1024, 1),
+      "call_us": halves(times),
+      "step_us": halves(step_times),
+      "calls_value": calls_value,
+      "calls_ok": bool(calls_ok),
+      "steps_finite": bool(finite),
+      "steps_match_reference": bool(matches),
+      "steps_same_on_every_rank": bool(same_everywhere),
+    }
+  ),
+  flush=True,
+)

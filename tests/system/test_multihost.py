@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,11 @@ def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
     assert_mpijax_sums(r, 4)
     # JAX's and XLA's settings reached every host (Open MPI's -x, by mpijax-run).
     assert r["jax_env"] == settings, r["jax_env"]
+  # The straggler report paired every rank's collectives: rank 0 measured the other
+  # host's clock (a ping-pong with its first rank, rank 2) at the end of the job.
+  compared = re.search(r"stragglers over the job: none; (\d+) collectives compared across 4 ranks",
+                       output)
+  assert compared and int(compared.group(1)) >= 3, output
   print(output)
 
 

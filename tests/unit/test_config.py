@@ -45,6 +45,19 @@ def test_docs_table_is_current():
   )
 
 
+def test_straggler_interval_is_off_or_at_least_a_second(monkeypatch):
+  for text, value in (("0", 0.0), ("inf", 0.0), ("1", 1.0), ("90", 90.0)):
+    monkeypatch.setenv("MPIJAX_STRAGGLER_INTERVAL", text)
+    assert config.get("straggler_interval") == value
+  for bad in ("0.01", "-1", "nan"):
+    monkeypatch.setenv("MPIJAX_STRAGGLER_INTERVAL", bad)
+    with pytest.raises(ValueError, match=rf"MPIJAX_STRAGGLER_INTERVAL='{bad}' is not valid"):
+      config.get("straggler_interval")
+  monkeypatch.setenv("MPIJAX_STRAGGLER_INTERVAL", "0.5")
+  with pytest.raises(ValueError, match="at least 1 second"):
+    config.get("straggler_interval")
+
+
 def test_timeout_accepts_inf_as_never_and_refuses_nan_and_negative(monkeypatch):
   monkeypatch.setenv("MPIJAX_TIMEOUT", "inf")
   assert config.get("timeout") == 0.0

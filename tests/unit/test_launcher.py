@@ -460,43 +460,6 @@ def _dead_pid() -> int:
   return proc.pid
 
 
-def test_stale_session_dirs_are_those_of_gone_launchers(tmp_path):
-  """Open MPI's launcher session directories whose launcher is gone, or whose id another
-  program now has, are stale; a running launcher's, other names and files are not."""
-  dead, me = _dead_pid(), os.getpid()
-  launcher = subprocess.Popen(  # a live process called prterun
-    [
-      sys.executable,
-      "-c",
-      "import ctypes, time; ctypes.CDLL(None).prctl(15, b'prterun', 0, 0, 0); "
-      "print('ready', flush=True); time.sleep(60)",
-    ],
-    stdout=subprocess.PIPE,
-    text=True,
-  )
-  try:
-    assert launcher.stdout.readline().strip() == "ready"
-    stale = [f"ompi.{dead}", f"prted.{dead}", f"ompi.{me}"]
-    kept = [f"ompi.{launcher.pid}", "ompi.vm.0", "ompi.vm", "ompi.12x", "prte.vm.0"]
-    for name in stale + kept:
-      (tmp_path / name).mkdir()
-    a_file = f"ompi.{_dead_pid()}"
-    (tmp_path / a_file).write_text("a file, not a session directory")
-    if os.getuid() == 0:  # another user's: never ours to remove
-      other = tmp_path / f"ompi.{_dead_pid()}"
-      other.mkdir()
-      os.chown(other, 65534, 65534)
-      kept.append(other.name)
-    assert sorted(session_dirs.stale(str(tmp_path))) == sorted(str(tmp_path / n) for n in stale)
-    removed = session_dirs.remove_stale({"TMPDIR": str(tmp_path)})
-    assert sorted(removed) == sorted(str(tmp_path / n) for n in stale)
-    left = sorted(os.listdir(tmp_path))
-    assert left == sorted(kept + [a_file]), left
-  finally:
-    launcher.kill()
-    launcher.wait()
-
-
 def test_session_dirs_go_where_the_launcher_puts_them():
   assert session_dirs.tmp_base({"TMPDIR": "/a", "TEMP": "/b", "TMP": "/c"}) == "/a"
   assert session_dirs.tmp_base({"TEMP": "/b", "TMP": "/c"}) == "/b"
@@ -1084,9 +1047,11 @@ def test_a_session_directory_a_killed_launcher_left_does_not_stop_the_next_job()
 
 
 def _cache_export(env_extra):
+  """The value mpijax-run exports as JAX_COMPILATION_CACHE_DIR; 'as set' for the user's own."""
   env = {"PATH": "/usr/bin", "MASTER_PORT": "29500", "HOME": "/home/u", **env_extra}
   got = cmd(["-n", "2", "--", "python", "x.py"], sit(env=env))
-  return [a.split("=", 1)[1] for a in got if a.startswith("JAX_COMPILATION_CACHE_DIR=")]
+  return [a.split("=", 1)[1] if "=" in a else "as set" for a in got
+          if a.startswith("JAX_COMPILATION_CACHE_DIR")]
 
 
 def test_every_job_gets_a_compile_cache_unless_the_user_chose():
@@ -1094,7 +1059,7 @@ def test_every_job_gets_a_compile_cache_unless_the_user_chose():
   assert _cache_export({"XDG_CACHE_HOME": "/scratch/u"}) == ["/scratch/u/mpijax/jax"]
   assert _cache_export({"MPIJAX_COMPILE_CACHE": "/lustre/p/cache"}) == ["/lustre/p/cache"]
   # JAX's own variable wins, and reaches every rank as it is.
-  assert _cache_export({"JAX_COMPILATION_CACHE_DIR": "/mine"}) == ["/mine"]
+  assert _cache_export({"JAX_COMPILATION_CACHE_DIR": "/mine"}) == ["as set"]
   assert _cache_export({"MPIJAX_COMPILE_CACHE": "off"}) == []
 
 

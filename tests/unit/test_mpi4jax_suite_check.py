@@ -43,3 +43,65 @@ def test_check_fails_on_a_skip_more_or_one_fewer(tmp_path):
     f"rank 1: skipped, but mpi4jax's suite runs it at 4 ranks: {ALLREDUCE}[float32]",
     f"rank 3: ran, but mpi4jax's suite skips it at 4 ranks: {dropped}",
   ]
+
+
+# --- the sdist's checksum -------------------------------------------------------------------
+
+NAME = f"mpi4jax-{mpi4jax_suite.MPI4JAX_VERSION}.tar.gz"
+
+
+def _pip_download_giving(content: bytes, calls: list):
+  """In place of subprocess.run: a `pip download` that saves ``content`` as the sdist."""
+
+  def run(cmd, **kw):
+    calls.append(cmd)
+    assert cmd[1:4] == ["-m", "pip", "download"], cmd
+    dest = pathlib.Path(cmd[cmd.index("-d") + 1])
+    (dest / NAME).write_bytes(content)
+    return mpi4jax_suite.subprocess.CompletedProcess(cmd, 0, "", "")
+
+  return run
+
+
+def _sha(content: bytes) -> str:
+  import hashlib
+
+  return hashlib.sha256(content).hexdigest()
+
+
+def test_a_cached_sdist_with_the_pinned_hash_is_used(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(mpi4jax_suite.subprocess, "run", _pip_download_giving(b"new", calls))
+  (tmp_path / NAME).write_bytes(b"the release")
+  got = mpi4jax_suite.download(mpi4jax_suite.MPI4JAX_VERSION, tmp_path, _sha(b"the release"))
+  assert got == tmp_path / NAME and got.read_bytes() == b"the release" and calls == []
+
+
+def test_a_cached_sdist_with_another_hash_is_downloaded_again(tmp_path, monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(mpi4jax_suite.subprocess, "run", _pip_download_giving(b"the release", calls))
+  (tmp_path / NAME).write_bytes(b"changed in the cache")
+  got = mpi4jax_suite.download(mpi4jax_suite.MPI4JAX_VERSION, tmp_path, _sha(b"the release"))
+  assert got.read_bytes() == b"the release" and len(calls) == 1
+  assert f"has sha256 {_sha(b'changed in the cache')}, not {_sha(b'the release')}" in (
+    capsys.readouterr().out
+  )
+  assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]  # no download directory left
+
+
+def test_a_download_with_another_hash_is_refused(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(mpi4jax_suite.subprocess, "run", _pip_download_giving(b"tampered", calls))
+  with pytest.raises(SystemExit) as e:
+    mpi4jax_suite.download(mpi4jax_suite.MPI4JAX_VERSION, tmp_path, _sha(b"the release"))
+  assert f"the registry gave {NAME} with sha256 {_sha(b'tampered')}, not the pinned" in str(e.value)
+  assert list(tmp_path.iterdir()) == []  # nothing of it kept for a later run
+
+
+def test_a_local_sdist_with_another_hash_is_refused(tmp_path):
+  sdist = tmp_path / NAME
+  sdist.write_bytes(b"tampered")
+  with pytest.raises(SystemExit) as e:
+    mpi4jax_suite.checked_sdist(sdist, mpi4jax_suite.MPI4JAX_SDIST_SHA256)
+  assert f"has sha256 {_sha(b'tampered')}, not {mpi4jax_suite.MPI4JAX_SDIST_SHA256}" in str(e.value)
+  assert mpi4jax_suite.checked_sdist(sdist, _sha(b"tampered")) == sdist

@@ -111,6 +111,15 @@ def timeline_drain() -> tuple[list[tuple[Any, ...]], int]:
   device, communicator size, sequence number or -1, enter ns, exit ns), and
   how many were lost."""
 
+def arrivals_record(on: bool) -> None:
+  """Turns the straggler report's arrival stamps on or off."""
+
+def arrivals_drain() -> bytes:
+  """The arrivals stamped since the last drain (at most 4096 per communicator
+  and device, the most recent), as native int64 rows of (communicator key,
+  leader, local device, 1 if the device's calls are collectives of their own,
+  communicator size, collective number, enter ns)."""
+
 def now_ns() -> int:
   """The handlers' clock (steady_clock) in nanoseconds."""
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from mpijax._src.launch import joblog
+from mpijax._src.launch import session_dirs
 from mpijax._src.launch.common import PROG
 from mpijax._src.launch.common import TIMEOUT_EXIT_CODE
 from mpijax._src.launch.common import LaunchError
@@ -168,6 +169,8 @@ def run_launcher(
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=pipe, stderr=pipe)
   except OSError as e:
     raise LaunchError(f"cannot start {cmd[0]!r}: {e}") from None
+  # Its session directory, if it is killed, is then known to be this namespace's.
+  session_dirs.record(proc.pid)
   if relay is not None:
     relay.attach(proc.stdout, proc.stderr)
   outcome = None

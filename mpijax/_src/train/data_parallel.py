@@ -18,6 +18,7 @@ from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ops import communicators
 from mpijax._src.timeline import record as _timeline
+from mpijax._src.timeline import straggler_watch as _stragglers
 from mpijax._src.train import broadcast as _bcast
 from mpijax._src.train import communicator
 from mpijax._src.train import data as _data
@@ -48,9 +49,11 @@ def _all_ranks_or_none(comm: Any, what: str):
     raise error
   if bad:
     lines = mpi_util.rank_lines(bad)
-    raise RuntimeError(f"{what} failed on other ranks, so every rank stops here:\n{lines}\n"
-                       "Every rank must pass data of the same structure, shapes and dtypes "
-                       "(shard_batches gives every rank the same).")
+    raise RuntimeError(
+      f"{what} failed on other ranks, so every rank stops here:\n{lines}\n"
+      "Every rank must pass data of the same structure, shapes and dtypes "
+      "(shard_batches gives every rank the same)."
+    )
 
 
 class TrainState(NamedTuple):
@@ -64,6 +67,7 @@ class TrainState(NamedTuple):
     model_state: mutable model state (BatchNorm statistics, ...); None for
       a stateless model.
   """
+
   step: jax.Array  # int32 scalar, optimizer steps taken (also the data position)
   params: Any
   opt_state: Any
@@ -184,33 +188,56 @@ class DataParallel:
       state = dp.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})
   """
 
-  def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
-               has_aux: bool = False, with_rng: bool = False, bucket_bytes: int | None = None,
-               compression: str | None = None, root: int = 0, comm: Any | None = None,
-               axis_name: Any = None, state_sync: str | Mapping[str, str] | None = None,
-               eval_fn: Callable[..., Any] | None = None,
-               checkpoint_dir: str | os.PathLike | None = None,
-               checkpoint_every: int | None = None, keep_checkpoints: int = 2,
-               checkpoint_metadata: Callable[[], dict[str, Any]] | None = None,
-               handle_preemption: bool | None = None, overlap: bool | None = None):
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+    with_rng: bool = False,
+    bucket_bytes: int | None = None,
+    compression: str | None = None,
+    root: int = 0,
+    comm: Any | None = None,
+    axis_name: Any = None,
+    state_sync: str | Mapping[str, str] | None = None,
+    eval_fn: Callable[..., Any] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 2,
+    checkpoint_metadata: Callable[[], dict[str, Any]] | None = None,
+    handle_preemption: bool | None = None,
+    overlap: bool | None = None,
+  ):
     if compression is not None and compression not in _grads._COMPRESSION:
       # Here, not at the first step after the data is loaded and the model traced.
-      raise ValueError(f"DataParallel(compression={compression!r}) is not supported; "
-                       "use None, 'bf16' or 'fp16'")
+      raise ValueError(
+        f"DataParallel(compression={compression!r}) is not supported; use None, 'bf16' or 'fp16'"
+      )
     if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
-      raise TypeError(f"DataParallel(overlap={overlap!r}) must be True, False or None "
-                      "(the default, config.get('overlap'))")
+      raise TypeError(
+        f"DataParallel(overlap={overlap!r}) must be True, False or None "
+        "(the default, config.get('overlap'))"
+      )
     if state_sync is None:
       state_sync = _ms.SYNC if axis_name is not None else _ms.MEAN
     _ms.check_policy(state_sync, axis_name)
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-      raise ValueError(f"DataParallel(checkpoint_every={checkpoint_every!r}) must be an integer >= 1 "
-                       "(steps between checkpoints) or None")
+    if checkpoint_every is not None and (
+      not isinstance(checkpoint_every, int) or checkpoint_every < 1
+    ):
+      raise ValueError(
+        f"DataParallel(checkpoint_every={checkpoint_every!r}) must be an integer >= 1 "
+        "(steps between checkpoints) or None"
+      )
     if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
-      raise ValueError(f"DataParallel(keep_checkpoints={keep_checkpoints!r}) must be an integer >= 1")
+      raise ValueError(
+        f"DataParallel(keep_checkpoints={keep_checkpoints!r}) must be an integer >= 1"
+      )
     if checkpoint_dir is None and (checkpoint_every is not None or handle_preemption):
-      raise ValueError("DataParallel(checkpoint_every=..., handle_preemption=True) needs "
-                       "checkpoint_dir: the directory the checkpoints are written to")
+      raise ValueError(
+        "DataParallel(checkpoint_every=..., handle_preemption=True) needs "
+        "checkpoint_dir: the directory the checkpoints are written to"
+      )
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn
     self.optimizer = optimizer
@@ -265,13 +292,16 @@ class DataParallel:
     """
     if rng is None:
       rng = jax.random.key(0)
-    params, rng, model_state = _bcast.broadcast((params, rng, model_state), self.root, comm=self.comm)
+    params, rng, model_state = _bcast.broadcast(
+      (params, rng, model_state), self.root, comm=self.comm
+    )
     # One compiled call instead of many small eager ops (each would compile).
     opt_state = jax.jit(self.optimizer.init)(params)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, model_state)
 
-  def resume_or_init(self, params: Any, rng: jax.Array | None = None,
-                     model_state: Any = None) -> TrainState:
+  def resume_or_init(
+    self, params: Any, rng: jax.Array | None = None, model_state: Any = None
+  ) -> TrainState:
     """The newest complete checkpoint of ``checkpoint_dir``, else :meth:`init`'s state.
 
     Collective. See :func:`mpijax.train.resume_or_init`; the restored
@@ -304,13 +334,20 @@ class DataParallel:
   def save(self, state: TrainState) -> str:
     """Writes ``state`` as checkpoint ``step_<state.step>`` of ``checkpoint_dir`` (collective)."""
     if self.checkpoint_dir is None:
-      raise ValueError("DataParallel.save needs DataParallel(checkpoint_dir=...); or call "
-                       "mpijax.train.save_checkpoint(path, state)")
+      raise ValueError(
+        "DataParallel.save needs DataParallel(checkpoint_dir=...); or call "
+        "mpijax.train.save_checkpoint(path, state)"
+      )
     metadata = self.checkpoint_metadata() if self.checkpoint_metadata is not None else None
     step = int(state.step)
-    path = _resume.save_step_checkpoint(self.checkpoint_dir, state, step,
-                                        keep=self.keep_checkpoints, metadata=metadata,
-                                        comm=self.comm)
+    path = _resume.save_step_checkpoint(
+      self.checkpoint_dir,
+      state,
+      step,
+      keep=self.keep_checkpoints,
+      metadata=metadata,
+      comm=self.comm,
+    )
     self._saved_step = step
     return path
 
@@ -324,24 +361,32 @@ class DataParallel:
     new_ms = None
     if stateful and new_state:
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError("DataParallel with model state: loss_fn must return (its output, new "
-                        "model state), i.e. (losses, new_state) or ((losses, aux), new_state); "
-                        f"got {jax.tree.map(jnp.shape, out)!r} (shapes)")
+        raise TypeError(
+          "DataParallel with model state: loss_fn must return (its output, new "
+          "model state), i.e. (losses, new_state) or ((losses, aux), new_state); "
+          f"got {jax.tree.map(jnp.shape, out)!r} (shapes)"
+        )
       out, new_ms = out
       _ms.check_new_state(model_state, new_ms)
     if self.has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError("DataParallel(has_aux=True): loss_fn must return (losses, aux) with aux "
-                      f"a pytree of metrics; got {jax.tree.map(jnp.shape, out)!r} (shapes). "
-                      "Return a pair, or use has_aux=False.")
+      raise TypeError(
+        "DataParallel(has_aux=True): loss_fn must return (losses, aux) with aux "
+        f"a pytree of metrics; got {jax.tree.map(jnp.shape, out)!r} (shapes). "
+        "Return a pair, or use has_aux=False."
+      )
     if not self.has_aux and isinstance(out, (tuple, list)):
-      raise TypeError(f"DataParallel(has_aux=False): loss_fn returned a {type(out).__name__} of "
-                      f"{len(out)} ({jax.tree.map(jnp.shape, out)!r} shapes); return the per-example "
-                      "losses alone, or (losses, aux) with has_aux=True"
-                      + (" (with model state: ((losses, aux), new_state))" if stateful else ""))
+      raise TypeError(
+        f"DataParallel(has_aux=False): loss_fn returned a {type(out).__name__} of "
+        f"{len(out)} ({jax.tree.map(jnp.shape, out)!r} shapes); return the per-example "
+        "losses alone, or (losses, aux) with has_aux=True"
+        + (" (with model state: ((losses, aux), new_state))" if stateful else "")
+      )
     losses, aux = out if self.has_aux else (out, {})
     if jnp.ndim(losses) != 1:
-      raise ValueError(f"DataParallel: loss_fn must return per-example losses of shape [batch], "
-                       f"got shape {jnp.shape(losses)}; return the unreduced loss vector")
+      raise ValueError(
+        f"DataParallel: loss_fn must return per-example losses of shape [batch], "
+        f"got shape {jnp.shape(losses)}; return the unreduced loss vector"
+      )
     return losses, aux, new_ms
 
   @staticmethod
@@ -358,8 +403,9 @@ class DataParallel:
     rng = jax.random.fold_in(state.rng, state.step)
 
     def objective(params):
-      losses, aux, new_ms = self._call(self.loss_fn, params, state.model_state, data, rng,
-                                       new_state=True)
+      losses, aux, new_ms = self._call(
+        self.loss_fn, params, state.model_state, data, rng, new_state=True
+      )
       loss = jnp.mean(weight * losses)
 
       def per_example(v):
@@ -378,8 +424,14 @@ class DataParallel:
     # buckets: no extra collective.
     extra = (metrics, means, stop)
     overlap = self.overlap if self.overlap is not None else bool(config.get("overlap"))
-    kw = dict(average=True, bucket_bytes=self.bucket_bytes, comm=self.comm, overlap=overlap,
-              local_axis_name=None, fuse_leaf_bytes=None)
+    kw = dict(
+      average=True,
+      bucket_bytes=self.bucket_bytes,
+      comm=self.comm,
+      overlap=overlap,
+      local_axis_name=None,
+      fuse_leaf_bytes=None,
+    )
     order = None
     if overlap:
       # The buckets in the order the backward pass completes them; the
@@ -391,16 +443,17 @@ class DataParallel:
       n_extra = len(jax.tree_util.tree_leaves(extra))
       if order is not None:
         order = list(range(n_grads, n_grads + n_extra)) + order
-      grads, extra = _grads._fused_allreduce((grads, extra), compression=None,
-                                             ready_order=order, **kw)
+      grads, extra = _grads._fused_allreduce(
+        (grads, extra), compression=None, ready_order=order, **kw
+      )
     else:
-      grads = _grads._fused_allreduce(grads, compression=self.compression, ready_order=order,
-                                      **kw)
+      grads = _grads._fused_allreduce(grads, compression=self.compression, ready_order=order, **kw)
       extra = _grads._fused_allreduce(extra, compression=None, **{**kw, "overlap": False})
     metrics, means, stop = extra
     it = iter(means)
-    new_ms = jax.tree_util.tree_unflatten(ms_def, [next(it) if a else x
-                                                   for x, a in zip(ms_leaves, averaged)])
+    new_ms = jax.tree_util.tree_unflatten(
+      ms_def, [next(it) if a else x for x, a in zip(ms_leaves, averaged)]
+    )
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, opt_state, state.rng, new_ms)
@@ -413,8 +466,10 @@ class DataParallel:
       return
     path = self.save(state)
     step = int(state.step)
-    log.notice(f"mpijax.train: preemption requested; every rank stopped after step {step}, "
-               f"checkpoint {path}; exiting with status {_preempt.PREEMPTED_EXIT_CODE}")
+    log.notice(
+      f"mpijax.train: preemption requested; every rank stopped after step {step}, "
+      f"checkpoint {path}; exiting with status {_preempt.PREEMPTED_EXIT_CODE}"
+    )
     raise _preempt.Preempted(step, path)
 
   def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -446,6 +501,9 @@ class DataParallel:
       RuntimeError: building the step failed on another rank (this rank
         raises its own error).
     """
+    # A rank that calls its step later than the others was still getting the
+    # batch: the straggler report splits its lateness into input and compute.
+    _stragglers.note_step()
     if _timeline.active():
       # The span ends when the step's results are ready: with the timeline
       # on, each step waits for its own before returning.
@@ -453,8 +511,13 @@ class DataParallel:
       out = self._step_once(state, batch)
       jax.block_until_ready(out)
       self._timeline_steps += 1
-      _timeline.add_span("DataParallel.step", start, _timeline.now_ns(), category="step",
-                         step=self._timeline_steps - 1)
+      _timeline.add_span(
+        "DataParallel.step",
+        start,
+        _timeline.now_ns(),
+        category="step",
+        step=self._timeline_steps - 1,
+      )
       return out
     return self._step_once(state, batch)
 
@@ -486,15 +549,22 @@ class DataParallel:
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
       # Same answer on every rank (every rank traces the same program), so no
       # rank is left waiting. JAX's own error does not say what to do.
-      raise TypeError("DataParallel.step was called under a JAX transformation (jax.jit, vmap, "
-                      "grad, scan, ...) with traced arguments: it compiles and runs the whole "
-                      "step itself, so call it from Python, outside jax.jit. For a step inside "
-                      "your own jitted code, use optax.chain(mpijax.train.allreduce_gradients(), "
-                      "optimizer).")
+      raise TypeError(
+        "DataParallel.step was called under a JAX transformation (jax.jit, vmap, "
+        "grad, scan, ...) with traced arguments: it compiles and runs the whole "
+        "step itself, so call it from Python, outside jax.jit. For a step inside "
+        "your own jitted code, use optax.chain(mpijax.train.allreduce_gradients(), "
+        "optimizer)."
+      )
     compiled = signature = None
     if error is None:
-      signature = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))),
-                                   getattr(x, "sharding", None)) for x in leaves))
+      signature = (
+        treedef,
+        tuple(
+          (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+          for x in leaves
+        ),
+      )
       compiled = self._compiled.get(signature)
     if compiled is None:
       # Compile ahead of time, then wait for every rank without spinning, so
@@ -506,8 +576,10 @@ class DataParallel:
       # collective: do it here, on every rank, so that a rank whose trace
       # fails early cannot leave the others in that collective.
       communicators.resolve_comm(self.comm, "mpijax.train.DataParallel.step")
-      with _all_ranks_or_none(comm, "DataParallel.step: building the step"), \
-          _timeline.span("DataParallel compile"):
+      with (
+        _all_ranks_or_none(comm, "DataParallel.step: building the step"),
+        _timeline.span("DataParallel compile"),
+      ):
         if error is not None:
           raise error
         with _ms.bind_data_axis(self.axis_name, comm) as axis:
@@ -528,18 +600,20 @@ class DataParallel:
     if all(_ms.averaged_leaves(model_state, self.state_sync)):
       return
     raise ValueError(
-        f"DataParallel(axis_name={self.axis_name!r}, state_sync={self.state_sync!r}): the model "
-        f"state is 'sync', but loss_fn made no collective over axis {self.axis_name!r}, so each "
-        "rank's statistics would stay local and the replicas drift apart. Give the normalization "
-        f"layers axis_name={self.axis_name!r} (Flax: nn.BatchNorm(axis_name=...), "
-        "nnx.BatchNorm(..., axis_name=...)), or use state_sync='mean'.")
+      f"DataParallel(axis_name={self.axis_name!r}, state_sync={self.state_sync!r}): the model "
+      f"state is 'sync', but loss_fn made no collective over axis {self.axis_name!r}, so each "
+      "rank's statistics would stay local and the replicas drift apart. Give the normalization "
+      f"layers axis_name={self.axis_name!r} (Flax: nn.BatchNorm(axis_name=...), "
+      "nnx.BatchNorm(..., axis_name=...)), or use state_sync='mean'."
+    )
 
   # -- evaluation -------------------------------------------------------------
 
   def _eval_impl(self, params: Any, model_state: Any, data: Any, mask: jax.Array):
     fn = self.eval_fn if self.eval_fn is not None else self.loss_fn
-    losses, aux, _ = self._call(fn, params, model_state, data, jax.random.key(0),
-                                new_state=self.eval_fn is None)
+    losses, aux, _ = self._call(
+      fn, params, model_state, data, jax.random.key(0), new_state=self.eval_fn is None
+    )
     count = jnp.sum(mask)
 
     def per_example(v):
@@ -586,13 +660,17 @@ class DataParallel:
     # Ranks finish at different times (the first call compiles): they wait
     # idly, not in a spinning all-reduce, and a rank whose evaluation failed
     # makes every rank raise instead of leaving them waiting.
-    with _all_ranks_or_none(comm, "DataParallel.evaluate"), \
-        _ms.bind_data_axis(self.axis_name, comm):
+    with (
+      _all_ranks_or_none(comm, "DataParallel.evaluate"),
+      _ms.bind_data_axis(self.axis_name, comm),
+    ):
       for batch in batches:
         sums, n = self._eval(state.params, state.model_state, batch.data, batch.mask)
         totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
         count = count + n
     if totals is None:
-      raise ValueError(f"DataParallel.evaluate got no samples (arrays with {batches.num_samples} samples)")
+      raise ValueError(
+        f"DataParallel.evaluate got no samples (arrays with {batches.num_samples} samples)"
+      )
     means = _metrics.mean_metrics({"sums": totals, "count": count}, comm=self.comm)
     return jax.tree_util.tree_map(lambda v: v / means["count"], means["sums"])

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "arrivals.h"
 #include "handlers.h"
 #include "inspector.h"
 #include "nanobind/nanobind.h"
@@ -379,6 +380,23 @@ NB_MODULE(_mpijax_ffi, m) {
   "dtype, shape or None, bytes, path bits, site, communicator key, local "
   "device, communicator size, sequence number or -1, enter ns, exit ns), and "
   "how many were lost.");
+
+  m.def("arrivals_record", &ArrivalsRecord, nb::arg("on"),
+  "Turns the straggler report's arrival stamps on or off: every collective "
+  "call stamps when it entered into its (communicator, device)'s ring.");
+
+  m.def("arrivals_drain", [] {
+    std::string rows;
+    {
+      nb::gil_scoped_release release;
+      rows = DrainArrivals();
+    }
+    return nb::bytes(rows.data(), rows.size());
+  }, "The arrivals stamped since the last drain (at most 4096 per "
+  "communicator and device, the most recent), as int64 rows of (communicator "
+  "key, leader: the job rank of its rank 0, local device, 1 if the device's "
+  "calls are collectives of their own, communicator size, collective number, "
+  "enter ns), native byte order.");
 
   m.def("now_ns", [] { return mpijax::NowNs(); },
         "The handlers' clock (steady_clock) in nanoseconds.");

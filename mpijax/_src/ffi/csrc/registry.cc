@@ -11,6 +11,18 @@ namespace {
 std::mutex g_sites_mu;
 std::deque<Site> g_sites;
 std::deque<std::atomic<uint64_t>> g_check_slots;  // stable addresses
+
+// The rank in MPI_COMM_WORLD of c's rank 0.
+int64_t LeaderOf(MPI_Comm c) {
+  MPI_Group g, wg;
+  int zero = 0, world = MPI_UNDEFINED;
+  MPI_Comm_group(c, &g);
+  MPI_Comm_group(MPI_COMM_WORLD, &wg);
+  MPI_Group_translate_ranks(g, 1, &zero, wg, &world);
+  MPI_Group_free(&g);
+  MPI_Group_free(&wg);
+  return world == MPI_UNDEFINED ? -1 : world;
+}
 }  // namespace
 
 int64_t RegisterComms(const std::vector<MPI_Comm>& comms,
@@ -27,6 +39,7 @@ int64_t RegisterComms(const std::vector<MPI_Comm>& comms,
     dev->key = key;
     dev->local_devices = static_cast<int>(comms.size());
     dev->index = static_cast<int64_t>(i);
+    dev->leader = LeaderOf(comms[i]);
     // Errors become ffi::Error (a Python exception), never an abort.
     MPI_Comm_set_errhandler(dev->comm, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(dev->check, MPI_ERRORS_RETURN);

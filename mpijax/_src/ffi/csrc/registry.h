@@ -27,6 +27,8 @@ namespace mpijax::detail {
 
 namespace ffi = ::xla::ffi;
 
+struct ArrivalRing;  // arrivals.h
+
 // What one (communicator, local device) is doing, for the stall inspector.
 // Written by the handler thread with relaxed atomics (a few stores per call:
 // the fast path stays lean), read by the responder thread.
@@ -68,6 +70,11 @@ struct DevComm {
   // Collective calls so far (every handler but send/recv): the same on every
   // rank, so the timeline pairs the k-th call across ranks.
   uint64_t coll_seq = 0;
+  // The straggler report's arrival stamps (arrivals.h), allocated by the
+  // first collective recorded; and the job rank of the communicator's rank
+  // 0, which tells apart communicators that share a key.
+  std::atomic<ArrivalRing*> arrivals{nullptr};
+  int64_t leader = -1;
   // A member of one of XLA's communicators with several devices per process
   // (bridge/xla_members.h): the other members, as the stall inspector asks
   // them (job rank, local device index). Empty: ask this device index of

@@ -7,7 +7,7 @@
 
 namespace mpijax::detail {
 
-std::atomic<bool> g_timeline_on{false};
+std::atomic<int> g_recording{0};
 
 namespace {
 
@@ -70,10 +70,20 @@ void TimelineStart(int64_t capacity) {
     g_ring.store(new Slot[n], std::memory_order_release);
   }
   g_drained = g_next.load();  // events from before this start are not wanted
-  g_timeline_on.store(true, std::memory_order_release);
+  g_recording.fetch_or(kRecordTimeline, std::memory_order_release);
 }
 
-void TimelineStop() { g_timeline_on.store(false, std::memory_order_release); }
+void TimelineStop() {
+  g_recording.fetch_and(~kRecordTimeline, std::memory_order_release);
+}
+
+void ArrivalsRecord(bool on) {
+  if (on) {
+    g_recording.fetch_or(kRecordArrivals, std::memory_order_release);
+  } else {
+    g_recording.fetch_and(~kRecordArrivals, std::memory_order_release);
+  }
+}
 
 std::vector<TimelineEvent> TimelineDrain(int64_t* lost) {
   std::lock_guard<std::mutex> lock(g_drain_mu);

@@ -1,7 +1,8 @@
 // The collective timeline: when on (MPIJAX_TIMELINE), every handler call
 // leaves one event (enter and exit times, what it moved, the path it took,
 // its place in its communicator's sequence of collectives) in a fixed-size,
-// lock-free ring that Python drains (mpijax/_src/timeline.py). When off, a
+// lock-free ring that Python drains (mpijax/_src/timeline.py). The straggler
+// report's arrival stamps (arrivals.h) are taken here too. With both off, a
 // call pays one relaxed atomic load and a counter increment.
 #ifndef MPIJAX_FFI_TIMELINE_H_
 #define MPIJAX_FFI_TIMELINE_H_
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "arrivals.h"
 #include "call.h"
 #include "common.h"
 
@@ -43,21 +45,29 @@ struct TimelineEvent {
   int64_t exit_ns;
 };
 
-extern std::atomic<bool> g_timeline_on;
+// What the calls record (bits): the timeline's events, the straggler
+// report's arrival stamps. One load tells a call both.
+enum : int { kRecordTimeline = 1, kRecordArrivals = 2 };
+extern std::atomic<int> g_recording;
 
-// Marks one handler call: stamps entry when the timeline is on and, at the
-// end of the scope, records the event. `seq` numbers the collectives of
-// (communicator, device) whether or not the timeline is on, so the k-th
-// call pairs across ranks even when ranks turned it on at different calls.
+// Marks one handler call: stamps entry when the timeline or the straggler
+// report is on, records a collective's arrival for the report at once and,
+// at the end of the scope, the timeline's event. `seq` numbers the
+// collectives of (communicator, device) whether or not anything records, so
+// the k-th call pairs across ranks even when ranks turned recording on at
+// different calls.
 class TimelineScope {
  public:
   TimelineScope(const CallInfo& info, bool collective)
       : info_(info),
         seq_(collective ? static_cast<int64_t>(info.dc->coll_seq++) : -1),
-        enter_ns_(g_timeline_on.load(std::memory_order_relaxed) ? NowNs()
-                                                                : 0) {}
+        what_(g_recording.load(std::memory_order_relaxed)),
+        enter_ns_(what_ != 0 ? NowNs() : 0) {
+    if ((what_ & kRecordArrivals) && seq_ >= 0)
+      RecordArrival(info.dc, seq_, enter_ns_, info.comm_size);
+  }
   ~TimelineScope() {
-    if (enter_ns_ != 0) Record();
+    if (what_ & kRecordTimeline) Record();
   }
   TimelineScope(const TimelineScope&) = delete;
   TimelineScope& operator=(const TimelineScope&) = delete;
@@ -66,6 +76,7 @@ class TimelineScope {
   void Record();
   const CallInfo& info_;
   int64_t seq_;
+  int what_;
   int64_t enter_ns_;
 };
 
@@ -77,6 +88,8 @@ void TimelineStop();
 // The events recorded since the last drain, oldest first, and how many were
 // lost (overwritten before they were drained).
 std::vector<TimelineEvent> TimelineDrain(int64_t* lost);
+// Turns the straggler report's arrival stamps on or off.
+void ArrivalsRecord(bool on);
 
 }  // namespace mpijax::detail
 
