@@ -32,8 +32,9 @@ def two_hosts():
   if reason:
     pytest.skip(reason)
   tag = str(os.getpid() % 100000)
-  with netns.TwoHosts(tag=tag, subnet_octet=(os.getpid() + 7) % 250 + 1, prefix="mjd",
-                      host_prefix="d", net="10.233") as hosts:
+  with netns.TwoHosts(
+    tag=tag, subnet_octet=(os.getpid() + 7) % 250 + 1, prefix="mjd", host_prefix="d", net="10.233"
+  ) as hosts:
     yield hosts
   assert not [n for n in netns.netns_list() if n.endswith(tag) and n.startswith("mjd")]
 
@@ -44,10 +45,24 @@ def _doctor(two_hosts, tmp_path) -> tuple[int, str]:
   hostfile = tmp_path / "hostfile"
   hostfile.write_text(f"{a.name} slots=2\n{b.name} slots=2\n")
   subnet = two_hosts.subnet
-  mca = (f"--mca plm_ssh_agent {agent} --mca oob_tcp_if_include {subnet} "
-         f"--mca pml ob1 --mca btl sm,tcp,self --mca btl_tcp_if_include {subnet}")
-  launch = [sys.executable, "-m", "mpijax.launch", "-n", "4", "--hostfile", str(hostfile),
-            "--timeout", "150", "--launcher-args", mca, "--doctor"]
+  mca = (
+    f"--mca plm_ssh_agent {agent} --mca oob_tcp_if_include {subnet} "
+    f"--mca pml ob1 --mca btl sm,tcp,self --mca btl_tcp_if_include {subnet}"
+  )
+  launch = [
+    sys.executable,
+    "-m",
+    "mpijax.launch",
+    "-n",
+    "4",
+    "--hostfile",
+    str(hostfile),
+    "--timeout",
+    "150",
+    "--launcher-args",
+    mca,
+    "--doctor",
+  ]
   env = {k: v for k, v in os.environ.items() if not k.startswith("MPIJAX_")}
   result = run(two_hosts.exec_argv(a, launch), timeout=200, cwd=REPO, env=env)
   return result.returncode, result.stdout + result.stderr
@@ -64,17 +79,23 @@ def test_the_doctor_measures_both_paths_and_names_a_shaped_link(two_hosts, tmp_p
     assert f"ok    all-reduce within {host}: latency" in out, out
   assert re.search(r"ok    all-reduce across nodes: latency .* of raw MPI's", out), out
   for src, dst in ((a, b), (b, a)):
-    assert re.search(rf"ok    link {src.name} -> {dst.name}: [\d.]+ [GMk]B/s over TCP, \d+% of "
-                     r"the [\d.]+ [GMk]B/s expected", out), out
+    assert re.search(
+      rf"ok    link {src.name} -> {dst.name}: [\d.]+ [GMk]B/s over TCP, \d+% of "
+      r"the [\d.]+ [GMk]B/s expected",
+      out,
+    ), out
   print(out)
 
   two_hosts.shape_link(RATE, "32kb", "50ms")
   code, out = _doctor(two_hosts, tmp_path)
   assert code == 3, out
   for src, dst in ((a, b), (b, a)):
-    m = re.search(rf"FAIL  link {src.name} -> {dst.name}: ([\d.]+) ([GMk])B/s over TCP, (\d+)% "
-                  r"of the [\d.]+ [GMk]B/s expected \([^)]*\): below half; fix: a slow or shaped "
-                  r"link \(tc qdisc show dev \S+\)", out)
+    m = re.search(
+      rf"FAIL  link {src.name} -> {dst.name}: ([\d.]+) ([GMk])B/s over TCP, (\d+)% "
+      r"of the [\d.]+ [GMk]B/s expected \([^)]*\): below half; fix: a slow or shaped "
+      r"link \(tc qdisc show dev \S+\)",
+      out,
+    )
     assert m, out
     rate = float(m[1]) * {"G": 1e9, "M": 1e6, "k": 1e3}[m[2]]
     assert rate < 20e6, out  # the shaper's 12.5 MB/s, give or take its burst

@@ -137,6 +137,7 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(USAGE)
   started = time.monotonic()
   config.update("timeline", "")  # the doctor drains the timeline itself
+  config.update("stragglers", False)  # its report is about the job, not the doctor
   if not 0 < float(config.get("timeout")) <= TIMEOUT_S:
     config.update("timeout", TIMEOUT_S)
   mine = facts.before_init()
@@ -172,8 +173,9 @@ def main(argv: Sequence[str]) -> None:
   # Rank 0 reports: each node's sweep from its first rank, the rest from node 0's.
   shared = mpi_util.allgather_str(
     comm,
-    json.dumps({"host": mine["host"], "within": _dump(within), "across": _dump(across),
-                "links": links})
+    json.dumps(
+      {"host": mine["host"], "within": _dump(within), "across": _dump(across), "links": links}
+    )
     if rt.topology.local_rank == 0
     else "",
   )
@@ -202,13 +204,19 @@ def main(argv: Sequence[str]) -> None:
     failed = sum(1 for x in checks if x.kind == "FAIL")
     warned = sum(1 for x in checks if x.kind == "warn")
     nodes = sorted({f["host"] for f in everyone})
-    print(f"mpijax doctor: {rt.size} rank{'s' if rt.size > 1 else ''} on {len(nodes)} "
-          f"node{'s' if len(nodes) > 1 else ''} ({', '.join(nodes)})", flush=True)
+    print(
+      f"mpijax doctor: {rt.size} rank{'s' if rt.size > 1 else ''} on {len(nodes)} "
+      f"node{'s' if len(nodes) > 1 else ''} ({', '.join(nodes)})",
+      flush=True,
+    )
     for x in lines:
       print(str(x), flush=True)
-    print(f"mpijax doctor: {failed} failed, {warned} warning{'s' if warned != 1 else ''}, "
-          f"{len(checks) - failed - warned} ok ({max(_process_seconds(), time.monotonic() - started):.1f} s "
-          "on rank 0)", flush=True)
+    print(
+      f"mpijax doctor: {failed} failed, {warned} warning{'s' if warned != 1 else ''}, "
+      f"{len(checks) - failed - warned} ok ({max(_process_seconds(), time.monotonic() - started):.1f} s "
+      "on rank 0)",
+      flush=True,
+    )
     status = FAILED if failed else 0
   status = int(mpi_util.bcast_str(comm, str(status), root=0))
   runtime.shutdown()

@@ -26,8 +26,15 @@ YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 # What the launchers say that mpijax reads beyond the detector's integer
 # fields (Open MPI 5's marker, srun's node list, Hydra's proxy variables).
-_MARKERS = ("PRTE_LAUNCHED", "OMPI_MCA_orte_launch", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMI_SIZE",
-            "PMIX_RANK", "HYDI_CONTROL_FD")
+_MARKERS = (
+  "PRTE_LAUNCHED",
+  "OMPI_MCA_orte_launch",
+  "SLURM_JOB_ID",
+  "SLURM_STEP_ID",
+  "PMI_SIZE",
+  "PMIX_RANK",
+  "HYDI_CONTROL_FD",
+)
 
 
 def _launcher() -> dict[str, Any]:
