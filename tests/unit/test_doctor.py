@@ -258,3 +258,16 @@ def test_mpijax_run_doctor_runs_python_m_mpijax_doctor_once_and_bounded():
   with pytest.raises(SystemExit):
     cli.parse_args(["-n", "4", "--doctor", "--max-restarts", "1"])
   assert doctor.FAILED == DOCTOR_FAILED == 3
+
+
+def test_nodes_of_one_machine_sweep_in_turn_and_nodes_of_their_own_at_once():
+  def rank(host: str, boot: str) -> dict:
+    return {"host": host, "boot_id": boot}
+
+  # Two namespaces of one machine (one boot id), two ranks each: two turns.
+  one = [rank("a", "k"), rank("a", "k"), rank("b", "k"), rank("b", "k")]
+  assert doctor.machine_turn(one, "a") == (0, 2)
+  assert doctor.machine_turn(one, "b") == (1, 2)
+  # Machines of their own: one turn, every node at once.
+  apart = [rank("a", "k1"), rank("b", "k2"), rank("c", "")]
+  assert [doctor.machine_turn(apart, h) for h in "abc"] == [(0, 1)] * 3

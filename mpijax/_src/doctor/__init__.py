@@ -96,6 +96,37 @@ def _process_seconds() -> float:
     return 0.0
 
 
+def machine_turn(everyone: list[dict], host: str) -> tuple[int, int]:
+  """(this node's turn, the number of turns) for the sweeps within the nodes.
+
+  Nodes that are one machine (one kernel boot id: containers, network
+  namespaces) sweep in turn, so that they do not compete for its cores;
+  nodes of their own sweep at once.
+  """
+  machines: dict[str, list[str]] = {}
+  for f in everyone:
+    hosts = machines.setdefault(f["boot_id"] or f["host"], [])
+    if f["host"] not in hosts:
+      hosts.append(f["host"])
+  mine = next(hosts for hosts in machines.values() if host in hosts)
+  return mine.index(host), max(len(hosts) for hosts in machines.values())
+
+
+def _barrier(comm, timeout: float, rank: int, what: str) -> None:
+  """Every rank waits here, sleeping, for the ones measuring; a stall ends the job."""
+  if measure.quiet_barrier(comm, timeout):
+    return
+  print(
+    f"mpijax doctor: rank {rank} waited {timeout:g} s for the other ranks to finish {what} "
+    "(MPIJAX_TIMEOUT); ending the job: a rank is stuck in MPI, or its traffic between the "
+    "nodes does not get through; fix: the firewall and the interfaces between the nodes "
+    "(Open MPI's btl_tcp_if_include and oob_tcp_if_include)",
+    file=sys.stderr,
+    flush=True,
+  )
+  comm.Abort(FAILED)
+
+
 def report(
   everyone: list[dict],
   *,
@@ -158,8 +189,14 @@ def main(argv: Sequence[str]) -> None:
   sum_error = _global_sum(rt)
   sizes = tuple(config.get("doctor_sizes"))
 
+  wait = float(config.get("timeout"))
   node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rt.rank)
-  within = measure.sweep(node, sizes) if node.Get_size() > 1 else []
+  within: list[measure.Cell] = []
+  turn, turns = machine_turn(everyone, mine["host"])
+  for k in range(turns):
+    if k == turn and node.Get_size() > 1:
+      within = measure.sweep(node, sizes)
+    _barrier(comm, wait, rt.rank, "the sweeps within the nodes")
   node.Free()
   leaders = comm.Split(0 if rt.topology.local_rank == 0 else MPI.UNDEFINED, key=rt.rank)
   across: list[measure.Cell] = []
@@ -170,6 +207,7 @@ def main(argv: Sequence[str]) -> None:
       hosts = [f["host"] for f in everyone if f["local_rank"] == 0]
       links = measure.links(leaders, hosts)
     leaders.Free()
+  _barrier(comm, wait, rt.rank, "the sweep across the nodes and the links")
   # Rank 0 reports: each node's sweep from its first rank, the rest from node 0's.
   shared = mpi_util.allgather_str(
     comm,

@@ -76,11 +76,20 @@ def _ptrace_scope() -> int | None:
     return None
 
 
+def _boot_id() -> str:
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      return f.read().strip()
+  except OSError:
+    return ""
+
+
 def before_init() -> dict[str, Any]:
   """The facts that need no MPI, read before ``mpijax.init()``."""
   affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
   return {
     "host": socket.gethostname(),
+    "boot_id": _boot_id(),  # one kernel: nodes that are containers of one machine
     "pid": os.getpid(),
     **_launcher(),
     "under_run": bool(config.get("run")),

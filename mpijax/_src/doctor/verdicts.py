@@ -18,10 +18,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from mpijax._src.doctor.measure import HALF
 from mpijax._src.doctor.measure import Cell
 from mpijax._src.doctor.measure import path_names
 
-HALF = 0.5
 OPEN_MPI_SEGMENT = 16 << 20  # Open MPI's sm btl, per rank
 SEGMENT_HEADER = 4096
 
