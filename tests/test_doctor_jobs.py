@@ -1,6 +1,6 @@
 """``mpijax-run -n 4 --doctor`` on this machine: a healthy setup passes; injected faults fail.
 
-The faults, in one job: a compile cache directory that cannot be written
+The faults, in one job of 2 ranks: a compile cache directory that cannot be written
 (its parent is a file, which root cannot write through either), a
 ``/dev/shm`` too small for what ``MPIJAX_DOCTOR_SHM_BYTES`` asks, and Open
 MPI's traffic within the node forced onto TCP (``--mca btl tcp,self``). Each
@@ -18,12 +18,12 @@ from tests._launch import _bounded
 from tests._launch import tail
 
 
-def _doctor(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
+def _doctor(*args: str, np: int = 4, env: dict[str, str] | None = None, timeout: float = 240):
   import os
 
   full_env = {k: v for k, v in os.environ.items() if not k.startswith("MPIJAX_")}
   full_env.update(env or {})
-  cmd = [sys.executable, "-m", "mpijax.launch", "-n", "4", *args, "--doctor"]
+  cmd = [sys.executable, "-m", "mpijax.launch", "-n", str(np), *args, "--doctor"]
   return _bounded(cmd, full_env, REPO, timeout)
 
 
@@ -65,10 +65,16 @@ def test_injected_faults_each_fail_with_one_line_naming_the_fix(tmp_path):
   blocker = tmp_path / "a-file"
   blocker.write_text("")
   cache = blocker / "cache"  # its parent is a file: no one can make it a directory
-  result, _ = _doctor(
+  # 2 ranks and a sweep of two sizes: the faults need no more, and the job is shorter.
+  result, seconds = _doctor(
     "--launcher-args",
     "--mca btl tcp,self",
-    env={"MPIJAX_COMPILE_CACHE": str(cache), "MPIJAX_DOCTOR_SHM_BYTES": str(1 << 50)},
+    np=2,
+    env={
+      "MPIJAX_COMPILE_CACHE": str(cache),
+      "MPIJAX_DOCTOR_SHM_BYTES": str(1 << 50),
+      "MPIJAX_DOCTOR_SIZES": "8,4MiB",
+    },
   )
   out = result.stdout
   assert result.returncode == 3, tail(out)
@@ -76,7 +82,7 @@ def test_injected_faults_each_fail_with_one_line_naming_the_fix(tmp_path):
   assert len(fails) == 3, tail(out)
   cache_line = next(f for f in fails if f.startswith("compile cache: "))
   assert cache_line.startswith(
-    f"compile cache: {cache}/mpijax cannot be written on ranks 0-3 (NotADirectoryError"
+    f"compile cache: {cache}/mpijax cannot be written on ranks 0-1 (NotADirectoryError"
   ), cache_line
   assert cache_line.endswith(
     "fix: point MPIJAX_COMPILE_CACHE (or JAX_COMPILATION_CACHE_DIR) at a "
@@ -91,7 +97,7 @@ def test_injected_faults_each_fail_with_one_line_naming_the_fix(tmp_path):
   ), shm_line
   tcp_line = next(f for f in fails if f.startswith("MPI in a node: "))
   assert (
-    "falls back to TCP where shared memory should serve (OMPI_MCA_btl=tcp,self; ranks 0-3 "
+    "falls back to TCP where shared memory should serve (OMPI_MCA_btl=tcp,self; ranks 0-1 "
     "map no Open MPI shared-memory segment of their node)"
   ) in tcp_line, tcp_line
   assert tcp_line.endswith(
@@ -102,3 +108,4 @@ def test_injected_faults_each_fail_with_one_line_naming_the_fix(tmp_path):
   assert "mpijax-run: attempt 0" not in out, tail(out)
   left = subprocess.run(["pgrep", "-af", "mpijax doctor"], capture_output=True, text=True).stdout
   assert "python" not in left, left
+  print(f"mpijax-run -n 2 --doctor with three faults: {seconds:.1f} s")
