@@ -169,6 +169,10 @@ def test_the_sweep_fails_below_half_of_raw_mpi():
   wrong = [Cell(8, 20e-6, 15e-6, 4, False)]
   (line,), _ = verdicts.sweep("within n0", wrong, 4)
   assert line.kind == "FAIL" and line.text.startswith("wrong results at 8 B"), line
+  # Latency alone (a sweep of small sizes only): 5x raw MPI's is no bandwidth below half.
+  tiny = [Cell(8, 100e-6, 20e-6, 4, True)]
+  (line,), _ = verdicts.sweep("within n0", tiny, 4)
+  assert line.kind == "ok" and "no bandwidth judged" in line.text, line
 
 
 def test_a_link_below_half_of_what_it_should_carry_fails():
