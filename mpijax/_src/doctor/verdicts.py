@@ -24,6 +24,8 @@ from mpijax._src.doctor.measure import path_names
 
 OPEN_MPI_SEGMENT = 16 << 20  # Open MPI's sm btl, per rank
 SEGMENT_HEADER = 4096
+# A bandwidth says little below this size, where latency rules.
+BANDWIDTH_MIN_BYTES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +415,7 @@ def _sweep_lines(title: str, cells: list[Cell], ranks: int) -> list[str]:
     # A bandwidth says little below 1 KiB: latency rules there.
     bw, raw = (
       (fmt_rate(c.busbw(ranks, c.mpijax_s)), fmt_rate(c.busbw(ranks, c.raw_s)))
-      if c.nbytes >= 1024
+      if c.nbytes >= BANDWIDTH_MIN_BYTES
       else ("-", "-")
     )
     rows.append(
@@ -444,11 +446,23 @@ def sweep(where: str, cells: list[Cell], ranks: int) -> tuple[list[Line], list[s
       )
     ], table
   small, big = cells[0], cells[-1]
+  latency = (
+    f"latency {fmt_time(small.mpijax_s)} at {fmt_bytes(small.nbytes)} (raw MPI "
+    f"{fmt_time(small.raw_s)})"
+  )
+  if big.nbytes < BANDWIDTH_MIN_BYTES:
+    return [
+      Line(
+        "ok",
+        f"all-reduce {where}",
+        f"{latency}; no bandwidth judged: the sweep's largest size is below "
+        f"{fmt_bytes(BANDWIDTH_MIN_BYTES)} (MPIJAX_DOCTOR_SIZES)",
+      )
+    ], table
   bw, raw = big.busbw(ranks, big.mpijax_s), big.busbw(ranks, big.raw_s)
   share = bw / raw if raw > 0 else 1.0
   text = (
-    f"latency {fmt_time(small.mpijax_s)} at {fmt_bytes(small.nbytes)} (raw MPI "
-    f"{fmt_time(small.raw_s)}); bandwidth {fmt_rate(bw)} at {fmt_bytes(big.nbytes)}, "
+    f"{latency}; bandwidth {fmt_rate(bw)} at {fmt_bytes(big.nbytes)}, "
     f"{share:.0%} of raw MPI's {fmt_rate(raw)} on the same ranks"
   )
   if share < HALF:
