@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mpijax._src import arrival
 from mpijax._src import cluster
 from mpijax._src import compile_hook
 from mpijax._src import config
@@ -462,6 +463,8 @@ def init(
     no_launcher = info.launcher in ("single", "mpi") and info.size == 1
     if no_launcher and not (launcher or config.get("launcher") or size == 1 or comm is not None):
       _say_single_rank()
+    # A rank that never calls init() holds the others in MPI_Init: named after MPIJAX_TIMEOUT.
+    watch = arrival.waiting(info.size) if comm is None else None
     MPI = mpi_util.import_mpi()
     base = comm if comm is not None else MPI.COMM_WORLD
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -484,6 +487,8 @@ def init(
 
     host = socket.gethostname()
     hostnames = tuple(mpi_util.allgather_str(private, host))
+    if watch is not None:
+      watch.arrived()
     # Order the node's ranks by the launcher's local rank when it gives one (Open MPI
     # may number them in mapping order, not world order); then MPI's local rank
     # equals the launcher's exactly when the launcher's numbering is consistent.

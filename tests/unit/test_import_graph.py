@@ -45,6 +45,7 @@ LAYERS: dict[str, list[str]] = {
     "_src/xla_pools.py",
     "_src/multihost.py",
     "_src/inspector.py",
+    "_src/arrival.py",
     "_src/failure.py",
     "_src/timeline/",
   ],
@@ -63,7 +64,7 @@ LAYERS: dict[str, list[str]] = {
   ],
   "training": ["_src/train/"],
   "mpi4jax's API": ["_src/mpi4jax/"],
-  "entry points": ["_src/launch/", "_src/rank_env.py", "_src/cpu_bind.py"],
+  "entry points": ["_src/launch/", "_src/rank_env.py", "_src/cpu_bind.py", "_src/doctor/"],
   "public API": [
     "__init__.py",
     "lax.py",
