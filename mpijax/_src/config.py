@@ -86,6 +86,21 @@ def _parse_count(text: str) -> int:
   return value
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 1 << 10, "k": 1 << 10,
+               "mib": 1 << 20, "mb": 1 << 20, "m": 1 << 20}
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+  out = []
+  for part in text.replace(" ", "").split(","):
+    digits = part.rstrip("bBkKmMiI")
+    unit = part[len(digits):].lower()
+    if not digits.isdigit() or unit not in _SIZE_UNITS or int(digits) * _SIZE_UNITS[unit] < 4:
+      raise ValueError("expected sizes of 4 bytes or more, comma-separated, e.g. 8,4KiB,4MiB")
+    out.append(int(digits) * _SIZE_UNITS[unit] // 4 * 4)
+  return tuple(sorted(set(out)))
+
+
 def _parse_collectives(text: str) -> str:
   value = text.strip().lower()
   if value not in ("auto", "mpi", "gloo"):
@@ -248,7 +263,8 @@ _define("jax_coordinator_address", _parse_address, "",
 # --- transport and safety (layers 3 and 8) -----------------------------------
 _define("timeout", _parse_seconds, 300.0,
         "Seconds a collective may wait before the stall inspector reports "
-        "the missing ranks. 0 (or inf) disables the inspector.")
+        "the missing ranks, and init() for the ranks that have not called it "
+        "(docs/troubleshooting.md). 0 (or inf) disables both.")
 _define("stall_action", _parse_stall_action, "abort",
         "What a stall does after reporting: 'abort' the job or only 'warn'.")
 _define("check", _parse_bool, False,
@@ -371,6 +387,11 @@ _define("job_files", str, "",
         "rank notes its process id and the shared-memory files it maps, so that "
         "mpijax-run removes what a job that ended abnormally leaves in /dev/shm. "
         "Unset: nothing is noted.")
+_define("arrivals", str, "",
+        "Set by mpijax-run on every rank: where mpijax-run listens for each rank's word "
+        "that it started and entered init(), so that ranks waiting in init() for one "
+        "that never calls it name that rank and say where it is (its Python stack). "
+        "Unset: init() reports such a wait without the names.")
 _define("restart_attempt", _parse_count, 0,
         "Which run of a restarted job this is: 0 on the first run, 1 on the first "
         "restart, ... Set on every rank by mpijax-run --max-restarts; read with "
@@ -380,6 +401,16 @@ _define("run", _parse_bool, False,
         "output with [rankN]: and has checked the MPIJAX_* settings before the launch, "
         "so mpijax's own messages leave out their rank tag and init() does not check "
         "the settings' names again.")
+
+# --- the doctor (mpijax-run --doctor, python -m mpijax doctor) ----------------
+_define("doctor_sizes", _parse_sizes, (8, 4096, 262144, 4194304),
+        "Bytes per rank of the doctor's all-reduce sweep, comma-separated (KiB and MiB "
+        "suffixes allowed), within a node and across nodes: the smallest gives the "
+        "latency, the largest the bandwidth compared with the expected figure.")
+_define("doctor_shm_bytes", _parse_count, 0,
+        "The /dev/shm space the doctor requires on each node, in bytes. 0: what the "
+        "job's ranks need there (Open MPI's 16 MiB per rank, mpijax's node-local "
+        "segments at MPIJAX_SHM_MAX_BYTES per rank and device).")
 
 # --- building ----------------------------------------------------------------
 _define("mpicc", str, "",

@@ -27,16 +27,81 @@ def import_mpi():
   """Imports ``mpi4py.MPI`` asking for ``MPI_THREAD_MULTIPLE``.
 
   Several local devices may call MPI from different XLA threads at once, so
-  the thread level must be set before mpi4py initializes MPI.
+  the thread level must be set before mpi4py initializes MPI. MPI_Init
+  itself runs without Python's GIL (:func:`_init_without_gil`): it waits
+  for every rank of the job, and meanwhile the rank's other Python threads
+  (the report of ranks that never reach ``init()``, arrival.py) must run.
   """
   import mpi4py
 
+  deferred = False
   if "mpi4py.MPI" not in sys.modules:
     mpi4py.rc.thread_level = "multiple"
+    deferred = _may_defer_init(mpi4py.rc)
+    if deferred:
+      mpi4py.rc.initialize = False
+      if mpi4py.rc.finalize is None:  # None means "as initialize": keep mpi4py's finalize
+        mpi4py.rc.finalize = True
   from mpi4py import MPI
 
+  if deferred and not MPI.Is_initialized():
+    _init_without_gil(MPI)
   _clean_singleton_segments_at_exit(MPI)
   return MPI
+
+
+def _may_defer_init(rc) -> bool:
+  """Whether mpijax may initialize MPI itself: mpi4py would at import, with
+  its rc defaults, and no ``MPI4PY_RC_*`` variable decides otherwise."""
+  if any(os.environ.get(f"MPI4PY_RC_{name}") for name in ("INITIALIZE", "THREADS", "FINALIZE")):
+    return False
+  return rc.initialize in (True, "yes") and rc.threads in (True, "yes")
+
+
+_init_lock = threading.Lock()
+
+
+def _init_without_gil(MPI) -> None:
+  """``MPI_Init_thread`` through ctypes, which releases the GIL for the call
+  (mpi4py's own holds it, so no other thread of the rank could run while
+  MPI_Init waits for the other ranks); then what mpi4py does after its own
+  MPI_Init: the error handler of ``COMM_SELF`` and ``COMM_WORLD`` that
+  ``mpi4py.rc.errors`` asks for. Falls back to ``MPI.Init_thread`` where the
+  symbol cannot be found."""
+  import ctypes
+
+  with _init_lock:
+    if MPI.Is_initialized():
+      return
+    level = {
+      "single": MPI.THREAD_SINGLE,
+      "funneled": MPI.THREAD_FUNNELED,
+      "serialized": MPI.THREAD_SERIALIZED,
+    }.get(str(getattr(sys.modules["mpi4py"].rc, "thread_level", "multiple")), MPI.THREAD_MULTIPLE)
+    fn = None
+    for library in (MPI.__file__, None):  # libmpi is the module's dependency, or global
+      try:
+        fn = ctypes.CDLL(library).MPI_Init_thread
+        break
+      except (OSError, AttributeError):
+        continue
+    if fn is None:
+      MPI.Init_thread(level)
+      return
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    fn.restype = ctypes.c_int
+    provided = ctypes.c_int(0)
+    code = fn(None, None, level, ctypes.byref(provided))
+    if code != 0:
+      raise RuntimeError(f"MPI_Init_thread() failed [error code: {code}]")
+    handler = {
+      "exception": MPI.ERRORS_RETURN,
+      "abort": getattr(MPI, "ERRORS_ABORT", MPI.ERRORS_ARE_FATAL),
+      "fatal": MPI.ERRORS_ARE_FATAL,
+    }.get(str(os.environ.get("MPI4PY_RC_ERRORS") or sys.modules["mpi4py"].rc.errors).lower())
+    if handler is not None:
+      for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+        comm.Set_errhandler(handler)
 
 
 # --- Open MPI singleton shared-memory files --------------------------------------

@@ -458,10 +458,18 @@ def test_digits_resume_when_ranks_see_different_files_raises_everywhere(rt, shar
   # Rank 0 used to restore (a collective) while the others started training: a hang.
   from mpijax.examples import digits
   out = os.path.join(shared_dir, f"digits-rank{rt.rank}")
+  argv = ["--out", out, "--epochs", "1", "--no-progress",
+          "--batch-size", str(batch_size(64, rt.size))]
+  n = rt.local_device_count
+  if n > 1:
+    # The job trains on one device per rank: every rank refuses before touching a file.
+    with pytest.raises(SystemExit, match=f"this rank has {n} local devices.* -n {rt.size * n} "):
+      digits.main(argv)
+    assert not os.path.exists(out)
+    return
   if rt.rank == 0:
     os.makedirs(os.path.join(out, "checkpoints"))
     with open(train.checkpoint_path(os.path.join(out, "checkpoints"), 5), "wb") as f:
       f.write(b"not a checkpoint")
   with pytest.raises(train.CheckpointError, match=("rank 0: " if rt.size > 1 else "") + ".* is not an mpijax checkpoint"):  # noqa: E501
-    digits.main(["--out", out, "--epochs", "1", "--no-progress",
-                 "--batch-size", str(batch_size(64, rt.size))])
+    digits.main(argv)

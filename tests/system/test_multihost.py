@@ -33,6 +33,8 @@ from conftest import assert_mpijax_sums
 from conftest import read_reports
 from conftest import run
 
+from mpijax._src.xla import compile_cache
+
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 
 
@@ -87,7 +89,9 @@ def test_four_ranks_on_two_hosts(two_hosts, report_dir, tmp_path):
     # Crossed the veth (ranks 2, 3 live in the other namespace), by mpijax's transport.
     assert_mpijax_sums(r, 4)
     # JAX's and XLA's settings reached every host (Open MPI's -x, by mpijax-run).
-    assert r["jax_env"] == settings, r["jax_env"]
+    # mpijax-run adds the job's compile cache directory (under the launching user's home).
+    expected = {**settings, compile_cache.JAX_ENV: compile_cache.job_directory("auto", env)}
+    assert r["jax_env"] == expected, r["jax_env"]
   # The straggler report paired every rank's collectives: rank 0 measured the other
   # host's clock (a ping-pong with its first rank, rank 2) at the end of the job.
   compared = re.search(r"stragglers over the job: none; (\d+) collectives compared across 4 ranks",

@@ -38,7 +38,7 @@ LAYERS: dict[str, list[str]] = {
   "sharding": ["_src/sharding/"],
   "training": ["_src/train/"],
   "mpi4jax's API": ["_src/compat/"],
-  "entry points": ["_src/run/"],
+  "entry points": ["_src/run/", "_src/doctor/"],
   "public API": [
     "__init__.py",
     "lax.py",

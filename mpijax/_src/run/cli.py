@@ -11,10 +11,13 @@ from collections.abc import Mapping, Sequence
 from mpijax._src import config
 from mpijax._src.run.commands import build_command
 from mpijax._src.run.common import DEVICES_ENV
+from mpijax._src.run.common import DOCTOR_FAILED
+from mpijax._src.run.common import DOCTOR_TIMEOUT
 from mpijax._src.run.common import MAX_BACKOFF_SECONDS
 from mpijax._src.run.common import PROG
 from mpijax._src.run.common import LaunchError
 from mpijax._src.run.common import Options
+from mpijax._src.run.program import is_python
 from mpijax._src.run.restarts import supervise
 from mpijax._src.run.situation import choose_launcher
 from mpijax._src.run.situation import survey
@@ -35,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     f"  {PROG} -n 8 --hostfile hosts.txt --timeout 600 -- python -m mpijax.examples.digits\n"
     f"  {PROG} -n 4 --log-dir logs --tee --max-restarts 3 -- python train.py\n"
     f"  {PROG} -n 8 --hosts a:4,b:4 --max-restarts 2 --min-ranks 4 -- python train.py\n"
+    f"  {PROG} -n 8 --hostfile hosts.txt --doctor                # check the setup first\n"
     "Exit status: the launcher's (the failing rank's), 124 after --timeout, 128+N after "
     "signal N, 75 when the program was preempted (it exits 75 after a checkpoint).",
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -59,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--dry-run", action="store_true", help="print the command and exit")
   p.add_argument(
+    "--doctor",
+    action="store_true",
+    help="start the ranks as the job would, but run mpijax's checks and all-reduce "
+    "measurements instead of PROGRAM (which may be left out), print the report, and exit "
+    f"non-zero ({DOCTOR_FAILED}) if a check failed",
+  )
+  p.add_argument(
     "--launcher",
     choices=("auto", "mpirun", "srun"),
     default="auto",
@@ -77,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     "--rank-wrapper",
     metavar="'CMD'",
     default="",
-    help="command each rank runs the program through, e.g. recipes/gpu-per-rank.sh "
+    help="command each rank runs the program through, e.g. launch/gpu-per-rank.sh "
     "(the Python wrapper still applies to PROGRAM)",
   )
   p.add_argument(
@@ -150,6 +161,8 @@ def parse_args(argv: Sequence[str]) -> Options:
   else:
     ns = parser.parse_args(argv)
     program = ns.program
+  if ns.doctor:
+    program = doctor_program(program)
   if not program:
     parser.error("no PROGRAM given; e.g. mpijax-run -n 4 -- python train.py")
   for name, value in (
@@ -176,13 +189,15 @@ def parse_args(argv: Sequence[str]) -> Options:
       parser.error("--min-ranks acts before a restart: give --max-restarts N too")
     if ns.np is not None and ns.min_ranks > ns.np:
       parser.error(f"--min-ranks {ns.min_ranks} is more than -n {ns.np}")
+  if ns.doctor and ns.max_restarts:
+    parser.error("--doctor runs once: drop --max-restarts")
   return Options(
     np=ns.np,
     program=program,
     devices_per_process=ns.devices_per_process,
     hostfile=ns.hostfile,
     hosts=ns.hosts,
-    timeout=ns.timeout,
+    timeout=ns.timeout if ns.timeout is not None or not ns.doctor else DOCTOR_TIMEOUT,
     dry_run=ns.dry_run,
     launcher=ns.launcher,
     mpirun=ns.mpirun,
@@ -196,7 +211,15 @@ def parse_args(argv: Sequence[str]) -> Options:
     min_ranks=ns.min_ranks,
     master_addr=ns.master_addr,
     master_port=ns.master_port,
+    doctor=ns.doctor,
   )
+
+
+def doctor_program(program: Sequence[str]) -> list[str]:
+  """What every rank runs under ``--doctor``: ``python -m mpijax doctor``, with the
+  job's own Python when PROGRAM names one, else this one."""
+  python = program[0] if program and is_python(program[0]) else sys.executable
+  return [python, "-m", "mpijax", "doctor"]
 
 
 def check_settings(env: Mapping[str, str]) -> None:

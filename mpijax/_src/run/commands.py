@@ -10,6 +10,7 @@ import sys
 from mpijax._src import config
 from mpijax._src import heap
 from mpijax._src.ffi import bridge_env
+from mpijax._src.run.arrivals import ENV as ARRIVALS_ENV
 from mpijax._src.run.common import COORDINATOR_ENV
 from mpijax._src.run.common import DEVICES_ENV
 from mpijax._src.run.common import RESTART_ENV
@@ -105,6 +106,8 @@ def _exports(
   for name in sorted(env):
     if forwarded(name) and name not in explicit:
       pairs.append((name, None))
+  if plan.arrivals:  # its key stays off the command line: exported by name
+    pairs.append((ARRIVALS_ENV, None))
   # glibc reads these at process start, before any thread has its own arena.
   pairs.extend(heap.launcher_env(env))
   # jaxlib reads it when it loads, before the program's first line runs.

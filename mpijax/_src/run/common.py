@@ -30,6 +30,11 @@ PREEMPTED_EXIT_CODE = 75
 
 MAX_BACKOFF_SECONDS = 60.0
 
+# mpijax-run --doctor: the status of a report with a failed check (the doctor's
+# FAILED), and the job's --timeout unless one is given.
+DOCTOR_FAILED = 3
+DOCTOR_TIMEOUT = 180.0
+
 # Seconds a host gets to start one process before a restart drops it (--min-ranks).
 PREFLIGHT_SECONDS = 30.0
 
@@ -75,6 +80,7 @@ class Options:
   min_ranks: int | None = None
   master_addr: str | None = None
   master_port: int | None = None
+  doctor: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +97,4 @@ class Plan:
   hosts: tuple[tuple[str, int], ...] | None = None
   master_port: int | None = None
   job_files: str | None = None  # where the ranks note their shared-memory files (shm.py)
+  arrivals: bool = False  # the ranks get MPIJAX_ARRIVALS from the launcher's environment

@@ -119,6 +119,7 @@ _TRACE_LINE = re.compile(r"^\[rank (\d+)/\d+\] (\S.*)$")
 _STALL = re.compile(r"mpijax: stall: (rank \d+.*)")
 _MPI_ERROR = re.compile(r"mpijax: rank (\d+): (\S+ failed in .*)")
 _MISMATCH = re.compile(r"(mpijax: collective mismatch.*)")
+_INIT = re.compile(r"mpijax: init: (.*)")
 
 # Open MPI's "process rank R with PID P on node H <what happened>".
 _OMPI_RANK = r"process rank (\d+) with PID \d+ on node (\S+) "
@@ -221,7 +222,7 @@ class Reasons:
       self._uncaught.append((int(m[2]), f"{m[1]}: {m[3]}" if m[3] else m[1]))
       self._reporting.add(int(m[2]))
       return
-    for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}")):
+    for pattern, fmt in ((_STALL, "stall: {}"), (_MISMATCH, "{}"), (_INIT, "init: {}")):
       m = pattern.search(text)
       if m and len(self.mpijax) < 8:
         self.mpijax.append(fmt.format(_shorten(m[1])))

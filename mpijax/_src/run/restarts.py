@@ -10,10 +10,12 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from mpijax._src.run import arrivals
 from mpijax._src.run import joblog
 from mpijax._src.run import session_dirs
 from mpijax._src.run.commands import build_command
 from mpijax._src.run.commands import output_kind
+from mpijax._src.run.common import DOCTOR_FAILED
 from mpijax._src.run.common import GRACE_SECONDS
 from mpijax._src.run.common import MAX_BACKOFF_SECONDS
 from mpijax._src.run.common import PREEMPTED_EXIT_CODE
@@ -30,6 +32,7 @@ from mpijax._src.run.process_group import become_subreaper
 from mpijax._src.run.process_group import run_launcher
 from mpijax._src.run.shm import JobFiles
 from mpijax._src.run.situation import Situation
+from mpijax._src.run.situation import choose_launcher
 
 
 @dataclasses.dataclass
@@ -163,7 +166,10 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
   relay = joblog.Relay(output_kind(opts, sit), opts.log_dir, opts.tee)
   hosts = hosts_of(opts)
   job_files = JobFiles()
-  plan = Plan(np=opts.np, job_files=job_files.path)
+  # Where the ranks say they started and entered init() (a rank that never does is named).
+  board = arrivals.start(opts, sit.env, choose_launcher(opts, sit.env) == "srun")
+  arrivals.environ_with(board)
+  plan = Plan(np=opts.np, job_files=job_files.path, arrivals=board is not None)
   deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
   attempts: list[Attempt] = []
   status = 0
@@ -172,7 +178,10 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
       while True:
         cmd = build_command(opts, sit, plan)
         detail = f" on {host_list(plan.hosts)}" if plan.hosts is not None else ""
-        relay.begin(plan.attempt, plan.np or int(sit.env.get("SLURM_NTASKS", "0") or 0), detail)
+        ranks = plan.np or int(sit.env.get("SLURM_NTASKS", "0") or 0)
+        relay.begin(plan.attempt, ranks, detail)
+        if board is not None:
+          board.begin(plan.attempt, ranks)
         _removed_sessions(relay, session_dirs.remove_stale())
         started, t0 = time.time(), time.monotonic()
         outcome = run_launcher(cmd, signals, deadline, grace, relay, opts.timeout)
@@ -198,7 +207,8 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
           break
         more = plan.attempt < opts.max_restarts
         if kind != "failed" or signals.forwarded or not more:
-          relay.note(f"{PROG}: {attempt.line()}")
+          if not (opts.doctor and status == DOCTOR_FAILED):  # its report says it all
+            relay.note(f"{PROG}: {attempt.line()}")
           if kind == "failed" and signals.forwarded:
             relay.note(
               f"{PROG}: not restarting: the job was sent "
@@ -238,6 +248,9 @@ def supervise(opts: Options, sit: Situation, grace: float = GRACE_SECONDS) -> in
             )
           break
   finally:
+    if board is not None:
+      board.close()
+    arrivals.environ_with(None)
     _removed(relay, job_files.close())
     if len(attempts) > 1:
       relay.note(

@@ -25,6 +25,7 @@ from mpijax._src import ffi
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ffi import settings as ffi_settings
+from mpijax._src.runtime import arrival
 from mpijax._src.runtime import devices as device_setup
 from mpijax._src.runtime import failure
 from mpijax._src.runtime import inspector
@@ -452,8 +453,12 @@ def init(
     # One cleanup for every step: what a failed step leaves is freed, on every rank.
     with contextlib.ExitStack() as cleanup:
       _detect_launcher(state)
+      # A rank that never calls init() holds the others in MPI_Init: named after MPIJAX_TIMEOUT.
+      watch = arrival.waiting(state.info.size) if not state.explicit_comm else None
       _join_mpi(state, cleanup)
       _place_on_nodes(state)
+      if watch is not None:
+        watch.arrived()
       _start_jax(state)
       cleanup.pop_all()
     _runtime = _make_runtime(state)

@@ -10,7 +10,7 @@ bridge_env.py); :func:`start` attaches the bridge to the MPI mpi4py runs, a
 private duplicate of the job's communicator, before JAX starts its backend.
 
 With several CPU devices per rank, each (rank, local device) is a member of
-XLA's communicators (xla_cliques.py, bridge/xla_members.h). Where XLA's MPI
+XLA's communicators (cliques.py, bridge/xla_members.h). Where XLA's MPI
 collectives cannot serve -- a jaxlib that refuses the bridge, the bridge not
 loaded because ``jax`` was imported before anything named it -- every rank
 uses gloo and rank 0 says why, once. The choice is made together: XLA's
@@ -174,7 +174,7 @@ def start(comm, *, address: str, rank: int, size: int, local_devices: int,
       _attach(library, comm)
       if local_devices > 1:
         # XLA's requests for communicators do not say which local device asks:
-        # each compiled program's are prepared before it runs (xla_cliques.py;
+        # each compiled program's are prepared before it runs (cliques.py;
         # imported here: it loads numpy, which mpijax-run's own process never needs).
         from mpijax._src.xla import cliques as xla_cliques
 
