@@ -40,9 +40,9 @@ except ValueError:
 # The process of ``mpijax-run`` itself only starts the job: it leaves JAX and
 # the API below unloaded (about 0.7 s of every launch on a 2-core machine).
 if not _as_launcher:
-  from mpijax._src.runtime import arrival as _arrival
+  from mpijax._src.guards import arrival as _arrival
 
-  # Tells mpijax-run that this rank started (see mpijax/_src/runtime/arrival.py).
+  # Tells mpijax-run that this rank started (see mpijax/_src/guards/arrival.py).
   _arrival.hello()
 
   # Before the modules that lower with JAX internals: a too old JAX fails here

@@ -2,7 +2,8 @@
 exception on any rank aborts the whole MPI job (like ``python -m mpi4py``).
 
 Also accepts ``-m module`` and ``-c code``; ``--exec PROGRAM [args]`` runs any
-executable instead (without the Python hooks). Either way the rank's
+executable instead (without the Python hooks); ``doctor`` runs the doctor's
+checks on this rank (``mpirun -n 4 python -m mpijax doctor``). Either way the rank's
 torchrun-style variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``) are set from the launcher's first. ``mpijax-run`` runs
 programs this way; under another launcher, write it yourself: ``mpirun -n 4
@@ -11,7 +12,13 @@ python -m mpijax train.py``.
 
 import sys
 
-from mpijax._src.run.rank import main as _main
+from mpijax._src.run import rank as _rank
 
 if __name__ == "__main__":
-  _main(sys.argv[1:])
+  if sys.argv[1:2] == ["doctor"]:
+    from mpijax._src import doctor as _doctor
+
+    _rank.apply()
+    _doctor.main(sys.argv[2:])
+  else:
+    _rank.main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """mpijax-run's arrival board and the ranks' side of it, over real sockets on loopback.
 
-The ranks here are the rank-side client (mpijax/_src/runtime/arrival.py's ``Board``)
+The ranks here are the rank-side client (mpijax/_src/guards/arrival.py's ``Board``)
 in this process, one per rank; the board asks each where its main thread is,
 and this process's main thread is the test function. A watch without a board
 (a plain launcher) reports the wait with no names.
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from mpijax._src.guards import arrival
 from mpijax._src.run import arrivals
-from mpijax._src.runtime import arrival
 
 
 @pytest.fixture

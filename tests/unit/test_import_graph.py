@@ -32,7 +32,7 @@ LAYERS: dict[str, list[str]] = {
   ],
   "environment": ["_src/cluster/"],
   "extension": ["_src/ffi/"],
-  "runtime": ["_src/runtime/", "_src/xla/", "_src/timeline/"],
+  "runtime": ["_src/guards/", "_src/timeline/", "_src/xla/", "_src/runtime/"],
   "transport": ["_src/ops/"],
   "collectives": ["_src/collectives/"],
   "sharding": ["_src/sharding/"],

@@ -61,7 +61,7 @@ def test_under_mpijax_run_the_tag_has_no_rank():
 
 ABORT = """
 import jax, jax.numpy as jnp
-from mpijax._src.runtime import failure
+from mpijax._src.guards import failure
 failure.install()
 def main():
   jax.jit(lambda x: x.reshape(7))(jnp.ones(4))  # JAX shortens this error's traceback

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from mpijax import train
-from mpijax._src.runtime import failure
+from mpijax._src.guards import failure
 from mpijax._src.train import preemption
 
 

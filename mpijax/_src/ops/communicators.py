@@ -19,7 +19,7 @@ import numpy as np
 from mpijax._src import ffi as _ffi
 from mpijax._src import mpi_util
 from mpijax._src.ffi.settings import push_settings
-from mpijax._src.runtime import inspector
+from mpijax._src.guards import inspector
 from mpijax._src.runtime import state as runtime
 
 

@@ -3,7 +3,7 @@
 ``mpijax-run`` listens on a TCP port for the whole job (one thread, one
 ``selectors`` loop) and gives every rank its address and a random key in
 ``MPIJAX_ARRIVALS`` (in the launcher's environment, never on a command
-line). Each rank's thread (``mpijax/_src/runtime/arrival.py``) connects at ``import
+line). Each rank's thread (``mpijax/_src/guards/arrival.py``) connects at ``import
 mpijax``, says which rank it is, when it enters ``init()`` and when it got
 through its first collective, and answers the question where its main
 thread is. A rank whose ``init()`` has waited ``MPIJAX_TIMEOUT`` asks the
@@ -26,9 +26,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from mpijax._src.guards import arrival
 from mpijax._src.mpi_util import rank_ranges
 from mpijax._src.run.hosts import hosts_of
-from mpijax._src.runtime import arrival
 
 ENV = "MPIJAX_ARRIVALS"
 STACK_WAIT_S = 2.0

@@ -289,7 +289,7 @@ _TEARDOWN = re.compile(
 class ConsoleFilter:
   """Which lines of an attempt reach the console, so that a failure reads as one block.
 
-  Once a rank reported an uncaught exception (:mod:`mpijax._src.runtime.failure`'s
+  Once a rank reported an uncaught exception (:mod:`mpijax._src.guards.failure`'s
   block: the rank, the exception and its message, then the traceback), the
   same report from other ranks, Open MPI's boxes about the abort, and what
   JAX prints while the other ranks are torn down are left out; another

@@ -81,17 +81,11 @@ def main(argv: Sequence[str]) -> None:
   """``python -m mpijax``: set the rank's variables, then run the program.
 
   ``--exec PROGRAM ARGS`` replaces this process with PROGRAM (any executable);
-  ``doctor`` runs the doctor (:mod:`mpijax._src.doctor`) on this rank;
   otherwise PROGRAM is Python (``script.py``, ``-m module``, ``-c code``) and
   runs here under the abort-on-exception hooks.
   """
   argv = list(argv)
   apply()
-  if argv and argv[0] == "doctor":
-    from mpijax._src import doctor
-
-    doctor.main(argv[1:])
-    return
   if argv and argv[0] == "--exec":
     if len(argv) < 2:
       sys.exit("usage: python -m mpijax --exec PROGRAM [ARGS ...]")
@@ -99,6 +93,6 @@ def main(argv: Sequence[str]) -> None:
       os.execvp(argv[1], argv[1:])
     except OSError as e:
       sys.exit(f"python -m mpijax: cannot run {argv[1]!r}: {e}")
-  from mpijax._src.runtime.failure import run_main
+  from mpijax._src.guards.failure import run_main
 
   run_main(argv)

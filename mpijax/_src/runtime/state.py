@@ -25,10 +25,10 @@ from mpijax._src import ffi
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ffi import settings as ffi_settings
-from mpijax._src.runtime import arrival
+from mpijax._src.guards import arrival
+from mpijax._src.guards import failure
+from mpijax._src.guards import inspector
 from mpijax._src.runtime import devices as device_setup
-from mpijax._src.runtime import failure
-from mpijax._src.runtime import inspector
 from mpijax._src.timeline import record as timeline_record
 from mpijax._src.timeline import straggler_watch
 from mpijax._src.xla import compile_hook

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpijax._src import mpi_util
-from mpijax._src.runtime import failure
+from mpijax._src.guards import failure
 from mpijax._src.train import communicator
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h)

@@ -30,7 +30,7 @@ from mpijax._src import config
 from mpijax._src import log
 from mpijax._src import mpi_util
 from mpijax._src.ffi import bridge_env
-from mpijax._src.runtime import failure
+from mpijax._src.guards import failure
 from mpijax._src.xla import labels as xla_labels
 
 # What XLA's MPI collectives raise for a float16 all-reduce or all-gather

@@ -79,7 +79,7 @@ def parse_address(spec: str) -> tuple[str, list[str], int]:
 _WRAPPER_FILES = (
   os.sep + "runpy.py",
   os.path.join("mpijax", "__main__.py"),
-  os.path.join("mpijax", "_src", "runtime", "failure.py"),
+  os.path.join("mpijax", "_src", "guards", "failure.py"),
   os.path.join("mpijax", "_src", "run", "rank.py"),
 )
 
@@ -114,7 +114,7 @@ def importing() -> bool:
 
 
 def _place() -> str:
-  from mpijax._src.runtime import inspector
+  from mpijax._src.guards import inspector
 
   return inspector.python_place()
 
