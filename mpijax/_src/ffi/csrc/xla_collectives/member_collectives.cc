@@ -68,65 +68,27 @@ std::string MemberMismatchText(XlaComm& c, Op& op,
                                const std::vector<const void*>& posts) {
   XlaClique& q = *c.clique;
   const std::vector<int>& mine = Mine(q);
-  size_t procs = q.members_of.size();
-  std::vector<int64_t> head;  // per local member: signature, text length
-  std::string blob;
+  std::vector<int> counts;  // members per process
+  for (const auto& m : q.members_of) counts.push_back(static_cast<int>(m.size()));
+  std::vector<int64_t> my_sigs, sigs;
+  std::vector<std::string> my_texts, texts;
   for (size_t s = 0; s < mine.size(); ++s) {
     const MemberPost& post = PostOf(posts, s);
-    std::string t = WithProgramText(detail::SiteText(post.site),
-                                    post.program ? *post.program : "");
-    head.push_back(PostOf(posts, s).sig);
-    head.push_back(static_cast<int64_t>(t.size()));
-    blob += t;
+    my_sigs.push_back(post.sig);
+    my_texts.push_back(WithProgramText(detail::SiteText(post.site),
+                                       post.program ? *post.program : ""));
   }
-  std::vector<int64_t> heads = head;
-  std::string blobs = blob;
-  std::vector<int> hcount(procs), hdispl(procs), bcount(procs), bdispl(procs);
-  if (procs > 1) {
-    int total = 0;
-    for (size_t p = 0; p < procs; ++p) {
-      hcount[p] = 2 * static_cast<int>(q.members_of[p].size());
-      hdispl[p] = total;
-      total += hcount[p];
-    }
-    heads.assign(total, 0);
-    MPI_Request req;
-    auto wait = [&](int rc, const char* call) {
-      if (rc != MPI_SUCCESS) Fatal(c, std::string(call) + " failed: " + MpiText(rc));
-      if (auto e = detail::Wait(&req, op.info()); e.failure()) Fatal(c, e.message());
-    };
-    wait(MPI_Iallgatherv(head.data(), static_cast<int>(head.size()),
-                         MPI_INT64_T, heads.data(), hcount.data(),
-                         hdispl.data(), MPI_INT64_T, q.check, &req),
-         "MPI_Iallgatherv");
-    int mine_bytes = static_cast<int>(blob.size());
-    wait(MPI_Iallgather(&mine_bytes, 1, MPI_INT, bcount.data(), 1, MPI_INT,
-                        q.check, &req),
-         "MPI_Iallgather");
-    total = 0;
-    for (size_t p = 0; p < procs; ++p) {
-      bdispl[p] = total;
-      total += bcount[p];
-    }
-    blobs.assign(std::max(total, 1), '\0');
-    wait(MPI_Iallgatherv(blob.data(), mine_bytes, MPI_CHAR, blobs.data(),
-                         bcount.data(), bdispl.data(), MPI_CHAR, q.check,
-                         &req),
-         "MPI_Iallgatherv");
-  } else {
-    hdispl[0] = bdispl[0] = 0;
-  }
-  // Every member's signature and text.
+  detail::CheckExchange x = detail::GatherCalls(q.check, op.info(), counts,
+                                                my_sigs, my_texts, &sigs, &texts);
+  ExchangeOrFatal(c, x);
+  // Every member's signature and text, by slot.
   std::vector<int64_t> sig(q.n);
   std::vector<std::string> text(q.n);
-  for (size_t p = 0; p < procs; ++p) {
-    size_t at = bdispl[p];
-    for (size_t j = 0; j < q.members_of[p].size(); ++j) {
-      int k = q.members_of[p][j];
-      sig[k] = heads[hdispl[p] + 2 * j];
-      size_t len = static_cast<size_t>(heads[hdispl[p] + 2 * j + 1]);
-      text[k] = blobs.substr(at, len);
-      at += len;
+  size_t i = 0;
+  for (const auto& members : q.members_of) {
+    for (int k : members) {
+      sig[k] = sigs[i];
+      text[k] = texts[i++];
     }
   }
   auto groups = detail::GroupBySignature(q.n, [&](int k) { return sig[k]; });
@@ -163,20 +125,13 @@ int MemberCompare(XlaComm& c, Op& op, const std::vector<const void*>& posts,
     lo = std::min(lo, PostOf(posts, i).sig);
     hi = std::max(hi, PostOf(posts, i).sig);
   }
+  bool same = lo == hi;
   if (q.members_of.size() > 1) {
-    c.dc->status.phase.store(1, std::memory_order_relaxed);
-    int64_t buf[2] = {hi, -lo};
-    MPI_Request req;
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
-                            q.check, &req);
-    if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallreduce failed: " + MpiText(rc));
-    if (auto e = detail::Wait(&req, op.info()); e.failure())
-      Fatal(c, e.message());
-    c.dc->status.phase.store(2, std::memory_order_relaxed);
-    hi = buf[0];
-    lo = -buf[1];
+    detail::CheckExchange x =
+        detail::SameSignatures(q.check, op.info(), lo, hi, &same);
+    ExchangeOrFatal(c, x);
   }
-  if (lo == hi) return 0;
+  if (same) return 0;
   *text = MemberMismatchText(c, op, posts);
   return kErrXla;
 }

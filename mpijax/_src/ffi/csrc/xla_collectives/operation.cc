@@ -270,6 +270,12 @@ std::string MpiText(int rc) {
   return std::string(text, len);
 }
 
+void ExchangeOrFatal(const XlaComm& c, const detail::CheckExchange& x) {
+  if (x.rc != MPI_SUCCESS)
+    Fatal(c, std::string(x.call) + " failed: " + MpiText(x.rc));
+  if (x.wait.failure()) Fatal(c, x.wait.message());
+}
+
 std::string Where(const XlaComm& c) {
   if (!c.where.empty()) return c.where;
   return "XLA communicator #" + std::to_string(c.number) + " (ranks " +
@@ -370,30 +376,14 @@ void EndOp(XlaComm& c) {
 int Mismatch(XlaComm& c, Op& op) {
   if (c.clique != nullptr) return MemberMismatch(c, op);
   detail::DevComm* dc = c.dc;
-  int n = CommSize(dc->check);
-  std::string text = WithProgramText(detail::SiteText(op.info().site), op.program());
-  int64_t mine[2] = {op.sig(), static_cast<int64_t>(text.size())};
-  std::vector<int64_t> all(2 * n);
-  MPI_Request req;
-  int rc = MPI_Iallgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T,
-                          dc->check, &req);
-  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgather failed: " + MpiText(rc));
-  if (auto e = detail::Wait(&req, op.info()); e.failure())
-    Fatal(c, e.message());
-  std::vector<int> counts(n), displs(n);
-  int total = 0;
-  for (int r = 0; r < n; ++r) {
-    counts[r] = static_cast<int>(all[2 * r + 1]);
-    displs[r] = total;
-    total += counts[r];
-  }
-  std::string texts(std::max(total, 1), '\0');
-  rc = MPI_Iallgatherv(text.data(), static_cast<int>(text.size()), MPI_CHAR,
-                       texts.data(), counts.data(), displs.data(), MPI_CHAR,
-                       dc->check, &req);
-  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallgatherv failed: " + MpiText(rc));
-  if (auto e = detail::Wait(&req, op.info()); e.failure())
-    Fatal(c, e.message());
+  std::vector<int64_t> sigs;
+  std::vector<std::string> texts;
+  detail::CheckExchange x = detail::GatherCalls(
+      dc->check, op.info(), {}, {op.sig()},
+      {WithProgramText(detail::SiteText(op.info().site), op.program())}, &sigs,
+      &texts);
+  ExchangeOrFatal(c, x);
+  int n = static_cast<int>(sigs.size());
   // The communicator's ranks in the job, to name them as the user knows them.
   std::vector<int> world(n);
   {
@@ -406,10 +396,10 @@ int Mismatch(XlaComm& c, Op& op) {
     MPI_Group_free(&g);
     MPI_Group_free(&wg);
   }
-  auto members = detail::GroupBySignature(n, [&](int r) { return all[2 * r]; });
+  auto members = detail::GroupBySignature(n, [&](int r) { return sigs[r]; });
   // Each group's operation; with its program only where that is all that differs.
   std::vector<std::string> whats;
-  for (const auto& m : members) whats.push_back(texts.substr(displs[m[0]], counts[m[0]]));
+  for (const auto& m : members) whats.push_back(texts[m[0]]);
   bool programs = OnlyProgramsDiffer(whats);
   for (std::string& w : whats)
     if (!programs) w = WithoutProgramText(w);
@@ -446,17 +436,11 @@ int Mismatch(XlaComm& c, Op& op) {
 // reports a stall past MPIJAX_TIMEOUT. kErrXla on a mismatch, else 0.
 int Compare(XlaComm& c, Op& op) {
   if (c.size < 2) return 0;
-  detail::DevComm* dc = c.dc;
-  dc->status.phase.store(1, std::memory_order_relaxed);
-  int64_t buf[2] = {op.sig(), -op.sig()};
-  MPI_Request req;
-  int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, 2, MPI_INT64_T, MPI_MAX,
-                          dc->check, &req);
-  if (rc != MPI_SUCCESS) Fatal(c, "MPI_Iallreduce failed: " + MpiText(rc));
-  if (auto e = detail::Wait(&req, op.info()); e.failure())
-    Fatal(c, e.message());
-  dc->status.phase.store(2, std::memory_order_relaxed);
-  return buf[0] != -buf[1] ? Mismatch(c, op) : 0;
+  bool same = true;
+  detail::CheckExchange x =
+      detail::SameSignatures(c.dc->check, op.info(), op.sig(), op.sig(), &same);
+  ExchangeOrFatal(c, x);
+  return same ? 0 : Mismatch(c, op);
 }
 
 // Polls `n` requests to completion; a wait past MPIJAX_TIMEOUT is reported

@@ -106,6 +106,9 @@ int Fail(const XlaComm& c, const std::string& text, bool same_everywhere,
 // still be written, so the job ends here, with the reason.
 [[noreturn]] void Fatal(const XlaComm& c, const std::string& text);
 std::string MpiText(int rc);
+// The end of the job where a cross-rank check's exchange failed (MPI's
+// error, or a stall action that raises).
+void ExchangeOrFatal(const XlaComm& c, const detail::CheckExchange& x);
 // "XLA communicator #3 (ranks 0-3)", or the member's own description.
 std::string Where(const XlaComm& c);
 // An operation on a communicator mpijax could not give XLA.
