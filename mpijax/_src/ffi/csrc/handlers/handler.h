@@ -1,8 +1,9 @@
 // What every XLA FFI handler does before its MPI calls: it finds its private
 // communicator, describes the call, marks it for the stall inspector and the
 // timeline, and compares signatures across ranks when due. Each handler
-// family (handlers_*.cc) runs its body inside RunCall() and binds its
-// arguments starting with OneBufferOp().
+// family (handlers_*.cc) runs its body inside RunCall() and defines its
+// handlers with MPIJAX_DEFINE_HANDLER (the binding every call shares, written
+// once here).
 #ifndef MPIJAX_FFI_HANDLER_H_
 #define MPIJAX_FFI_HANDLER_H_
 
@@ -63,10 +64,14 @@ ffi::Error RunCall(Kind kind, const char* name, Moves moves, int64_t comm_id,
   return std::forward<Body>(body)(info, comm);
 }
 
-// The binding every one-buffer operation starts with, in its handler's
-// argument order: the device, the input and the order token in, the result
-// and the order token out, the communicator id. Each handler adds its own
-// attributes, then "site" and "sig".
+// The bindings, written once. Every call binds, in its handler's argument
+// order: the device, its buffers and the order token in, its results and the
+// order token out, the communicator id ("comm"); then the handler's own
+// attributes; then the call site and signature RunCall takes ("site",
+// "sig"). A handler states only its own part:
+//   MPIJAX_DEFINE_HANDLER(kBcast, BcastImpl,
+//                         OneBufferOp().Attr<int64_t>("root"));
+// One buffer: the input, the order token in; the result, the token out.
 inline auto OneBufferOp() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::DeviceOrdinal>()
@@ -76,7 +81,37 @@ inline auto OneBufferOp() {
       .Ret<ffi::AnyBuffer>()  // order token out
       .Attr<int64_t>("comm");
 }
+// Any number of buffers, the order token last among the operands and among
+// the results (the handler reads them as RemainingArgs / RemainingRets).
+inline auto ManyBufferOp() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::DeviceOrdinal>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<int64_t>("comm");
+}
+// No data: the order token in and out (a barrier).
+inline auto TokenOp() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()  // order token in
+      .Ret<ffi::AnyBuffer>()  // order token out
+      .Attr<int64_t>("comm");
+}
+// `binding` followed by the attributes every call ends with.
+template <typename Binding>
+auto WithCallSite(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<int64_t>("site")
+      .template Attr<int64_t>("sig");
+}
 
 }  // namespace mpijax::detail
+
+// Defines the XLA FFI handler `fn` running `impl` with `binding` (one of the
+// bindings above and the handler's own attributes), then "site" and "sig".
+#define MPIJAX_DEFINE_HANDLER(fn, impl, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(fn, impl,        \
+                                ::mpijax::detail::WithCallSite(binding))
 
 #endif  // MPIJAX_FFI_HANDLER_H_

@@ -124,30 +124,15 @@ ffi::Error ScanImpl(int64_t device, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce, AllreduceImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("divisor")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kDeviceAllreduce, DeviceAllreduceImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduceMany, AllreduceManyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()  // buffers, order token
-                                  .RemainingRets()  // results, order token
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kScan, ScanImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
+MPIJAX_DEFINE_HANDLER(kAllreduce, AllreduceImpl,
+                      OneBufferOp()
+                          .Attr<int64_t>("op")
+                          .Attr<int64_t>("divisor"));
+MPIJAX_DEFINE_HANDLER(kDeviceAllreduce, DeviceAllreduceImpl,
+                      OneBufferOp().Attr<int64_t>("op"));
+// Operands: the buffers, then the order token; results likewise.
+MPIJAX_DEFINE_HANDLER(kAllreduceMany, AllreduceManyImpl,
+                      ManyBufferOp().Attr<int64_t>("op"));
+MPIJAX_DEFINE_HANDLER(kScan, ScanImpl, OneBufferOp().Attr<int64_t>("op"));
 
 }  // namespace mpijax::detail

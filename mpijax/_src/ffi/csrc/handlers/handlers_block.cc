@@ -141,18 +141,9 @@ ffi::Error ReduceScatterImpl(int64_t device, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather, AllgatherImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAlltoall, AlltoallImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter, ReduceScatterImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
+MPIJAX_DEFINE_HANDLER(kAllgather, AllgatherImpl, OneBufferOp());
+MPIJAX_DEFINE_HANDLER(kAlltoall, AlltoallImpl, OneBufferOp());
+MPIJAX_DEFINE_HANDLER(kReduceScatter, ReduceScatterImpl,
+                      OneBufferOp().Attr<int64_t>("op"));
 
 }  // namespace mpijax::detail

@@ -220,24 +220,18 @@ ffi::Error P2pImpl(int64_t device, ffi::RemainingArgs args,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPpermute, PpermuteImpl,
-                              OneBufferOp()
-                                  .Attr<ffi::Span<const int64_t>>("srcs")
-                                  .Attr<ffi::Span<const int64_t>>("dsts")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kP2p, P2pImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()  // [template], [send buffer], order token
-                                  .RemainingRets()  // [received], order token
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("dest")
-                                  .Attr<int64_t>("sendtag")
-                                  .Attr<int64_t>("source")
-                                  .Attr<int64_t>("recvtag")
-                                  .Attr<int64_t>("status")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
+MPIJAX_DEFINE_HANDLER(kPpermute, PpermuteImpl,
+                      OneBufferOp()
+                          .Attr<ffi::Span<const int64_t>>("srcs")
+                          .Attr<ffi::Span<const int64_t>>("dsts"));
+// Operands [template], [send buffer], order token; results [received], order
+// token.
+MPIJAX_DEFINE_HANDLER(kP2p, P2pImpl,
+                      ManyBufferOp()
+                          .Attr<int64_t>("dest")
+                          .Attr<int64_t>("sendtag")
+                          .Attr<int64_t>("source")
+                          .Attr<int64_t>("recvtag")
+                          .Attr<int64_t>("status"));
 
 }  // namespace mpijax::detail

@@ -165,26 +165,11 @@ ffi::Error ScatterImpl(int64_t device, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBcast, BcastImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduce, ReduceImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGather, GatherImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatter, ScatterImpl,
-                              OneBufferOp()
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
+MPIJAX_DEFINE_HANDLER(kBcast, BcastImpl, OneBufferOp().Attr<int64_t>("root"));
+MPIJAX_DEFINE_HANDLER(kReduce, ReduceImpl,
+                      OneBufferOp().Attr<int64_t>("op").Attr<int64_t>("root"));
+MPIJAX_DEFINE_HANDLER(kGather, GatherImpl, OneBufferOp().Attr<int64_t>("root"));
+MPIJAX_DEFINE_HANDLER(kScatter, ScatterImpl,
+                      OneBufferOp().Attr<int64_t>("root"));
 
 }  // namespace mpijax::detail

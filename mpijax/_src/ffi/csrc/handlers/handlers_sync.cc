@@ -60,14 +60,7 @@ ffi::Error GateImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // order token in
-                                  .Ret<ffi::AnyBuffer>()  // order token out
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("sig"));
+MPIJAX_DEFINE_HANDLER(kBarrier, BarrierImpl, TokenOp());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoin, JoinImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // order token in
