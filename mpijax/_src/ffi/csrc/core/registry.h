@@ -76,9 +76,9 @@ struct DevComm {
   std::atomic<ArrivalRing*> arrivals{nullptr};
   int64_t leader = -1;
   // A member of one of XLA's communicators with several devices per process
-  // (bridge/xla_members.h): the other members, as the stall inspector asks
-  // them (job rank, local device index). Empty: ask this device index of
-  // every rank of `comm`.
+  // (set by the bridge's side): the other members, as the stall inspector
+  // asks them (job rank, local device index). Empty: ask this device index
+  // of every rank of `comm`.
   std::vector<std::pair<int, int64_t>> peers;
 };
 

@@ -6,8 +6,8 @@
 // whichever thread first runs a collective of a clique, the operations from
 // the thread that runs the program. MPI runs at MPI_THREAD_MULTIPLE
 // (mpijax.init() refuses to attach the bridge otherwise). Every
-// communicator XLA splits becomes one of mpijax's (xla_comm.h), and every
-// operation on it runs under mpijax's guards (xla_ops.h).
+// communicator XLA splits becomes one of mpijax's (communicator.h), and every
+// operation on it runs under mpijax's guards (collectives.h).
 #include <mpi.h>
 
 #include <cstdint>
@@ -39,7 +39,7 @@ XlaComm& Of(void* comm) { return *static_cast<XlaComm*>(comm); }
 
 int CommSplit(void* comm, int color, int key, void** out, int* rank, int* size) {
   if (MembersEnabled() && IsWorld(comm)) {
-    // Several devices per process: a member mpijax prepared (xla_members.h).
+    // Several devices per process: a member mpijax prepared (members.h).
     XlaComm* m = color < 0 ? nullptr : TakeMember(color, key);
     *out = m;
     if (m != nullptr) {
@@ -155,7 +155,7 @@ mpijax_bridge_make_table(const void* comm_handle, double split_timeout_s,
   MPI_Comm dup = MPI_COMM_NULL;
   if (MPI_Comm_dup(base, &dup) != MPI_SUCCESS)
     return fail("MPI_Comm_dup of the job's communicator failed");
-  // MPI's errors come back as codes: the operations word them (xla_op.cc).
+  // MPI's errors come back as codes: the operations word them (operation.cc).
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   MPI_Comm_set_name(dup, "mpijax-xla");
   g_world = dup;

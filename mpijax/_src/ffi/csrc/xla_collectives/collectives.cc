@@ -1,5 +1,5 @@
 // XLA's all-reduce, all-gather and reduce-scatter through the bridge
-// (xla_ops.h): the paths' choice, each under the operation's guard.
+// (collectives.h): the paths' choice, each under the operation's guard.
 #include "xla_collectives/collectives.h"
 
 #include <mpi.h>

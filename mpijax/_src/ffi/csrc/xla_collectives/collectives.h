@@ -61,7 +61,7 @@ void AddLabel(const std::string& kind, const std::string& dtype,
 // (the same on every rank that compiled the same program: its name and the
 // shapes of its arguments), and its collectives as AddLabel takes them. The
 // first operation of it on a communicator carries its fingerprint in the
-// ranks' check (xla_op.h, Op).
+// ranks' check (operation.h, Op).
 void AddProgram(const std::string& text,
                 const std::vector<std::tuple<std::string, std::string, int64_t,
                                              std::string>>& collectives);

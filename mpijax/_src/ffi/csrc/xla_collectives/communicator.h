@@ -1,8 +1,8 @@
 // XLA's communicators as mpijax knows them: every communicator XLA's CPU
 // collectives split through the bridge becomes one mpijax communicator in the
-// registry (csrc/registry.h), with a key every member rank agrees on, a
+// registry (core/registry.h), with a key every member rank agrees on, a
 // private duplicate for signature checks, and a status the stall inspector
-// reads and answers about. The calls XLA makes on it (xla_ops.h) run under
+// reads and answers about. The calls XLA makes on it (collectives.h) run under
 // the same guards as mpijax's own handlers.
 #ifndef MPIJAX_XLA_COMMUNICATOR_H_
 #define MPIJAX_XLA_COMMUNICATOR_H_
@@ -25,11 +25,11 @@ namespace mpijax::bridge {
 // (a counter from 0), so the stall inspector tells the two apart.
 constexpr int64_t kXlaKeyBase = int64_t{1} << 40;
 
-struct XlaClique;  // xla_members.h
+struct XlaClique;  // members.h
 
 // One communicator XLA holds (the `ext` of the bridge's struct bcomm): a
 // split of its own (one device per process), or one member of a clique with
-// several devices per process (`clique` set; xla_members.h).
+// several devices per process (`clique` set; members.h).
 struct XlaComm {
   MPI_Comm comm = MPI_COMM_NULL;   // what the split made; XLA's traffic
   detail::DevComm* dc = nullptr;   // registered: status, check, node-local
@@ -54,7 +54,7 @@ struct XlaComm {
   std::mutex node_mu;
 
   // Point-to-point operations (all-to-all, collective-permute) are made of
-  // several MPI calls: the open operation's guard lives here (xla_p2p.cc).
+  // several MPI calls: the open operation's guard lives here (p2p.cc).
   void* p2p = nullptr;
   int pending = 0;  // requests posted and not yet waited for
   int sendrecvs = 0;  // MPI_Sendrecv calls of the open all-to-all
@@ -84,7 +84,7 @@ int Split(MPI_Comm base, int world_rank, int world_size, double timeout_s,
 int Free(XlaComm* c);
 
 // Grows with every label and program added (xla_labels.py names each
-// compiled program's collectives; xla_op.cc).
+// compiled program's collectives; operation.cc).
 uint64_t LabelGeneration();
 
 // Of the programs added after the first `since` (AddProgram), the newest

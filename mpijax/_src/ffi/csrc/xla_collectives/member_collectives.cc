@@ -1,6 +1,6 @@
 // XLA's all-reduce, all-gather and reduce-scatter with several devices per
 // process: each (process, local device) is a member of XLA's communicator
-// (xla_members.h); the members of one process meet in a round and one MPI
+// (members.h); the members of one process meet in a round and one MPI
 // call per process crosses them.
 #include <mpi.h>
 

@@ -13,9 +13,9 @@
 // (color, key) is one member. XLA keeps its communicators, so the user's
 // programs find theirs made.
 //
-// Each member is an XlaComm (xla_comm.h) of rank = its rank in the clique
-// and size = the clique's size; its operations (xla_member_ops.cc, xla_p2p.cc) meet the other
-// members of this process in a LocalGroup or Mailbox (xla_local.h), and one
+// Each member is an XlaComm (communicator.h) of rank = its rank in the clique
+// and size = the clique's size; its operations (member_collectives.cc, p2p.cc) meet the other
+// members of this process in a LocalGroup or Mailbox (process_local.h), and one
 // thread per process crosses processes with MPI on the clique's
 // communicator. Where every member shares one node and each process has the
 // same number of them, an all-reduce makes every member a participant of

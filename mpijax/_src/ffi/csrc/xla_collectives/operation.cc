@@ -1,5 +1,5 @@
 // What XLA asks for, the operation's guard and its failure paths, the check
-// across ranks and the node-local all-reduce (xla_op.h).
+// across ranks and the node-local all-reduce (operation.h).
 #include "xla_collectives/operation.h"
 
 #include <mpi.h>

@@ -3,10 +3,11 @@
 // signature), the operation's guard (Op: inspector, timeline, the site the
 // stall report and mismatch errors name), the cross-rank check, the stall-
 // watched waits, the failure paths and the node-local all-reduce.
-//   xla_ops.cc         all-reduce, all-gather, reduce-scatter (one device per process)
-//   xla_member_ops.cc  ... with several devices per process (xla_members.h)
-//   xla_p2p.cc         all-to-all and collective-permute, headers in band,
-//                      and the small all-reduce across nodes
+//   collectives.cc         all-reduce, all-gather, reduce-scatter (one device
+//                          per process)
+//   member_collectives.cc  ... with several devices per process (members.h)
+//   p2p.cc                 all-to-all and collective-permute, headers in
+//                          band, and the small all-reduce across nodes
 #ifndef MPIJAX_XLA_OPERATION_H_
 #define MPIJAX_XLA_OPERATION_H_
 
@@ -326,13 +327,13 @@ int NodeAllgather(XlaComm& c, Op& op, const char* src, char* dst,
 // --- the other files' paths ---------------------------------------------------------
 
 // Messages up to this size carry their header in front of the data
-// (xla_p2p.cc); all-reduces up to it across nodes take SmallAllreduce.
+// (p2p.cc); all-reduces up to it across nodes take SmallAllreduce.
 constexpr size_t kInlineBytes = size_t{64} << 10;
 // An all-reduce of at most kInlineBytes across nodes, checked in band.
 void SmallAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
                     MPI_Op mop);
 
-// Several devices per process (xla_member_ops.cc): c.clique is set.
+// Several devices per process (member_collectives.cc): c.clique is set.
 int MemberMismatch(XlaComm& c, Op& op);
 int MemberAllreduce(XlaComm& c, Op& op, const char* src, char* dst, size_t n,
                     MPI_Op mop);
