@@ -509,7 +509,7 @@ def transport_settings(**values):
 
 
 def test_waits_know_whether_the_node_has_more_ranks_than_cores():
-  # There a polled wait yields the core after every poll (idle.h).
+  # There a polled wait yields the core after every poll (base/idle.h).
   from mpijax._src.ffi import settings
   from mpijax._src.run import rank as rank_env
   settings.push_settings()

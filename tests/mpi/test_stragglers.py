@@ -66,7 +66,8 @@ def test_stamps_pair_into_collectives_across_ranks_and_devices(rt, own_stamps):
   own_stamps.arrivals_drain()
   calls, sleep_s = 4, 0.3
   for _ in range(calls if xla else 0):
-    np.testing.assert_array_equal(np.asarray(g(arr).addressable_data(0)), n * L)
+    out = jax.block_until_ready(g(arr))  # every local device's collective, stamped, before the drain
+    np.testing.assert_array_equal(np.asarray(out.addressable_data(0)), n * L)
   for i in range(calls):
     if i == calls - 1:
       rt.comm.Barrier()

@@ -39,7 +39,7 @@ ROUNDS = 3  # alternating rounds of mpijax's calls and raw MPI's
 HALF = 0.5  # the 50 % rule (verdicts.py): a cell below it is measured twice
 CHUNK = 1 << 20
 
-# The timeline's path bits (ffi/csrc/timeline.h).
+# The timeline's path bits (ffi/csrc/core/timeline.h).
 PATHS = {1: "MPI", 2: "ring", 4: "shm", 8: "CMA"}
 
 

@@ -28,7 +28,8 @@ from mpijax._src import log
 # collective: the exchange shows every rank every signature). A rank that
 # reports one waits ABORT_GRACE_S before its abort, so the others report it
 # too instead of being killed mid-report. The texts are the messages' starts
-# in ffi/csrc/signature.cc and ffi/bridge/xla_op.cc, xla_member_ops.cc.
+# in ffi/csrc/core/call_check.cc and ffi/csrc/xla_collectives/operation.cc,
+# member_collectives.cc.
 RAISED_TOGETHER = ("mpijax: collective mismatch on", "mpijax: mismatch in XLA's collectives")
 ABORT_GRACE_S = 0.5
 

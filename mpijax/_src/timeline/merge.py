@@ -19,7 +19,7 @@ from typing import Any
 
 from mpijax._src.timeline import straggler
 
-# The C++ path bits (csrc/timeline.h) and their names.
+# The C++ path bits (csrc/core/timeline.h) and their names.
 PATHS = ((1, "mpi"), (2, "ring"), (4, "shared memory"), (8, "cross-memory attach"))
 
 STEPS_TID = 0  # the Python row of each rank (steps and user spans); devices are 1 + index

@@ -1,6 +1,6 @@
 """Which rank arrived last at each collective, and whether one is a straggler (pure functions).
 
-Every rank stamps when it entered each collective (``csrc/arrivals.h``);
+Every rank stamps when it entered each collective (``csrc/core/arrivals.h``);
 the k-th collective on a communicator and device is one collective across
 its ranks. With the stamps on one clock (rank 0's: ``straggler_watch``
 aligns them), the rank that entered last is the one the others waited for,

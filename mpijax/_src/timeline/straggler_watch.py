@@ -1,7 +1,7 @@
 """The straggler report on every rank: arrival stamps, a background exchange, the report lines.
 
 :func:`start` (``mpijax.init()``, collective) turns the extension's arrival
-stamps on (``csrc/arrivals.h``: each collective call writes when it entered)
+stamps on (``csrc/core/arrivals.h``: each collective call writes when it entered)
 and starts one thread per rank on a private communicator. Every
 ``MPIJAX_STRAGGLER_INTERVAL`` seconds each rank's thread drains its stamps,
 with the times ``mpijax.train`` called its steps (:func:`note_step`), and

@@ -10,8 +10,8 @@ bridge_env.py); :func:`start` attaches the bridge to the MPI mpi4py runs, a
 private duplicate of the job's communicator, before JAX starts its backend.
 
 With several CPU devices per rank, each (rank, local device) is a member of
-XLA's communicators (cliques.py, bridge/xla_members.h). Where XLA's MPI
-collectives cannot serve -- a jaxlib that refuses the bridge, the bridge not
+XLA's communicators (cliques.py, ffi/csrc/xla_collectives/members.h). Where
+XLA's MPI collectives cannot serve -- a jaxlib that refuses the bridge, the bridge not
 loaded because ``jax`` was imported before anything named it -- every rank
 uses gloo and rank 0 says why, once. The choice is made together: XLA's
 collectives over MPI on some ranks and gloo on others would never meet.

@@ -10,8 +10,8 @@ shapes of its arguments (:func:`note`): the first of its operations on each
 of XLA's communicators carries the program's fingerprint in the check the
 ranks make on every call, and ranks that run different programs stop there,
 before any data moves, with an error on every rank that names the ranks and
-each one's program (``ffi/bridge/xla_op.h``). The calls after the first cost
-nothing more.
+each one's program (``ffi/csrc/xla_collectives/operation.h``). The calls
+after the first cost nothing more.
 
 That needs a rank to compile a program only once the last one it ran has
 finished, as with XLA's programs run inline (``MPIJAX_XLA_DISPATCH=inline``,

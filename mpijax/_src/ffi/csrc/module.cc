@@ -15,22 +15,22 @@
 #include <type_traits>
 #include <vector>
 
-#include "arrivals.h"
-#include "handlers.h"
-#include "inspector.h"
+#include "core/arrivals.h"
+#include "handlers/handlers.h"
+#include "core/inspector.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
-#include "node_local.h"
-#include "reduce_ops.h"
-#include "registry.h"
-#include "settings.h"
-#include "timeline.h"
-#include "xla_ops.h"
-#include "xla_members.h"
+#include "node_local/node_local.h"
+#include "core/reduce_ops.h"
+#include "core/registry.h"
+#include "core/settings.h"
+#include "core/timeline.h"
+#include "xla_collectives/collectives.h"
+#include "xla_collectives/members.h"
 
 namespace nb = nanobind;
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "idle.h"
+#include "base/idle.h"
 
 namespace mpijax::node_local {
 

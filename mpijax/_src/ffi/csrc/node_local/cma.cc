@@ -24,7 +24,7 @@
 #include <cstring>
 #include <string>
 
-#include "common.h"
+#include "base/common.h"
 #include "node_local/flags.h"
 #include "node_local/layout.h"
 

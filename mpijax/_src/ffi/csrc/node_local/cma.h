@@ -7,7 +7,7 @@
 
 #include "node_local/caller.h"
 #include "node_local/segment.h"
-#include "spans.h"
+#include "base/spans.h"
 
 namespace mpijax::node_local {
 

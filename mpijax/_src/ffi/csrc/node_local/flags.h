@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <thread>
 
-#include "common.h"
-#include "idle.h"
+#include "base/common.h"
+#include "base/idle.h"
 #include "node_local/caller.h"
 #include "node_local/layout.h"
 #include "node_local/segment.h"

@@ -10,7 +10,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "idle.h"
+#include "base/idle.h"
 #include "node_local/segment.h"
 
 namespace mpijax::node_local::internal {

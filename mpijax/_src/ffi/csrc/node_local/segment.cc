@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <thread>
 
-#include "common.h"
+#include "base/common.h"
 #include "node_local/cma.h"  // CmaProbe
 #include "node_local/layout.h"  // NODE_CHECK_MPI
 

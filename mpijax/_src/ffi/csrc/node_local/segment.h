@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "idle.h"
+#include "base/idle.h"
 #include "node_local/caller.h"
 
 namespace mpijax::node_local {

@@ -18,7 +18,7 @@
 
 #include "node_local/flags.h"
 #include "node_local/layout.h"
-#include "spans.h"
+#include "base/spans.h"
 
 namespace mpijax::node_local {
 namespace {

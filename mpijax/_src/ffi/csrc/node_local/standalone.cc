@@ -5,11 +5,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common.h"
+#include "base/common.h"
 #include "node_local/caller.h"
 #include "node_local/cma.h"
 #include "node_local/shm.h"
-#include "spans.h"
+#include "base/spans.h"
 
 namespace mpijax::node_local {
 namespace {

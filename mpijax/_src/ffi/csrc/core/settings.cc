@@ -1,0 +1,7 @@
+#include "core/settings.h"
+
+namespace mpijax::detail {
+
+Settings g_settings;
+
+}  // namespace mpijax::detail

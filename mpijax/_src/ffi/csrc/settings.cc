@@ -1,7 +1,0 @@
-#include "settings.h"
-
-namespace mpijax::detail {
-
-Settings g_settings;
-
-}  // namespace mpijax::detail
