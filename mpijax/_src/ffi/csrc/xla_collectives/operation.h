@@ -143,9 +143,12 @@ class Op {
     info_->sig = sig_;
   }
 
-  // Marks the communicator busy and starts the timeline's event.
+  // Marks the communicator busy and starts the timeline's event. A
+  // collective-permute is numbered as point-to-point: only the members with a
+  // pair take part, so counting it would put the others' numbers behind and
+  // the straggler report could pair none of the communicator's later calls.
   void Enter() {
-    timeline_.emplace(*info_, true);
+    timeline_.emplace(*info_, kind_ != kPermute);
     scope_.emplace(c_.dc->status, info_->site);
   }
 
