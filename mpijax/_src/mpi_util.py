@@ -420,3 +420,14 @@ def mixed_check(what: str, flags: Sequence[bool]) -> None:
       "their copies cannot be compared. Set MPIJAX_CHECK (or mpijax.config.update('check', "
       "...)) the same way on every rank."
     )
+
+
+def route_address(peer_host: str) -> str | None:
+  """This host's address on the interface that routes to ``peer_host``."""
+  try:
+    peer = socket.gethostbyname(peer_host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      s.connect((peer, 9))  # UDP connect sends nothing; it only picks a route
+      return s.getsockname()[0]
+  except OSError:
+    return None

@@ -233,17 +233,6 @@ def loopback_rate(seconds: float = STREAM_S) -> float:
   return out.get("rate", 0.0)
 
 
-def route_address(peer_host: str) -> str | None:
-  """This host's address on the interface that routes to ``peer_host``."""
-  try:
-    peer = socket.gethostbyname(peer_host)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-      s.connect((peer, 9))  # UDP connect sends nothing; it only picks a route
-      return s.getsockname()[0]
-  except OSError:
-    return None
-
-
 def interface_of(address: str) -> str | None:
   """The network interface that holds IPv4 ``address``."""
   with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -278,7 +267,7 @@ def links(leaders, hostnames: list[str]) -> list[dict[str, Any]]:
   leaders.Barrier()
   loop = loopback_rate()
   # This node listens for the previous node's stream, at its address towards it.
-  address = route_address(hostnames[prev]) or socket.gethostbyname(socket.gethostname())
+  address = mpi_util.route_address(hostnames[prev]) or socket.gethostbyname(socket.gethostname())
   server = socket.create_server(("", 0))
   token = secrets.token_hex(16)
   mine = {

@@ -194,17 +194,6 @@ def _free_port(host: str) -> int:
     return s.getsockname()[1]
 
 
-def _route_source_address(peer_host: str) -> str | None:
-  """This host's address on the interface that routes to ``peer_host``."""
-  try:
-    peer = socket.gethostbyname(peer_host)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-      s.connect((peer, 9))  # UDP connect sends nothing; it only picks a route
-      return s.getsockname()[0]
-  except OSError:
-    return None
-
-
 def _coordinator_host(hostnames: Sequence[str], rank0_host: str) -> str:
   explicit = config.get("coordinator_host")
   if explicit:
@@ -212,7 +201,7 @@ def _coordinator_host(hostnames: Sequence[str], rank0_host: str) -> str:
   others = [h for h in hostnames if h != rank0_host]
   if not others:
     return "127.0.0.1"  # a single-node job never needs to listen beyond loopback
-  addr = _route_source_address(others[0])
+  addr = mpi_util.route_address(others[0])
   if addr:
     return addr
   try:
